@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install tkcc into it. `--dev` adds the test tools.
+# With no NVIDIA GPU, the CPU build of torch goes in first (an unpinned torch
+# would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+extras="hf,cuda"
+[ "${1:-}" = "--dev" ] && extras="hf,cuda,dev"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q "torch==2.13.0" \
+    || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+# transformers and triton pinned to the versions the GPU image carries, so the
+# captured graphs match there; numpy<2.4 for Triton 3.6's interpreter.
+.venv/bin/python -m pip install -q -e ".[$extras]" "transformers==5.17.0" "triton==3.6.0" "numpy<2.4"

@@ -1,0 +1,1 @@
+"""Agents: proposers, the campaign loop, the experiment store, ship/revert, continual watch."""

@@ -1,0 +1,77 @@
+"""The `tkcc` command. Each area registers its own subcommands from its own module.
+
+A subcommand handler returns a JSON-able dict; with ``--json`` it is printed as
+one JSON object on stdout, otherwise the handler's ``text`` (or a readable
+rendering) is printed. A handler signals failure by raising TkccError: the
+message goes to stderr and the exit code is 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# module path -> it defines register(subparsers); missing modules are skipped
+# only while an area is being built, never silently at run time of a command.
+COMMAND_MODULES = [
+    "tkcc.commands.compile_cmd",   # compile, passes, golden
+    "tkcc.traffic.cli",            # trace stats | drift
+    "tkcc.runtime.cli",            # serve, submit, engine status|stop
+    "tkcc.agents.cli",             # campaign, watch, report
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tkcc", description="tkcc: a continual compiler for inference")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod_name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if e.name and mod_name.startswith(e.name):
+                continue  # that area is not installed in this build
+            raise
+        mod.register(sub)
+    return parser
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, default=str, sort_keys=False))
+    elif isinstance(result, dict) and "text" in result:
+        print(result["text"])
+    else:
+        print(json.dumps(result, indent=2, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tkcc.errors import TkccError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 1
+    try:
+        result = args.func(args)
+    except TkccError as e:
+        if getattr(args, "json", False):
+            print(json.dumps({"error": str(e), "type": type(e).__name__}))
+        print(f"tkcc {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(result, int):
+        return result
+    if result is not None:
+        emit(result, getattr(args, "json", False))
+        if isinstance(result, dict) and result.get("ok") is False:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Codegen: Program -> Artifact; jinja2 templates per target (triton, cuda, hip, nki)."""

@@ -1,0 +1,1 @@
+"""CLI subcommands that span several packages (compile, passes, golden)."""

@@ -1,0 +1,96 @@
+"""Pass: a named, parameterised graph rewrite, and the registry that names them.
+
+A pass is a class with ``name``, ``version``, ``exact`` (does it keep outputs
+bit-exact with the eager reference?), ``params`` (its search space: param name
+-> list of allowed values; the first is the default) and
+``apply(program, **params) -> (program, PassLogInfo)``. The ``@register``
+decorator makes it available to plans, so a user's pass defined in their own
+file is a first-class pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tkcc.errors import PlanError
+
+REGISTRY: dict[str, type["Pass"]] = {}
+
+
+@dataclass
+class RewriteInfo:
+    """What a pass reports about its own work; the PassManager adds the rest
+    (node counts, timings, readable graphs before and after, provenance)."""
+
+    matched: int = 0
+    replaced: int = 0
+    notes: list[str] = field(default_factory=list)
+    # new node name -> names of the original nodes it came from (per phase: "phase:node")
+    provenance: dict[str, list[str]] = field(default_factory=dict)
+    kernels: dict[str, str] = field(default_factory=dict)  # generated kernel name -> source
+
+
+class Pass:
+    """Base class for graph rewrites. Subclass, set the class attributes, implement ``apply``."""
+
+    name: ClassVar[str] = ""
+    version: ClassVar[str] = "1"
+    exact: ClassVar[bool] = True
+    description: ClassVar[str] = ""
+    params: ClassVar[dict[str, list[Any]]] = {}
+
+    def apply(self, program, **params):  # -> (Program, RewriteInfo)
+        raise NotImplementedError
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {k: v[0] for k, v in cls.params.items()}
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """Defaults filled in; unknown names and values outside the space rejected."""
+        out = cls.defaults()
+        for k, v in params.items():
+            if k not in cls.params:
+                raise PlanError(f"pass {cls.name!r} has no parameter {k!r}; it has: {sorted(cls.params) or 'none'}")
+            allowed = cls.params[k]
+            if v not in allowed:
+                raise PlanError(f"pass {cls.name!r} parameter {k!r}={v!r} is out of range; allowed: {allowed}")
+            out[k] = v
+        return out
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: make a Pass available to plans by its ``name``."""
+    if not cls.name:
+        raise PlanError(f"{cls.__qualname__} has no name; set `name = '...'` on the class")
+    prev = REGISTRY.get(cls.name)
+    if prev is not None and (prev.__module__, prev.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise PlanError(f"pass name {cls.name!r} is already registered by {prev.__module__}.{prev.__qualname__}")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_pass(name: str) -> type[Pass]:
+    _load_builtin_passes()
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise PlanError(f"unknown pass {name!r}; registered passes: {', '.join(sorted(REGISTRY)) or 'none'}") from None
+
+
+def all_passes() -> dict[str, type[Pass]]:
+    _load_builtin_passes()
+    return dict(sorted(REGISTRY.items()))
+
+
+def _load_builtin_passes() -> None:
+    """Import every module in tkcc.passes so built-in passes register themselves."""
+    import importlib
+    import pkgutil
+
+    import tkcc.passes as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if not mod.name.startswith("_"):
+            importlib.import_module(f"tkcc.passes.{mod.name}")
