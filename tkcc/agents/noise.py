@@ -1,0 +1,55 @@
+"""The ship rule: a candidate ships only when its gain beats the measured noise.
+
+The noise is measured, not assumed: A/A runs measure the same candidate twice
+in the same engine and record the relative difference of the two objectives.
+Rule: ship B over the current A when ``obj_B / obj_A - 1 > threshold``, where
+``threshold = max(floor, z * sd)`` and ``sd`` is the standard deviation of the
+A/A relative differences. With z = 3 a normally distributed A/A difference
+exceeds the threshold about 0.13% of the time (one-sided), under the 1%
+false-ship budget even when the noise is somewhat heavier-tailed than normal;
+the floor keeps a lucky quiet A/A sample from shrinking the bar to nothing.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+DEFAULT_Z = 3.0
+DEFAULT_FLOOR = 0.01  # 1% — below this a win is not worth a swap on any machine we have measured
+MIN_AA_SAMPLES = 3
+
+
+@dataclass
+class NoiseModel:
+    aa_diffs: list[float] = field(default_factory=list)  # relative differences b/a - 1 of A/A pairs
+    z: float = DEFAULT_Z
+    floor: float = DEFAULT_FLOOR
+
+    def add_pair(self, a: float, b: float) -> float:
+        d = b / a - 1.0
+        self.aa_diffs.append(d)
+        return d
+
+    @property
+    def sd(self) -> float:
+        if len(self.aa_diffs) < 2:
+            return math.inf
+        return statistics.pstdev(self.aa_diffs) if len(self.aa_diffs) < 3 else statistics.stdev(self.aa_diffs)
+
+    @property
+    def calibrated(self) -> bool:
+        return len(self.aa_diffs) >= MIN_AA_SAMPLES
+
+    def threshold(self) -> float:
+        return max(self.floor, self.z * self.sd) if self.calibrated else math.inf
+
+    def decide(self, new: float, current: float) -> tuple[bool, str]:
+        """(ship?, why) for objective ``new`` against ``current`` (higher is better)."""
+        if not self.calibrated:
+            return False, f"noise not yet measured ({len(self.aa_diffs)} of {MIN_AA_SAMPLES} A/A pairs)"
+        gain = new / current - 1.0
+        thr = self.threshold()
+        verb = "ships" if gain > thr else "stays"
+        return gain > thr, (f"gain {gain * 100:+.2f}% vs threshold {thr * 100:.2f}% "
+                            f"(z={self.z} x A/A sd {self.sd * 100:.2f}% over {len(self.aa_diffs)} pairs): {verb}")

@@ -1,0 +1,50 @@
+"""Proposer: anything that turns past measurements into new candidates.
+
+Two kinds sit behind this one interface: the built-in search over registered
+passes' parameter spaces (``tkcc.agents.search``) and an external coding
+agent given the raw material and a goal (``tkcc.agents.external``). The
+campaign treats their candidates the same way: build, validate, measure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from tkcc.passes.plan import PassPlan
+
+
+@dataclass
+class Candidate:
+    """A plan to compile, or a modified source artifact to load as is."""
+
+    proposer: str
+    plan: PassPlan = field(default_factory=PassPlan)
+    artifact_dir: Path | None = None  # set when the proposer returns ready source
+    note: str = ""
+
+    @property
+    def key(self) -> str:
+        """What names the candidate in the store: the plan hash, or the artifact's own hash."""
+        if self.artifact_dir is not None:
+            from tkcc.agents.external import source_hash
+
+            return "src-" + source_hash(self.artifact_dir)
+        return self.plan.hash()
+
+
+@dataclass
+class Outcome:
+    """What a proposer learns from: a candidate's plan and its measured objective (None if it failed)."""
+
+    plan: PassPlan
+    objective: float | None
+    tier: str
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, n: int, history: list[Outcome]) -> list[Candidate]:
+        """Up to n new candidates, given every outcome so far (any tier)."""
+        ...

@@ -1,0 +1,201 @@
+"""Experiment store: every candidate, plan, measurement and verdict, durable in SQLite (WAL).
+
+Why SQLite in WAL mode: a campaign killed with SIGKILL at any moment loses no
+committed row (each experiment is one transaction), readers (``tkcc report``,
+``watch``) never block the writer, and results already measured for the same
+artifact, workload and tier are found by one indexed lookup instead of being
+measured again.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tkcc.errors import TkccError
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS campaigns (
+    id INTEGER PRIMARY KEY,
+    name TEXT UNIQUE NOT NULL,
+    model TEXT NOT NULL,
+    config TEXT NOT NULL,          -- JSON: trace, budget, proposer, tiers, ...
+    status TEXT NOT NULL,          -- running | done | failed
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS experiments (
+    id INTEGER PRIMARY KEY,
+    campaign_id INTEGER NOT NULL REFERENCES campaigns(id),
+    candidate TEXT NOT NULL,       -- plan hash (or source hash for agent candidates)
+    plan TEXT NOT NULL,            -- plan JSON
+    proposer TEXT NOT NULL,
+    artifact_hash TEXT,
+    workload_fp TEXT NOT NULL,
+    tier TEXT NOT NULL,            -- fast | slow
+    objective REAL,                -- workload-weighted objective, higher is better
+    measurement TEXT,              -- JSON of the engine's Measurement
+    verdict TEXT NOT NULL,         -- measured | invalid | crashed | timeout | reused
+    reason TEXT,
+    started REAL NOT NULL,
+    finished REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS exp_reuse ON experiments(artifact_hash, workload_fp, tier);
+CREATE INDEX IF NOT EXISTS exp_campaign ON experiments(campaign_id, tier);
+CREATE TABLE IF NOT EXISTS ships (
+    id INTEGER PRIMARY KEY,
+    campaign_id INTEGER NOT NULL REFERENCES campaigns(id),
+    candidate TEXT NOT NULL,
+    plan TEXT NOT NULL,
+    objective REAL,
+    action TEXT NOT NULL,          -- ship | revert
+    reason TEXT NOT NULL,
+    time REAL NOT NULL
+);
+"""
+
+
+@dataclass
+class Experiment:
+    id: int
+    campaign_id: int
+    candidate: str
+    plan: list
+    proposer: str
+    artifact_hash: str | None
+    workload_fp: str
+    tier: str
+    objective: float | None
+    measurement: dict | None
+    verdict: str
+    reason: str | None
+    started: float
+    finished: float
+
+
+class ExperimentStore:
+    """One SQLite file per deployment; many campaigns in it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self._init_schema()
+
+    def _init_schema(self) -> None:
+        for stmt in _SCHEMA.split(";"):
+            if stmt.strip():
+                self.db.execute(stmt)
+        row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            self.db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise TkccError(
+                f"{self.path}: experiment store has schema version {row[0]}, this tkcc reads version "
+                f"{SCHEMA_VERSION}; use a new --store path or the tkcc version that wrote it"
+            )
+
+    # campaigns -----------------------------------------------------------------------------
+    def open_campaign(self, name: str, model: str, config: dict, resume: bool) -> int:
+        row = self.db.execute("SELECT id, model FROM campaigns WHERE name=?", (name,)).fetchone()
+        now = time.time()
+        if row is not None:
+            if not resume:
+                raise TkccError(f"campaign {name!r} already exists in {self.path}; pass --resume to continue it")
+            if row[1] != model:
+                raise TkccError(f"campaign {name!r} was for model {row[1]!r}, not {model!r}")
+            self.db.execute("UPDATE campaigns SET status='running', updated=? WHERE id=?", (now, row[0]))
+            return int(row[0])
+        if resume:
+            raise TkccError(f"--resume: no campaign named {name!r} in {self.path}")
+        cur = self.db.execute(
+            "INSERT INTO campaigns(name, model, config, status, created, updated) VALUES (?,?,?,?,?,?)",
+            (name, model, json.dumps(config, sort_keys=True, default=str), "running", now, now),
+        )
+        return int(cur.lastrowid)
+
+    def campaign(self, name_or_id) -> dict:
+        col = "id" if isinstance(name_or_id, int) else "name"
+        row = self.db.execute(f"SELECT id, name, model, config, status, created, updated FROM campaigns WHERE {col}=?",
+                              (name_or_id,)).fetchone()
+        if row is None:
+            raise TkccError(f"no campaign {name_or_id!r} in {self.path}")
+        keys = ("id", "name", "model", "config", "status", "created", "updated")
+        out = dict(zip(keys, row))
+        out["config"] = json.loads(out["config"])
+        return out
+
+    def campaigns(self) -> list[dict]:
+        return [self.campaign(int(r[0])) for r in self.db.execute("SELECT id FROM campaigns ORDER BY id")]
+
+    def set_status(self, campaign_id: int, status: str) -> None:
+        self.db.execute("UPDATE campaigns SET status=?, updated=? WHERE id=?", (status, time.time(), campaign_id))
+
+    # experiments ---------------------------------------------------------------------------
+    def record(self, campaign_id: int, *, candidate: str, plan: list, proposer: str, workload_fp: str, tier: str,
+               verdict: str, objective: float | None = None, measurement: dict | None = None,
+               artifact_hash: str | None = None, reason: str | None = None, started: float | None = None) -> int:
+        """Append one finished experiment; committed (fsync'd) before this returns."""
+        now = time.time()
+        cur = self.db.execute(
+            "INSERT INTO experiments(campaign_id, candidate, plan, proposer, artifact_hash, workload_fp, tier,"
+            " objective, measurement, verdict, reason, started, finished) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (campaign_id, candidate, json.dumps(plan, sort_keys=True), proposer, artifact_hash, workload_fp, tier,
+             objective, json.dumps(measurement, default=str) if measurement is not None else None, verdict, reason,
+             started if started is not None else now, now),
+        )
+        return int(cur.lastrowid)
+
+    def reusable(self, artifact_hash: str, workload_fp: str, tier: str) -> Experiment | None:
+        """A finished measurement of the same artifact on the same workload and tier, if any."""
+        row = self.db.execute(
+            "SELECT * FROM experiments WHERE artifact_hash=? AND workload_fp=? AND tier=? AND verdict='measured'"
+            " ORDER BY id DESC LIMIT 1", (artifact_hash, workload_fp, tier)).fetchone()
+        return self._exp(row) if row else None
+
+    def experiments(self, campaign_id: int | None = None, tier: str | None = None) -> list[Experiment]:
+        q, args = "SELECT * FROM experiments WHERE 1=1", []
+        if campaign_id is not None:
+            q += " AND campaign_id=?"
+            args.append(campaign_id)
+        if tier is not None:
+            q += " AND tier=?"
+            args.append(tier)
+        return [self._exp(r) for r in self.db.execute(q + " ORDER BY id", args)]
+
+    def seen_candidates(self, campaign_id: int, tier: str) -> set[str]:
+        rows = self.db.execute("SELECT DISTINCT candidate FROM experiments WHERE campaign_id=? AND tier=?",
+                               (campaign_id, tier))
+        return {r[0] for r in rows}
+
+    @staticmethod
+    def _exp(row) -> Experiment:
+        (id_, cid, cand, plan, prop, ah, wfp, tier, obj, meas, verdict, reason, started, finished) = row
+        return Experiment(id_, cid, cand, json.loads(plan), prop, ah, wfp, tier, obj,
+                          json.loads(meas) if meas else None, verdict, reason, started, finished)
+
+    # ship history --------------------------------------------------------------------------
+    def record_ship(self, campaign_id: int, candidate: str, plan: list, objective: float | None, action: str,
+                    reason: str) -> int:
+        cur = self.db.execute(
+            "INSERT INTO ships(campaign_id, candidate, plan, objective, action, reason, time) VALUES (?,?,?,?,?,?,?)",
+            (campaign_id, candidate, json.dumps(plan, sort_keys=True), objective, action, reason, time.time()))
+        return int(cur.lastrowid)
+
+    def ships(self, campaign_id: int | None = None) -> list[dict]:
+        q = "SELECT id, campaign_id, candidate, plan, objective, action, reason, time FROM ships"
+        rows = self.db.execute(q + (" WHERE campaign_id=?" if campaign_id is not None else "") + " ORDER BY id",
+                               (campaign_id,) if campaign_id is not None else ())
+        keys = ("id", "campaign_id", "candidate", "plan", "objective", "action", "reason", "time")
+        return [dict(zip(keys, r), plan=json.loads(r[3])) for r in rows]
+
+    def close(self) -> None:
+        self.db.close()
