@@ -1,0 +1,108 @@
+"""Campaign loop logic against a deterministic evaluator: tiers, shipping, reuse, resume, bad input.
+
+The evaluator here is a test double for the engine (the loop's contract is the
+Evaluator protocol); the engine-backed evaluator has its own integration test.
+"""
+import random
+import time
+
+import pytest
+
+from tkcc.agents.campaign import CampaignConfig, EvalResult, run_campaign
+from tkcc.agents.search import BayesianSearch, SearchSpace
+from tkcc.agents.store import ExperimentStore
+from tkcc.errors import TkccError
+from tkcc.passes.base import Pass
+
+
+class Fuse(Pass):
+    name, params = "fuse_test", {"block": [16, 64]}
+
+
+class Slow(Pass):
+    name, params = "slow_test", {}
+
+
+class SyntheticEvaluator:
+    """Objective = 100 x (2 if fuse_test) x (0.5 if slow_test) x noise; fast tier costs 1/5 of slow."""
+
+    def __init__(self, noise=0.002, cost_s=0.002, seed=0, fail_plans=()):
+        self.noise, self.cost_s, self.rng = noise, cost_s, random.Random(seed)
+        self.built, self.measured, self.shipped, self.fail_plans = {}, [], [], set(fail_plans)
+
+    def workload_fingerprint(self):
+        return "wl-test"
+
+    def build(self, cand, tier):
+        h = f"{cand.key}-{tier}"
+        self.built[h] = cand.plan
+        return h
+
+    def measure(self, ahash, tier):
+        plan = self.built[ahash]
+        time.sleep(self.cost_s * (1 if tier == "fast" else 5))
+        self.measured.append((ahash, tier))
+        names = {s.name for s in plan.steps}
+        if names & self.fail_plans:
+            return EvalResult("invalid", reason="outputs differ from golden")
+        v = 100.0 * (2 if "fuse_test" in names else 1) * (0.5 if "slow_test" in names else 1)
+        return EvalResult("measured", v * (1 + self.rng.gauss(0, self.noise)), {"ms": 1 / v})
+
+    def ship(self, ahash):
+        self.shipped.append(ahash)
+
+
+def _run(tmp_path, tiers=("fast", "slow"), budget=1.0, resume=False, ev=None, name="c"):
+    ev = ev or SyntheticEvaluator()
+    store = ExperimentStore(tmp_path / "s.db")
+    cfg = CampaignConfig(name=name, model="m", budget_s=budget, tiers=tiers, resume=resume)
+    state = run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse, Slow]), seed=0), ev, progress=False)
+    return state, store, ev
+
+
+def test_ships_the_real_gain_only(tmp_path):
+    state, store, ev = _run(tmp_path)
+    ships = store.ships(state.campaign_id)
+    assert ships[0]["reason"] == "baseline"
+    assert any(s["plan"] and s["plan"][0]["name"] == "fuse_test" for s in ships[1:])
+    for s in ships[1:]:
+        assert all(step["name"] != "slow_test" for step in s["plan"])
+    assert state.shipped[1] > 150
+
+
+def test_two_tiers_screen_more_candidates_than_slow_only(tmp_path):
+    two, _, _ = _run(tmp_path, budget=0.6, name="two")
+    one, _, _ = _run(tmp_path, tiers=("slow",), budget=0.6, name="one")
+    assert two.evaluated["fast"] + two.evaluated["slow"] > one.evaluated["slow"]
+
+
+def test_resume_reuses_and_loses_nothing(tmp_path):
+    state, store, ev = _run(tmp_path, budget=0.3)
+    n_before = len(store.experiments(state.campaign_id))
+    measured_before = len(ev.measured)
+    ev2 = SyntheticEvaluator()
+    state2, store2, _ = _run(tmp_path, budget=0.3, resume=True, ev=ev2)
+    rows = store2.experiments(state2.campaign_id)
+    assert len(rows) >= n_before
+    assert measured_before > 0
+    # the baseline's slow measurement and the A/A calibration were reused from the store, not re-measured
+    from tkcc.passes.plan import PassPlan
+
+    assert f"{PassPlan().hash()}-slow" not in [a for a, _ in ev2.measured]
+    assert {e.candidate for e in rows[:n_before]} <= {e.candidate for e in rows}
+    assert state2.shipped is not None and len(state2.noise.aa_diffs) >= 3
+
+
+def test_failed_candidates_are_recorded_never_shipped(tmp_path):
+    ev = SyntheticEvaluator(fail_plans={"fuse_test"})
+    state, store, _ = _run(tmp_path, ev=ev, budget=0.4)
+    bad = [e for e in store.experiments(state.campaign_id) if e.verdict == "invalid"]
+    assert bad and all("golden" in e.reason for e in bad)
+    assert all(not s["plan"] or s["plan"][0]["name"] != "fuse_test" for s in store.ships(state.campaign_id))
+
+
+def test_bad_budget_and_tiers(tmp_path):
+    with pytest.raises(TkccError, match="budget"):
+        _run(tmp_path, budget=0)
+    with pytest.raises(TkccError, match="tiers"):
+        _run(tmp_path, tiers=("slow", "fast"))
