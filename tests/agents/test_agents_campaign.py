@@ -106,3 +106,40 @@ def test_bad_budget_and_tiers(tmp_path):
         _run(tmp_path, budget=0)
     with pytest.raises(TkccError, match="tiers"):
         _run(tmp_path, tiers=("slow", "fast"))
+
+
+def test_revert_when_new_traffic_makes_shipped_slower(tmp_path):
+    from tkcc.agents.ship import recheck_and_revert, shipped_chain
+
+    state, store, ev = _run(tmp_path, budget=0.5)
+    assert shipped_chain(store, state.campaign_id)[-1]["plan"]  # a fused plan ships first
+
+    class DriftedEvaluator(SyntheticEvaluator):
+        """New traffic: the fused kernel now costs 3x (e.g. contexts it was not tuned for)."""
+
+        def measure(self, ahash, tier):
+            res = super().measure(ahash, tier)
+            if res.objective and "fuse_test" in {s.name for s in self.built[ahash].steps}:
+                res.objective /= 3
+            return res
+
+    drifted = DriftedEvaluator()
+    out = recheck_and_revert(store, state.campaign_id, drifted, state.noise)
+    assert out.reverted and "reverting" in out.reason
+    assert store.ships(state.campaign_id)[-1]["action"] == "revert"
+    assert drifted.shipped  # the better candidate was swapped back in
+    # nothing to do on a second recheck: what serves is best
+    again = recheck_and_revert(store, state.campaign_id, drifted, state.noise)
+    assert not again.reverted
+
+
+def test_report_html(tmp_path):
+    from tkcc.agents.report import write_report
+
+    state, store, _ = _run(tmp_path, budget=0.3)
+    out = write_report(tmp_path / "s.db", "c", tmp_path / "r" / "report.html")
+    html = out.read_text()
+    assert html.count("data:image/png;base64,") >= 2
+    assert "Shipped history" in html and "baseline" in html
+    n = len(store.experiments(state.campaign_id))
+    assert html.count("<td class=") == n  # one row per experiment
