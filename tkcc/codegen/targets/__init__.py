@@ -1,0 +1,57 @@
+"""Codegen targets beyond the generated Triton path: CUDA C++ (NVRTC), HIP C++ (AOT), NKI (Trainium).
+
+``kernel(family, target, dtype, shape, variant)`` returns a callable with the
+family reference's signature, so a pass or the search can choose the target
+and the variant per shape; ``check_target`` turns a target the device cannot
+run into a clear error.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tkcc.errors import TkccError
+
+# target -> (device types it runs on here, what is only compiled)
+TARGETS: dict[str, dict] = {
+    "torch": {"runs_on": ("cpu", "cuda"), "note": "the plain PyTorch reference"},
+    "triton": {"runs_on": ("cuda", "cpu-interpreter"), "note": "Triton; AMD gfx942/gfx950 compiled ahead of time"},
+    "cuda": {"runs_on": ("cuda",), "note": "CUDA C++ through NVRTC, launched through the driver API"},
+    "hip": {"runs_on": (), "note": "HIP C++ compiled ahead of time for gfx942/gfx950; no AMD GPU to run it here"},
+    "nki": {"runs_on": ("nki-sim",), "note": "NKI source; executed by tkcc's NumPy model of nki.language"},
+}
+
+
+def check_target(target: str, device: str | torch.device) -> None:
+    if target not in TARGETS:
+        raise TkccError(f"unknown codegen target {target!r}; targets: {sorted(TARGETS)}")
+    dev = torch.device(device).type if not isinstance(device, str) or device not in ("nki-sim", "cpu-interpreter") \
+        else device
+    if dev not in TARGETS[target]["runs_on"]:
+        raise TkccError(f"target {target!r} cannot run on device {dev!r} ({TARGETS[target]['note']}); "
+                        f"it runs on: {', '.join(TARGETS[target]['runs_on']) or 'nothing here (compile only)'}")
+
+
+def kernel(family: str, target: str, dtype: torch.dtype, shape: dict, variant: dict | None = None,
+           device: str | torch.device = "cuda") -> Callable:
+    from tkcc.codegen.targets.families import FAMILIES
+
+    if family not in FAMILIES:
+        raise TkccError(f"unknown kernel family {family!r}; families: {sorted(FAMILIES)}")
+    if target == "torch":
+        return FAMILIES[family].reference
+    if target == "nki":
+        from tkcc.codegen.targets.nki import build_simulated
+
+        return build_simulated(family, shape)
+    check_target(target, device)
+    if target == "cuda":
+        from tkcc.codegen.targets import cuda
+
+        return cuda.build(family, dtype, shape, variant)
+    if target == "triton":
+        from tkcc.codegen.targets.triton_families import build
+
+        return build(family, dtype, shape, variant)
+    raise TkccError(f"target {target!r} has no runnable kernels")
