@@ -35,6 +35,9 @@ class Program:
     meta:            family, dtype, device, max_cache_len, exactness mode, ...
     recapture:       callable(k) -> Program with the first k blocks, sharing
                      weights; set by the frontend that built this Program.
+    eager:           the nn.Module whose forward each graph captured (same
+                     signature, same state, same weights): the plain PyTorch
+                     reference to compare a graph or a compiled artifact with.
     """
 
     graphs: dict[str, torch.fx.GraphModule]
@@ -47,6 +50,7 @@ class Program:
     state: torch.nn.Module | None = None
     make_inputs: dict[str, Callable] = field(default_factory=dict)
     recapture: Callable[[int], "Program"] | None = None
+    eager: torch.nn.Module | None = None
 
     @property
     def phases(self) -> list[str]:
@@ -61,6 +65,14 @@ class Program:
         if self.recapture is None:
             raise ValueError("this Program was built without a recapture function; cannot truncate")
         return self.recapture(k)
+
+    def reset_state(self) -> None:
+        """Zero the mutable state (KV cache) so a new sequence starts from an empty cache."""
+        if self.state is None:
+            return
+        with torch.no_grad():
+            for buf in self.state.buffers():
+                buf.zero_()
 
     def with_graphs(self, graphs: dict[str, torch.fx.GraphModule]) -> "Program":
         """A copy of this Program with some graphs replaced (passes use this)."""

@@ -1,0 +1,66 @@
+"""Greedy generation on a Program's prefill/decode graphs (golden checks, the engine, benchmarks).
+
+``forwards`` swaps in other callables per phase (a compiled artifact's
+forward, the eager StepModule) with the same signature as the graph, so the
+same loop drives the reference and every candidate.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tkcc.errors import TkccError
+from tkcc.frontend.program import Program
+
+
+def greedy(program: Program, prompt_ids: torch.Tensor, new_tokens: int,
+           forwards: dict[str, Callable] | None = None, return_logits: bool = False):
+    """Generate ``new_tokens`` tokens greedily after ``prompt_ids`` [B, P].
+
+    Resets the KV cache, runs "prefill" on the prompt (positions 0..P-1; a
+    one-token prompt goes through "decode"), then one "decode" per further
+    token, feeding back the argmax. Returns tokens [B, new_tokens] (int64, on
+    the program's device), and with ``return_logits`` also the logits that
+    chose each token, [B, new_tokens, vocab] in float32.
+    """
+    fwd = {p: program.graphs[p] for p in ("prefill", "decode") if p in program.graphs}
+    fwd.update(forwards or {})
+    missing = [p for p in ("prefill", "decode") if p not in fwd]
+    if missing:
+        raise TkccError(f"greedy() needs the phases prefill and decode; missing {missing} "
+                        f"(this Program has {program.phases})")
+    if prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
+        raise TkccError(f"prompt_ids must be [batch, length>=1], got shape {list(prompt_ids.shape)}")
+    batch, plen = prompt_ids.shape
+    meta = program.meta
+    if batch != meta.get("batch", batch):
+        raise TkccError(f"prompt batch {batch} != the Program's batch {meta['batch']} (capture with batch={batch})")
+    max_len = meta.get("max_cache_len")
+    if new_tokens < 1:
+        raise TkccError(f"new_tokens={new_tokens}: must be at least 1")
+    if max_len is not None and plen + new_tokens - 1 > max_len:
+        raise TkccError(f"prompt of {plen} + {new_tokens} new tokens needs {plen + new_tokens - 1} cache positions; "
+                        f"max_cache_len is {max_len}")
+    device = torch.device(meta.get("device", prompt_ids.device))
+    prompt_ids = prompt_ids.to(device=device, dtype=torch.long)
+
+    program.reset_state()
+    tokens, logits_out = [], []
+    with torch.no_grad():
+        if plen == 1:
+            logits = fwd["decode"](prompt_ids, torch.zeros(1, dtype=torch.long, device=device))
+        else:
+            logits = fwd["prefill"](prompt_ids, torch.arange(plen, device=device))
+        last = logits[:, -1]
+        for i in range(new_tokens):
+            tok = last.argmax(-1)
+            tokens.append(tok)
+            if return_logits:
+                logits_out.append(last.float())
+            if i + 1 == new_tokens:
+                break
+            logits = fwd["decode"](tok[:, None], torch.tensor([plen + i], dtype=torch.long, device=device))
+            last = logits[:, -1]
+    out = torch.stack(tokens, dim=1)
+    return (out, torch.stack(logits_out, dim=1)) if return_logits else out

@@ -1,0 +1,245 @@
+"""Hugging Face causal LMs -> Program with phases "prefill" and "decode" over a static KV cache.
+
+Each phase is one whole graph of ``StepModule.forward(input_ids, cache_position)
+-> logits``:
+
+- ``prefill``: ``input_ids`` int64 [B, T], ``cache_position`` int64 [T]
+  (normally ``arange(start, start + T)``), T dynamic in 1..max_cache_len;
+- ``decode``: ``input_ids`` int64 [B, 1], ``cache_position`` int64 [1];
+- output: logits [B, T, vocab] in the model dtype (every position, as
+  ``model(...)`` returns them).
+
+A step writes the new keys/values at ``cache_position`` into the KV buffers
+(``Program.state``, a ``KVCache``) and attends over the cache with a causal
+mask from those positions, so its result depends only on its inputs and on
+cache positions < ``cache_position[-1]``.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tkcc.errors import CaptureError, TkccError
+from tkcc.frontend.export import export_graph
+from tkcc.frontend.fingerprint import model_fingerprint
+from tkcc.frontend.layer_map import layer_map
+from tkcc.frontend.program import Program
+from tkcc.frontend.truncate import copied_path, keep_first_blocks
+
+PHASES = ("prefill", "decode")
+INPUT_NAMES = ("input_ids", "cache_position")
+DEFAULT_MAX_CACHE_LEN = 4096
+_EXAMPLE_PROMPT = 8
+
+
+def is_hf_causal_lm(model) -> bool:
+    """True for a transformers ``*ForCausalLM`` (decoder-only LM with a head)."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel) and type(model).__name__.endswith("ForCausalLM")
+
+
+def decoder_layers_path(model) -> str:
+    """Path of the decoder layers' ModuleList (``"model.layers"`` for Llama-like models)."""
+    n = model.config.get_text_config().num_hidden_layers
+    candidates = [p for p, m in model.named_modules()
+                  if isinstance(m, torch.nn.ModuleList) and p.split(".")[-1] in ("layers", "h", "blocks")
+                  and len(m) == n]
+    if not candidates:
+        raise CaptureError(f"{type(model).__name__}: cannot find the decoder layers (a ModuleList of "
+                           f"num_hidden_layers={n} named 'layers'); this model family is not supported")
+    return min(candidates, key=lambda p: p.count("."))
+
+
+def kv_shape(config) -> tuple[int, int]:
+    """(kv heads, head dim) of every layer; per-layer variation is not supported."""
+    cfg = config.get_text_config()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return int(heads), int(head_dim)
+
+
+class StepModule(torch.nn.Module):
+    """One prefill/decode step of an HF causal LM over a ``KVCache``: (input_ids, cache_position) -> logits."""
+
+    def __init__(self, lm: torch.nn.Module, kv):
+        super().__init__()
+        from tkcc.frontend.kv_cache import PositionedCache
+
+        self.lm = lm
+        self.kv = kv
+        self._cache = PositionedCache(kv)
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        # Point the cache at this module's buffers (during export: the traced ones) and this step's positions.
+        self._cache.bind(self.kv, cache_position)
+        out = self.lm(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
+                      past_key_values=self._cache, use_cache=True)
+        return out.logits
+
+
+def _check_model(model) -> None:
+    cfg = model.config.get_text_config()
+    if getattr(cfg, "per_layer_attributes", None):
+        raise CaptureError(f"{type(model).__name__}: per-layer head shapes ({cfg.per_layer_attributes}) are not "
+                           "supported by the static KV cache")
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise CaptureError(f"{type(model).__name__}: layer types {sorted(kinds)} are not supported "
+                           "(only attention layers with a KV cache)")
+
+
+def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: int = 1, exact: bool = True,
+               _parent: Program | None = None, _kv=None) -> Program:
+    """Capture an HF causal LM as a Program (see module docstring for the phase conventions)."""
+    from tkcc.frontend.kv_cache import KVCache
+
+    t0 = time.perf_counter()
+    phases = tuple(phases or PHASES)
+    bad = [p for p in phases if p not in PHASES]
+    if bad:
+        raise CaptureError(f"unknown phase(s) {bad} for a causal LM; phases are {list(PHASES)}")
+    _check_model(model)
+    cfg = model.config.get_text_config()
+    if max_cache_len is None:
+        max_cache_len = min(getattr(cfg, "max_position_embeddings", DEFAULT_MAX_CACHE_LEN) or DEFAULT_MAX_CACHE_LEN,
+                            DEFAULT_MAX_CACHE_LEN)
+    if max_cache_len < 4:
+        raise CaptureError(f"max_cache_len={max_cache_len}: must be at least 4")
+    if batch < 1:
+        raise CaptureError(f"batch={batch}: must be at least 1")
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
+    container = decoder_layers_path(model)
+    num_layers = cfg.num_hidden_layers
+    if _kv is None:
+        heads, head_dim = kv_shape(model.config)
+        _kv = KVCache.allocate(num_layers, batch, heads, max_cache_len, head_dim, dtype, device)
+    step = StepModule(model, _kv)
+
+    example_t = min(_EXAMPLE_PROMPT, max_cache_len // 2)
+    ids = torch.zeros((batch, example_t), dtype=torch.long, device=device)
+    examples = {
+        "prefill": (ids, torch.arange(example_t, device=device)),
+        "decode": (ids[:, :1].clone(), torch.tensor([example_t], device=device)),
+    }
+    graphs, layer_maps = {}, {}
+    for phase in phases:
+        dyn = None
+        if phase == "prefill":
+            t = torch.export.Dim("T", min=1, max=max_cache_len)
+            dyn = ({1: t}, {0: t})
+        with torch.no_grad():
+            gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, what=f"{phase} step of")
+        graphs[phase] = gm
+        layer_maps[phase] = layer_map(gm, "lm." + container)
+    step._cache.bind(_kv, None)  # drop references to traced tensors
+
+    settings = dict(phases=list(phases), batch=batch, max_cache_len=max_cache_len)
+    prog = Program(
+        graphs=graphs,
+        example_inputs={p: examples[p] for p in phases},
+        layer_map=layer_maps,
+        num_blocks=num_layers,
+        model=model,
+        fingerprint=model_fingerprint(model, settings),
+        meta=dict(
+            kind="causal_lm",
+            family=getattr(cfg, "model_type", type(model).__name__),
+            name=getattr(model, "tkcc_name", None) or getattr(model.config, "_name_or_path", "") or None,
+            model_class=type(model).__name__,
+            dtype=str(dtype).replace("torch.", ""),
+            device=str(device),
+            max_cache_len=max_cache_len,
+            batch=batch,
+            vocab_size=cfg.vocab_size,
+            num_layers=num_layers,
+            num_params=sum(p.numel() for p in model.parameters()),
+            exact=exact,
+            inputs={p: list(INPUT_NAMES) for p in phases},
+            block_container="lm." + container,
+            capture_seconds=round(time.perf_counter() - t0, 3),
+            torch_version=torch.__version__,
+            truncated_from=_parent.meta["num_layers"] if _parent is not None else None,
+        ),
+        state=_kv,
+        make_inputs={p: _input_maker(p, _kv, cfg.vocab_size, examples[p]) for p in phases},
+        eager=step,
+    )
+    prog.recapture = lambda k: _truncated(prog, container, k)
+    return prog
+
+
+def _truncated(parent: Program, container: str, k: int) -> Program:
+    """The parent's model with its first k decoder layers, same weights and same first-k KV buffers."""
+    model = parent.model
+    small = keep_first_blocks(model, container, k)
+    import copy
+
+    cfg = copy.deepcopy(model.config)
+    text = cfg.get_text_config()
+    text.num_hidden_layers = k
+    for attr in ("layer_types", "mlp_only_layers"):
+        val = getattr(text, attr, None)
+        if isinstance(val, list) and attr == "layer_types":
+            setattr(text, attr, val[:k])
+        elif isinstance(val, list):
+            setattr(text, attr, [i for i in val if i < k])
+    for mod in copied_path(small, container):
+        if hasattr(mod, "config"):
+            mod.config = cfg
+    if hasattr(model, "tkcc_name"):
+        small.tkcc_name = f"{model.tkcc_name}[:{k}]"
+    return capture_hf(small, phases=parent.phases, max_cache_len=parent.meta["max_cache_len"],
+                      batch=parent.meta["batch"], exact=parent.meta["exact"], _parent=parent,
+                      _kv=parent.state.first(k))
+
+
+def _generator_for(device: torch.device, generator: torch.Generator | None) -> torch.Generator | None:
+    """A generator on ``device`` seeded from ``generator`` (so CPU seeds drive GPU fills deterministically)."""
+    if generator is None or generator.device.type == device.type:
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _randint(high: int, shape: tuple, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Random token ids drawn on the generator's device (CPU by default: the same ids on every device)."""
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    return torch.randint(0, high, shape, generator=generator, device=gen_device).to(device)
+
+
+def _input_maker(phase: str, kv, vocab: int, example: tuple):
+    """make_inputs[phase](bucket, generator) for a causal LM (see docs/frontend.md)."""
+    max_len, batch = kv.max_cache_len, kv.batch
+    device = example[0].device
+
+    def make(bucket=None, generator: torch.Generator | None = None) -> tuple:
+        if bucket is not None:
+            if bucket.phase != phase:
+                raise TkccError(f"bucket {bucket.key()} is for phase {bucket.phase!r}, not {phase!r}")
+            if bucket.batch != batch:
+                raise TkccError(f"bucket {bucket.key()}: batch {bucket.batch}, but this Program was captured with "
+                                f"batch={batch}; capture with batch={bucket.batch}")
+        if phase == "prefill":
+            t = bucket.context if bucket is not None else example[0].shape[1]
+            if not 1 <= t <= max_len:
+                raise TkccError(f"prefill of {t} tokens does not fit max_cache_len={max_len}"
+                                + (f" (bucket {bucket.key()})" if bucket is not None else ""))
+            ids = _randint(vocab, (batch, t), generator, device)
+            return ids, torch.arange(t, device=device)
+        pos = bucket.context if bucket is not None else int(example[1][0])
+        if not 0 <= pos < max_len:
+            raise TkccError(f"decode at context {pos} does not fit max_cache_len={max_len}"
+                            + (f" (bucket {bucket.key()})" if bucket is not None else ""))
+        ids = _randint(vocab, (batch, 1), generator, device)
+        if bucket is not None:
+            kv.fill_random(pos, _generator_for(device, generator))
+        return ids, torch.tensor([pos], device=device)
+
+    return make
