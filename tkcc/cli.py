@@ -67,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(result, int):
         return result
     if result is not None:
-        emit(result, getattr(args, "json", False))
+        try:
+            emit(result, getattr(args, "json", False))
+        except BrokenPipeError:  # e.g. `tkcc ... | head`: the reader left, nothing more to say
+            sys.stderr.close()
+            return 0
         if isinstance(result, dict) and result.get("ok") is False:
             return 1
     return 0

@@ -35,11 +35,14 @@ class SearchSpace:
     passes: list[type[Pass]]
 
     @classmethod
-    def from_registry(cls, names: list[str] | None = None, exact_only: bool = True) -> "SearchSpace":
+    def from_registry(cls, names: list[str] | None = None, exact_only: bool = True,
+                      exclude: tuple[str, ...] = ("sharding",)) -> "SearchSpace":
+        """Registered passes (by default every exact one, less those a single engine cannot run:
+        sharding needs one engine per rank, ``tkcc serve --tp N``)."""
         from tkcc.passes.base import all_passes
 
         reg = all_passes()
-        chosen = [reg[n] for n in names] if names else list(reg.values())
+        chosen = [reg[n] for n in names] if names else [p for n, p in reg.items() if n not in exclude]
         if exact_only:
             chosen = [p for p in chosen if p.exact]
         return cls(chosen)
