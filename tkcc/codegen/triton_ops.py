@@ -75,7 +75,10 @@ def _pow(c, n):
 
 
 def _pow_exact(n) -> bool:
-    return float(n.args[1]) in (1.0, 2.0, 3.0, -1.0, -2.0)
+    """Exponents whose eager result is the same on every device. PyTorch's CUDA kernel computes pow by 3
+    and by -2 in the storage type (bf16/fp16: ``base * base`` is rounded before the next step) while the CPU
+    kernel computes in float, so no single fused expression matches both bit for bit (seen on an H200)."""
+    return float(n.args[1]) in (1.0, 2.0, -1.0)
 
 
 def _pow_ok(n) -> str | None:

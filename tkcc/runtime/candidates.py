@@ -1,0 +1,257 @@
+"""Candidates: what the engine can swap in, built for one tier at a time.
+
+A candidate spec (JSON, as sent over RPC) is one of:
+
+- ``{"plan": [...]}``: a PassPlan; compiled for each tier through the
+  PassManager and codegen from the same plan. ``pass_modules`` lists Python
+  files defining user passes (``@register``) to import first.
+- ``{"artifact": PATH}`` or ``{"artifacts": {"fast": PATH, "slow": PATH}}``:
+  prebuilt artifacts, opened with ``Artifact.open`` (hashes verified); the
+  manifest's program fingerprint must be the tier's.
+- ``{"source": PATH, "sha256": HEX}``: a Python file defining
+  ``build(program) -> {phase: callable}`` (e.g. an external agent's edited
+  forward); the file's bytes are hashed and must match before they run.
+- ``{"baseline": true}``: the captured, un-rewritten forward.
+
+``exact`` (optional, default from the passes/manifest/module) declares
+whether outputs must be bit-exact; ``atol``/``rtol`` override tolerances.
+Paths are read by the engine: they must be on its machine, within
+``max_bytes``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+
+from tkcc.errors import ArtifactError, EngineError, TkccError
+
+KINDS = ("plan", "artifact", "artifacts", "source", "baseline")
+
+
+@dataclass
+class Candidate:
+    id: str
+    kind: str
+    spec: dict
+    exact: bool = True
+    forwards: dict = field(default_factory=dict)   # tier -> {phase: callable}
+    compile_s: dict = field(default_factory=dict)  # tier -> seconds
+    info: dict = field(default_factory=dict)       # tier -> what was built (hashes, pass logs summary)
+
+
+def spec_kind(spec) -> str:
+    if not isinstance(spec, dict):
+        raise EngineError(f"candidate: expected an object with one of {list(KINDS)}, got {type(spec).__name__}")
+    kinds = [k for k in KINDS if k in spec]
+    if len(kinds) != 1:
+        raise EngineError(f"candidate: give exactly one of {list(KINDS)}; got {kinds or sorted(spec)}")
+    return kinds[0]
+
+
+def candidate_id(spec: dict) -> str:
+    """Names what will run: the plan, or the artifacts' own hashes (so a rebuilt artifact is a new candidate)."""
+    kind = spec_kind(spec)
+    if kind == "baseline":
+        return "baseline"
+    if kind == "source":
+        return f"src-{str(spec.get('sha256', ''))[:12]}"
+    key = {k: v for k, v in spec.items() if k in ("plan", "artifact", "artifacts", "pass_modules", "exact", "atol",
+                                                    "rtol", "hash")}
+    if kind in ("artifact", "artifacts"):
+        paths = [spec["artifact"]] if kind == "artifact" else list((spec["artifacts"] or {}).values())
+        key["manifests"] = [_manifest_hash(p) for p in paths]
+    blob = json.dumps(key, sort_keys=True, default=str)
+    return f"{kind[:4]}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def _manifest_hash(path) -> str | None:
+    try:
+        with open(os.path.join(str(path), "manifest.json"), "rb") as f:
+            return hashlib.sha256(f.read(1 << 20)).hexdigest()
+    except OSError:
+        return None
+
+
+def _read_bounded(path: str, max_bytes: int, what: str) -> bytes:
+    if not isinstance(path, str) or not path:
+        raise EngineError(f"{what}: expected a file path")
+    if not os.path.isfile(path):
+        raise EngineError(f"{what} {path!r} does not exist on the engine's machine")
+    size = os.path.getsize(path)
+    if size > max_bytes:
+        raise EngineError(f"{what} {path!r} is {size} bytes, over the engine's limit of {max_bytes} bytes")
+    with open(path, "rb") as f:
+        return f.read(max_bytes + 1)
+
+
+def _dir_size(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def _import_file(path: str, data: bytes) -> types.ModuleType:
+    """Execute exactly ``data`` (already hash-checked) as a module named after its path."""
+    name = f"tkcc_user_{hashlib.sha256(data).hexdigest()[:16]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    mod = types.ModuleType(name)
+    mod.__file__ = os.path.abspath(path)
+    sys.modules[name] = mod
+    try:
+        exec(compile(data, os.path.abspath(path), "exec"), mod.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return mod
+
+
+def load_pass_modules(paths, max_bytes: int) -> None:
+    for p in paths or []:
+        data = _read_bounded(p, max_bytes, "pass module")
+        _import_file(p, data)
+
+
+def plan_is_exact(plan) -> bool:
+    from tkcc.passes.base import get_pass
+
+    return all(getattr(get_pass(s.name), "exact", True) for s in plan.steps)
+
+
+def build_for_tier(cand: Candidate, tier: str, programs: dict, work_dir: str, max_bytes: int) -> None:
+    """Compile/load ``cand`` for ``tier`` (fills cand.forwards[tier], compile_s, info)."""
+    program = programs[tier]
+    t0 = time.perf_counter()
+    kind, spec = cand.kind, cand.spec
+    if kind == "baseline":
+        fwd, info = dict(program.graphs), {"kind": "baseline"}
+    elif kind == "plan":
+        fwd, info = _build_plan(spec, tier, program, work_dir, max_bytes, cand)
+    elif kind in ("artifact", "artifacts"):
+        fwd, info = _open_artifact(spec, tier, programs, max_bytes, cand)
+    else:
+        fwd, info = _load_source(spec, program, max_bytes, cand)
+    missing = [p for p in program.phases if p not in fwd]
+    extra = [p for p in fwd if p not in program.phases]
+    if extra:
+        raise EngineError(f"candidate {cand.id}: forwards for phases {extra} the model does not have "
+                          f"(it has {program.phases})")
+    if missing:
+        # phases a candidate leaves alone keep the baseline forward
+        fwd = {**{p: program.graphs[p] for p in missing}, **fwd}
+        info["baseline_phases"] = missing
+    for p, f in fwd.items():
+        if not callable(f):
+            raise EngineError(f"candidate {cand.id}: forward for phase {p!r} is not callable ({type(f).__name__})")
+    cand.forwards[tier] = fwd
+    cand.compile_s[tier] = time.perf_counter() - t0
+    cand.info[tier] = info
+
+
+def _build_plan(spec, tier, program, work_dir, max_bytes, cand):
+    from tkcc.passes.manager import PassManager
+    from tkcc.passes.plan import PassPlan
+
+    load_pass_modules(spec.get("pass_modules"), max_bytes)
+    plan = PassPlan.from_json(spec["plan"])
+    cand.exact = bool(spec.get("exact", plan_is_exact(plan)))
+    rewritten, logs = PassManager().run(program, plan)
+    info = {"kind": "plan", "plan": plan.to_json(), "plan_hash": plan.hash(),
+            "passes": [_log_summary(lg) for lg in (logs or [])]}
+    try:
+        from tkcc.codegen.artifact import build_artifact
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("tkcc.codegen"):
+            raise
+        info["codegen"] = "unavailable: running the rewritten FX graphs"
+        return dict(rewritten.graphs), info
+    out_dir = os.path.join(work_dir, f"{cand.id}-{tier}")
+    if os.path.isdir(out_dir):
+        import shutil
+
+        shutil.rmtree(out_dir)  # a stale build of the same id (e.g. before a worker restart)
+    art = build_artifact(rewritten, plan, out_dir, tier=program.num_blocks)
+    info["artifact"] = out_dir
+    info["artifact_hash"] = art.hash
+    cand.exact = cand.exact and all(k.get("exact", True) for k in art.manifest.get("kernels", {}).values())
+    return dict(art.load(rewritten)), info
+
+
+def _log_summary(log) -> dict:
+    out = {}
+    for k in ("name", "matched", "replaced", "added", "removed", "seconds", "time_s"):
+        v = getattr(log, k, None)
+        if v is not None and not callable(v):
+            out[k] = v
+    return out
+
+
+def _open_artifact(spec, tier, programs, max_bytes, cand):
+    from tkcc.codegen.artifact import Artifact
+
+    path = spec["artifact"] if cand.kind == "artifact" else (spec["artifacts"] or {}).get(tier)
+    if path is None:
+        raise EngineError(f"candidate {cand.id}: no artifact given for the {tier} tier "
+                          f"(got tiers {sorted(spec['artifacts'] or {})})")
+    if not isinstance(path, str) or not os.path.isdir(path):
+        raise EngineError(f"artifact {path!r} is not a directory on the engine's machine")
+    size = _dir_size(path)
+    if size > max_bytes:
+        raise EngineError(f"artifact {path!r} is {size} bytes, over the engine's limit of {max_bytes} bytes")
+    try:
+        art = Artifact.open(path)
+    except TkccError as e:
+        raise ArtifactError(f"artifact {path!r}: {e}") from None
+    manifest = art.manifest
+    want = spec.get("hash")
+    if want is not None and want != art.hash:
+        raise ArtifactError(f"artifact {path!r}: hash {art.hash} is not the expected {want}")
+    fp = manifest.get("fingerprint")
+    program = programs[tier]
+    if fp != program.fingerprint:
+        other = [t for t, p in programs.items() if p.fingerprint == fp and t != tier]
+        if other:
+            raise ArtifactError(f"artifact {path!r} was built for the {other[0]} tier, not the {tier} tier "
+                                f"(program fingerprint {fp})")
+        raise ArtifactError(f"artifact {path!r} was built for another model (program fingerprint {fp}; this "
+                            f"engine's {tier} tier is {program.fingerprint}, model {program.meta.get('model')})")
+    m_tier = manifest.get("tier")
+    if m_tier is not None and int(m_tier) != program.num_blocks:
+        raise ArtifactError(f"artifact {path!r} was built for a tier of {m_tier} blocks; this engine's {tier} tier "
+                            f"has {program.num_blocks}")
+    exact = all(k.get("exact", True) for k in manifest.get("kernels", {}).values())
+    try:
+        from tkcc.passes.plan import PassPlan
+
+        exact = exact and plan_is_exact(PassPlan.from_json(manifest.get("plan") or []))
+    except TkccError:
+        pass  # a user pass not loaded here: the kernels' flags decide
+    cand.exact = bool(spec.get("exact", exact))
+    return dict(art.load(program)), {"kind": "artifact", "path": path, "hash": art.hash,
+                                     "plan": manifest.get("plan")}
+
+
+def _load_source(spec, program, max_bytes, cand):
+    path, want = spec["source"], spec.get("sha256")
+    if not isinstance(want, str) or len(want) != 64:
+        raise EngineError("source candidate: 'sha256' (64 hex digits of the file) is required")
+    data = _read_bounded(path, max_bytes, "source candidate")
+    got = hashlib.sha256(data).hexdigest()
+    if got != want.lower():
+        raise ArtifactError(f"source candidate {path!r}: sha256 {got} does not match the expected {want}")
+    mod = _import_file(path, data)
+    build = getattr(mod, "build", None)
+    if not callable(build):
+        raise EngineError(f"source candidate {path!r} defines no build(program) -> {{phase: callable}}")
+    fwd = build(program)
+    if not isinstance(fwd, dict):
+        raise EngineError(f"source candidate {path!r}: build() returned {type(fwd).__name__}, not a dict")
+    cand.exact = bool(spec.get("exact", getattr(mod, "EXACT", True)))
+    return fwd, {"kind": "source", "path": path, "sha256": got}

@@ -1,0 +1,420 @@
+"""EngineCore: the model, its tiers, the loaded candidates and the forward pointer of each tier.
+
+It lives in the engine's worker process (``tkcc.runtime.worker``): the
+supervisor sends it one operation at a time. Every tier has a *slot*: the
+candidate now serving (initially the captured baseline), the history of
+earlier ones (for revert) and, on a GPU, the CUDA graphs captured for the
+current forward on the workload's shapes. A candidate is swapped into a
+slot only after it passed validation on that tier in this process.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tkcc.errors import EngineError
+from tkcc.runtime import candidates as cands
+from tkcc.runtime.graphs import CapturedGraph, GraphCaptureError
+from tkcc.runtime.measurement import Measurement, environment
+from tkcc.runtime.programs import (build_tiers, check_device, check_tier, fast_blocks_for, load_program,
+                                   parse_dtype)
+from tkcc.runtime.timing import bucket_inputs, objective_of, time_bucket
+from tkcc.runtime.validation import (TOLERANCES, WEIGHTS_CHANGED, StateGuard, ValidationFailure, clone_all,
+                                     compare, pick_buckets, poison, tensors_of, validate, weights_checksum)
+from tkcc.runtime.workloads import check_buckets, default_workload, workload_from_json
+
+HISTORY = 8  # earlier forwards kept per tier for revert
+MIN_GPU_REPS = 30  # timed repetitions per bucket on a GPU, at least
+
+
+@dataclass
+class Slot:
+    current: str = "baseline"
+    history: list[str] = field(default_factory=list)
+    graphs: dict = field(default_factory=dict)        # bucket key -> CapturedGraph
+    graph_notes: dict = field(default_factory=dict)   # bucket key -> why it runs eagerly
+    graphs_for: str | None = None                     # workload fingerprint the graphs were captured for
+
+
+class EngineCore:
+    def __init__(self, cfg: dict):
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        self.device = torch.device(check_device(cfg["device"]))
+        self.dtype = parse_dtype(cfg.get("dtype", "float32"))
+        self.work_dir = cfg.get("work_dir") or os.path.join(cfg.get("state_dir", "/tmp"), "candidates")
+        os.makedirs(self.work_dir, exist_ok=True)
+        self.max_bytes = int(cfg.get("max_artifact_bytes", 256 << 20))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if cfg.get("threads"):
+            torch.set_num_threads(int(cfg["threads"]))  # CPU timing: a fixed, stated thread count
+        t1 = time.perf_counter()
+        self.program = load_program(cfg["model"], self.dtype, str(self.device), cfg.get("max_cache_len"),
+                                    int(cfg.get("batch", 1)))
+        t2 = time.perf_counter()
+        self.fast_blocks = fast_blocks_for(self.program.num_blocks, cfg.get("fast_blocks"))
+        self.programs = build_tiers(self.program, self.fast_blocks)
+        t3 = time.perf_counter()
+        self.slots = {t: Slot() for t in self.programs}
+        baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
+        for t in self.programs:
+            cands.build_for_tier(baseline, t, self.programs, self.work_dir, self.max_bytes)
+        self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
+        self.validated: set[tuple[str, str]] = {("baseline", t) for t in self.programs}
+        self.validations: dict[tuple[str, str], dict] = {}
+        self.weights = weights_checksum(self.program.model)
+        self.default_workload = default_workload(self.program)
+        self.deterministic = {t: self._baseline_deterministic(t) for t in self.programs}
+        self.canaries = {t: self._canary_run(t) for t in self.programs}
+        self.env = environment(self.device, self.dtype)
+        self.startup = {"import_and_setup_s": t1 - t0, "build_and_capture_s": t2 - t1, "tiers_s": t3 - t2,
+                        "checks_s": time.perf_counter() - t3, "total_s": time.perf_counter() - t0}
+
+    # ---------------------------------------------------------------- helpers
+    def _workload(self, workload):
+        w = self.default_workload if workload is None else workload_from_json(workload)
+        check_buckets(self.program, w)
+        return w
+
+    def _cand(self, cid: str) -> cands.Candidate:
+        try:
+            return self.candidates[cid]
+        except KeyError:
+            raise EngineError(f"no candidate {cid!r} is loaded; loaded: {sorted(self.candidates)}") from None
+
+    def _tolerance(self, cand: cands.Candidate) -> tuple[float, float]:
+        atol, rtol = TOLERANCES.get(self.dtype, (1e-4, 1e-4))
+        meta = self.program.meta
+        atol = float(cand.spec.get("atol", meta.get("atol", atol)))
+        rtol = float(cand.spec.get("rtol", meta.get("rtol", rtol)))
+        return atol, rtol
+
+    def _mode(self, cand: cands.Candidate, tier: str) -> tuple[bool, str]:
+        declared = bool(self.program.meta.get("exact", True)) and cand.exact
+        if declared and not self.deterministic[tier]["deterministic"]:
+            return False, (f"the baseline itself is not bitwise reproducible on {self.device} (two runs differ by "
+                           f"{self.deterministic[tier]['max_abs_diff']:.3g}); exact mode downgraded to tolerance")
+        return declared, ""
+
+    def _baseline_deterministic(self, tier: str) -> dict:
+        """Run the baseline twice on the same inputs: exact mode needs it to reproduce itself bit for bit."""
+        prog = self.programs[tier]
+        worst, det = 0.0, True
+        gen = torch.Generator().manual_seed(1234)
+        for b in pick_buckets(self.default_workload, 2):
+            inputs = bucket_inputs(prog, b, gen, 1)[0]
+            guard = StateGuard(prog.state)
+            outs = []
+            for _ in range(2):
+                guard.restore()
+                with torch.no_grad():
+                    outs.append([t.clone() for t in tensors_of(prog.graphs[b.phase](*clone_all(inputs)))])
+            guard.restore()
+            for a, c in zip(*outs):
+                if not torch.equal(a, c):
+                    det = False
+                    worst = max(worst, float((a.double() - c.double()).abs().max()))
+        return {"deterministic": det, "max_abs_diff": worst}
+
+    def _canary_run(self, tier: str) -> list:
+        """Baseline outputs on fixed inputs, recorded before any candidate code ran (see op_validate)."""
+        prog = self.programs[tier]
+        gen = torch.Generator().manual_seed(4321)
+        out = []
+        for b in pick_buckets(self.default_workload, 1)[:2]:
+            inputs = bucket_inputs(prog, b, gen, 1)[0]
+            guard = StateGuard(prog.state)
+            with torch.no_grad():
+                out.append([t.clone() for t in tensors_of(prog.graphs[b.phase](*clone_all(inputs)))])
+            guard.restore()
+        if prog.state is not None and hasattr(prog.state, "reset"):
+            prog.state.reset()
+        return out
+
+    def _canary_ok(self, tier: str) -> str:
+        """'' if the baseline still computes what it computed at start-up; else why not.
+
+        A candidate's code runs in this process: one that patched torch, the
+        model or its buffers would move the reference with it. The canary is
+        the baseline on inputs fixed before any candidate was loaded.
+        """
+        exact = self.deterministic[tier]["deterministic"]
+        atol, rtol = TOLERANCES.get(self.dtype, (1e-4, 1e-4))
+        try:
+            for i, (want, got) in enumerate(zip(self.canaries[tier], self._canary_run(tier))):
+                compare(want, got, exact, atol, rtol, f"canary {i}")
+        except ValidationFailure as e:
+            return f"the baseline forward no longer computes what it did at start-up ({e})"
+        return ""
+
+    def memory(self) -> dict:
+        model_bytes = sum(p.numel() * p.element_size() for p in self.program.model.parameters())
+        state = self.program.state
+        cache_bytes = sum(b.numel() * b.element_size() for b in state.buffers()) if state is not None else 0
+        out = {"model_bytes": model_bytes, "cache_bytes": cache_bytes}
+        if self.device.type == "cuda":
+            out.update(allocated_bytes=torch.cuda.memory_allocated(self.device),
+                       max_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
+                       reserved_bytes=torch.cuda.memory_reserved(self.device))
+            free, total = torch.cuda.mem_get_info(self.device)
+            out.update(device_used_bytes=total - free, device_total_bytes=total)
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        out["rss_bytes"] = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return out
+
+    # ------------------------------------------------------------- operations
+    def op_ping(self) -> dict:
+        return {"pid": os.getpid()}
+
+    def op_status(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "model": self.cfg["model"],
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "phases": self.program.phases,
+            "num_blocks": self.program.num_blocks,
+            "tiers": {t: {"blocks": p.num_blocks, "fingerprint": p.fingerprint, "current": self.slots[t].current,
+                          "history": list(self.slots[t].history), "graphs": sorted(self.slots[t].graphs),
+                          "eager": dict(self.slots[t].graph_notes), "deterministic": self.deterministic[t]}
+                      for t, p in self.programs.items()},
+            "max_cache_len": self.program.meta.get("max_cache_len"),
+            "batch": self.program.meta.get("batch"),
+            "candidates": sorted(self.candidates),
+            "memory": self.memory(),
+            "env": self.env,
+            "startup": self.startup,
+        }
+
+    def op_load(self, spec: dict, tier: str) -> dict:
+        check_tier(tier)
+        cid = cands.candidate_id(spec)
+        cand = self.candidates.get(cid)
+        if cand is None:
+            cand = cands.Candidate(cid, cands.spec_kind(spec), dict(spec))
+        if tier not in cand.forwards:
+            cands.build_for_tier(cand, tier, self.programs, self.work_dir, self.max_bytes)
+            self.candidates[cid] = cand
+        return {"candidate": cid, "tier": tier, "compile_s": cand.compile_s.get(tier, 0.0),
+                "exact": cand.exact, "info": cand.info.get(tier, {})}
+
+    def op_validate(self, candidate: str, tier: str, workload=None, seed: int | None = None,
+                    max_shapes: int = 4) -> dict:
+        check_tier(tier)
+        cand = self._cand(candidate)
+        if tier not in cand.forwards:
+            raise EngineError(f"candidate {candidate!r} is not loaded for the {tier} tier; load it first")
+        w = self._workload(workload)
+        prog = self.programs[tier]
+        exact, note = self._mode(cand, tier)
+        atol, rtol = self._tolerance(cand)
+        seed = secrets.randbits(62) if seed is None else int(seed)  # fresh: drawn after the candidate loaded
+        res = validate(prog, prog.graphs, cand.forwards[tier], pick_buckets(w, max_shapes), exact, atol, rtol,
+                       seed, (self.program.model, self.weights))
+        tampered = self._canary_ok(tier)
+        if tampered:
+            res.update(ok=False, fatal=True, reason=f"{tampered}: the candidate changed shared state; the worker "
+                                                    "restarts" + (f" (also: {res['reason']})" if res["reason"] else ""))
+        res["note"] = note
+        res["tier"] = tier
+        res["candidate"] = candidate
+        if res["ok"]:
+            self.validated.add((candidate, tier))
+        else:
+            self.validated.discard((candidate, tier))
+            if res["reason"].startswith(WEIGHTS_CHANGED):
+                res["fatal"] = True  # the resident weights are no longer the model's: restart
+        self.validations[(candidate, tier)] = res
+        return res
+
+    def op_swap(self, candidate: str, tier: str, workload=None, capture: bool = True) -> dict:
+        """Point the tier's forward at ``candidate`` (validated), keep the old one for revert, re-capture graphs."""
+        check_tier(tier)
+        cand = self._cand(candidate)
+        if (candidate, tier) not in self.validated:
+            why = self.validations.get((candidate, tier), {}).get("reason") or "it has not been validated"
+            raise EngineError(f"candidate {candidate!r} cannot be swapped into the {tier} tier: {why}")
+        slot = self.slots[tier]
+        t0 = time.perf_counter()
+        prev = slot.current
+        if prev != candidate:
+            slot.history.append(prev)
+            del slot.history[:-HISTORY]
+        slot.current = candidate
+        self._drop_graphs(slot)
+        swap_s = time.perf_counter() - t0
+        cap = {"capture_s": 0.0, "graphs": 0, "eager": {}}
+        if capture:
+            try:
+                cap = self._capture(tier, self._workload(workload))
+            except BaseException:
+                self._point(slot, prev)
+                raise
+        return {"candidate": cand.id, "tier": tier, "previous": prev, "swap_s": swap_s, **cap}
+
+    def _point(self, slot: Slot, cid: str) -> None:
+        if slot.history and slot.history[-1] == cid:
+            slot.history.pop()
+        slot.current = cid
+        self._drop_graphs(slot)
+
+    def _drop_graphs(self, slot: Slot) -> None:
+        slot.graphs, slot.graph_notes, slot.graphs_for = {}, {}, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _capture(self, tier: str, w) -> dict:
+        """CUDA graphs of the current forward for each bucket, each checked once against the baseline."""
+        slot = self.slots[tier]
+        if self.device.type != "cuda":
+            slot.graphs_for = w.fingerprint()
+            return {"capture_s": 0.0, "graphs": 0, "eager": {}}
+        t0 = time.perf_counter()
+        prog = self.programs[tier]
+        cand = self._cand(slot.current)
+        fwd = cand.forwards[tier]
+        exact, _ = self._mode(cand, tier)
+        atol, rtol = self._tolerance(cand)
+        gen = torch.Generator().manual_seed(secrets.randbits(62))
+        graphs, notes, notes_exact = {}, {}, {}
+        for b in w.buckets:
+            key = b.key()
+            if key in graphs or key in notes:
+                continue
+            inputs = bucket_inputs(prog, b, gen, 1)[0]
+            guard = StateGuard(prog.state)
+            try:
+                g = CapturedGraph(fwd[b.phase], inputs, self.device)
+            except GraphCaptureError as e:
+                notes[key] = f"CUDA graph capture failed ({e}); timed eagerly"
+                guard.restore()
+                continue
+            guard.restore()
+            with torch.no_grad():
+                ref = [t.clone() for t in tensors_of(prog.graphs[b.phase](*clone_all(inputs)))]
+            guard.restore()
+            poison(g.static_outputs, self.device, 0)
+            outs = g.run(inputs)
+            torch.cuda.synchronize(self.device)
+            guard.restore()
+            try:
+                compare(ref, outs, exact, atol, rtol, f"CUDA graph of bucket {key}")
+            except ValidationFailure as e:
+                try:  # a replay may pick other library kernels than eager: within tolerance is a note, not a failure
+                    if not exact:
+                        raise
+                    err = compare(ref, outs, False, atol, rtol, f"CUDA graph of bucket {key}")
+                    notes_exact[key] = f"graph replay differs from the eager reference by {err:.3g} (within tolerance)"
+                except ValidationFailure:
+                    raise EngineError(f"candidate {cand.id} on the {tier} tier: the CUDA graph replay does not match "
+                                      f"the reference: {e}") from None
+            graphs[key] = g
+        slot.graphs, slot.graph_notes, slot.graphs_for = graphs, notes, w.fingerprint()
+        return {"capture_s": time.perf_counter() - t0, "graphs": len(graphs), "eager": notes,
+                "replay_notes": notes_exact}
+
+    def op_measure(self, tier: str, workload=None, reps: int = 30, warmup: int = 5, rotations: int = 4) -> dict:
+        check_tier(tier)
+        if reps < 1 or warmup < 0 or rotations < 1:
+            raise EngineError(f"measure: reps={reps}, warmup={warmup}, rotations={rotations} must be >= 1, >= 0, >= 1")
+        w = self._workload(workload)
+        note = ""
+        if self.device.type == "cuda" and reps < MIN_GPU_REPS:
+            note = f"reps raised from {reps} to {MIN_GPU_REPS} (the engine's floor on a GPU)"
+            reps = MIN_GPU_REPS
+        slot = self.slots[tier]
+        if self.device.type == "cuda" and slot.graphs_for != w.fingerprint():
+            self._capture(tier, w)
+        prog = self.programs[tier]
+        cand = self._cand(slot.current)
+        fwd = cand.forwards[tier]
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(secrets.randbits(62))
+        timings, seen = [], {}
+        for b in w.buckets:
+            key = b.key()
+            if key in seen:
+                continue
+            seen[key] = True
+            timings.append(time_bucket(fwd[b.phase], slot.graphs.get(key), prog, b, gen, reps, warmup, rotations,
+                                       self.device, slot.graph_notes.get(key, "")))
+        if prog.state is not None and hasattr(prog.state, "reset"):
+            prog.state.reset()  # timing filled the cache with random context; leave it as a fresh request finds it
+        medians = {t.key: t.median_s for t in timings}
+        name, value, why = objective_of(w, medians)
+        note = "; ".join(x for x in (note, why) if x)
+        m = Measurement(candidate=cand.id, tier=tier, blocks=prog.num_blocks, buckets=timings, objective_name=name,
+                        objective=value, workload_fingerprint=w.fingerprint(),
+                        validation=self.validations.get((cand.id, tier), {"ok": True, "reason": "baseline"}),
+                        env=self.env, wall_s=time.perf_counter() - t0, note=note)
+        return m.to_json()
+
+    def op_revert(self, tier: str, workload=None, capture: bool = True) -> dict:
+        check_tier(tier)
+        slot = self.slots[tier]
+        if not slot.history:
+            raise EngineError(f"nothing to revert on the {tier} tier: it serves {slot.current!r} with no history")
+        gone = slot.current
+        slot.current = slot.history.pop()
+        self._drop_graphs(slot)
+        cap = self._capture(tier, self._workload(workload)) if capture else {}
+        return {"tier": tier, "reverted": gone, "current": slot.current, **cap}
+
+    def op_unload(self, candidate: str) -> dict:
+        if candidate == "baseline":
+            return {"unloaded": False}
+        in_use = [t for t, s in self.slots.items() if s.current == candidate or candidate in s.history]
+        if in_use:
+            return {"unloaded": False, "in_use": in_use}
+        self.candidates.pop(candidate, None)
+        for key in [k for k in self.validated if k[0] == candidate]:
+            self.validated.discard(key)
+        return {"unloaded": True}
+
+    def op_generate(self, prompt: list[int], n: int, tier: str = "slow") -> dict:
+        """Greedy tokens from the tier's current forward (prefill, then n-1 decode steps)."""
+        check_tier(tier)
+        prog = self.programs[tier]
+        if not {"prefill", "decode"} <= set(prog.phases):
+            raise EngineError("generate needs a causal LM with prefill and decode phases")
+        cap = int(prog.meta.get("max_cache_len", 0))
+        if not prompt or len(prompt) + n > cap:
+            raise EngineError(f"generate: prompt of {len(prompt)} tokens + {n} new must be in 1..{cap}")
+        fwd = self._cand(self.slots[tier].current).forwards[tier]
+        batch = int(prog.meta.get("batch", 1))
+        ids = torch.tensor([prompt] * batch, device=self.device)
+        out = []
+        with torch.no_grad():
+            if prog.state is not None and hasattr(prog.state, "reset"):
+                prog.state.reset()
+            logits = tensors_of(fwd["prefill"](ids, torch.arange(len(prompt), device=self.device)))[0]
+            pos = len(prompt)
+            for _ in range(n):
+                nxt = logits[:, -1, :].argmax(-1)
+                out.append(int(nxt[0]))
+                if len(out) == n:
+                    break
+                logits = tensors_of(fwd["decode"](nxt[:, None], torch.tensor([pos], device=self.device)))[0]
+                pos += 1
+        return {"tokens": out, "candidate": self.slots[tier].current, "tier": tier}
+
+    def op_check_health(self) -> dict:
+        """The device still works and the weights are untouched (after a candidate failed)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            x = torch.ones(16, device=self.device)
+            if float((x * 2).sum()) != 32.0:
+                raise RuntimeError("device arithmetic check failed")
+        if weights_checksum(self.program.model) != self.weights:
+            raise RuntimeError("the resident weights changed")
+        return {"ok": True}

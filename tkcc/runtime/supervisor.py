@@ -1,0 +1,384 @@
+"""Supervisor: owns the worker process, runs experiments through it, survives whatever a candidate does.
+
+The RPC server calls the supervisor; the supervisor sends one operation at a
+time to the worker (``tkcc.runtime.worker``) and watches it: a worker that
+exits (``os._exit``, a segfault, a fatal CUDA error), runs past the
+operation's timeout, or grows past the memory limit is killed and replaced,
+and the engine restores what each tier was serving before answering again.
+The time that takes is measured and journaled (``recovery`` records). Every
+experiment is journaled (fsync) before the client gets its answer.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import uuid
+
+from tkcc.errors import EngineError, TkccError
+from tkcc.runtime.journal import Journal
+from tkcc.runtime.programs import TIERS, check_device, check_model_name, check_tier
+
+DEFAULT_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_S = 1800.0
+POLL_S = 0.05
+
+
+class CandidateFailed(EngineError):
+    """The candidate raised, hung, crashed the worker or exhausted memory; ``failure`` says which."""
+
+    def __init__(self, kind: str, message: str, details: dict | None = None):
+        super().__init__(f"candidate failed ({kind}): {message}")
+        self.kind, self.reason, self.details = kind, message, details or {}
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _signal_name(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Supervisor:
+    def __init__(self, cfg: dict, journal: Journal):
+        check_model_name(cfg["model"])
+        cfg["device"] = check_device(cfg["device"])
+        self.cfg = cfg
+        self.journal = journal
+        self.lock = threading.RLock()
+        self.proc = None
+        self.conn = None
+        self.info: dict = {}
+        self.restarts = 0
+        self.recoveries: list[dict] = []
+        self.specs: dict[str, dict] = {"baseline": {"baseline": True}}
+        self.serving = {t: {"current": "baseline", "history": []} for t in TIERS}
+        self.started = time.time()
+        self.default_timeout = float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S))
+        self.max_rss = int(cfg.get("worker_max_rss_bytes", 0) or 0)
+        self.stopping = False
+        self.trial: tuple[str, str] | None = None  # (tier, candidate) swapped in only to be measured
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> dict:
+        t0 = time.perf_counter()
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_entry, args=(child, self.cfg), name="tkcc-engine-worker", daemon=True)
+        proc.start()
+        child.close()
+        self.proc, self.conn = proc, parent
+        reply = self._wait(STARTUP_TIMEOUT_S, what="worker start-up")
+        if not reply.get("ok"):
+            err = reply.get("error", {})
+            self._kill()
+            raise EngineError(f"the engine could not load model {self.cfg['model']!r} on {self.cfg['device']}: "
+                              f"{err.get('type')}: {err.get('message')}")
+        self.info = reply["result"]
+        self.info["worker_start_s"] = time.perf_counter() - t0
+        return self.info
+
+    def stop(self) -> None:
+        self.stopping = True
+        with self.lock:
+            if self.proc is not None and self.proc.is_alive():
+                try:
+                    self.conn.send({"op": "exit"})
+                    self.proc.join(10)
+                except (OSError, BrokenPipeError):
+                    pass
+            self._kill()
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.join(30)
+            self.proc = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def _wait(self, timeout: float, what: str) -> dict:
+        """Wait for the worker's reply, watching for death, timeout and the memory limit."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.conn.poll(POLL_S):
+                    return self.conn.recv()
+            except (EOFError, OSError):
+                pass  # the worker died mid-reply: handled below
+            if not self.proc.is_alive():
+                self.proc.join(5)
+                raise CandidateFailed("crashed", f"the worker died during {what} ({_signal_name(self.proc.exitcode)})")
+            if self.max_rss and _rss(self.proc.pid) > self.max_rss:
+                raise CandidateFailed("memory", f"the worker's memory passed the limit of {self.max_rss} bytes "
+                                                f"during {what}")
+            if time.monotonic() > deadline:
+                raise CandidateFailed("timeout", f"{what} did not finish within {timeout:g} s")
+
+    # ---------------------------------------------------------------- calls
+    def call(self, op: str, timeout: float | None = None, **params):
+        """Run one worker operation. Bad input -> EngineError; a candidate's failure -> CandidateFailed (after
+        the worker has been replaced if it had to be)."""
+        with self.lock:
+            if self.proc is None:
+                self._recover("the worker was not running")
+            timeout = self.default_timeout if timeout is None else float(timeout)
+            try:
+                self.conn.send({"op": op, "params": params})
+                reply = self._wait(timeout, what=op)
+            except CandidateFailed as e:
+                self._recover(e.reason)
+                raise
+            except (BrokenPipeError, OSError) as e:
+                self._recover(f"the pipe to the worker broke ({e})")
+                raise CandidateFailed("crashed", f"the worker was gone during {op}") from None
+            if reply.get("fatal"):
+                self.proc.join(10)
+                err = reply.get("error") or {}
+                reason = err.get("message") or (reply.get("result") or {}).get("reason") or "fatal"
+                self._recover(f"the worker exited after a fatal failure during {op}: {reason}")
+                if reply.get("ok"):
+                    return reply["result"]
+                raise CandidateFailed("corrupted", reason, err)
+            if reply.get("ok"):
+                return reply["result"]
+            err = reply.get("error") or {}
+            if err.get("candidate_failure"):
+                text = f"{err.get('type', '')} {err.get('message', '')}".lower()
+                memory = ("outofmemory" in text or "memoryerror" in text or "out of memory" in text
+                          or "can't allocate memory" in text)
+                kind = "memory" if memory else "raised"
+                raise CandidateFailed(kind, f"{err.get('type')}: {err.get('message')}", err)
+            raise EngineError(err.get("message", "the worker refused the request"))
+
+    def _recover(self, reason: str) -> dict:
+        """Replace the worker and restore what each tier was serving; journaled with how long it took."""
+        t0 = time.perf_counter()
+        self._kill()
+        self.restarts += 1
+        self.start()
+        t_worker = time.perf_counter() - t0
+        restored, lost = {}, {}
+        for tier, s in self.serving.items():
+            if self.trial == (tier, s["current"]) and s["history"]:
+                s["current"] = s["history"].pop()  # the candidate on trial is what failed: do not restore it
+            cid = s["current"]
+            if cid == "baseline":
+                continue
+            try:
+                spec = self.specs[cid]
+                self._call_raw("load", spec=spec, tier=tier)
+                v = self._call_raw("validate", candidate=cid, tier=tier)
+                if not v.get("ok"):
+                    raise EngineError(v.get("reason"))
+                self._call_raw("swap", candidate=cid, tier=tier)
+                restored[tier] = cid
+            except Exception as e:  # noqa: BLE001 - serve the baseline rather than nothing
+                lost[tier] = f"{cid}: {e}"
+                s["current"] = "baseline"
+        rec = {"reason": reason, "recovery_s": time.perf_counter() - t0, "worker_start_s": t_worker,
+               "restored": restored, "not_restored": lost, "restarts": self.restarts}
+        self.recoveries.append(rec)
+        self.journal.append("recovery", **rec)
+        return rec
+
+    def _call_raw(self, op: str, **params):
+        """A worker call during recovery: failures propagate, no nested recovery."""
+        self.conn.send({"op": op, "params": params})
+        reply = self._wait(self.default_timeout, what=f"recovery {op}")
+        if not reply.get("ok"):
+            raise EngineError((reply.get("error") or {}).get("message", "failed"))
+        return reply["result"]
+
+    # ---------------------------------------------------------- RPC methods
+    def check_expectations(self, params: dict) -> None:
+        """A request may say which model/device it expects; a wrong one is refused with the reason."""
+        model = params.pop("model", None)
+        device = params.pop("device", None)
+        if model is not None:
+            check_model_name(str(model))
+            if model != self.cfg["model"]:
+                raise EngineError(f"this engine serves model {self.cfg['model']!r}, not {model!r}; start another "
+                                  f"engine (tkcc serve --model {model}) for it")
+        if device is not None:
+            dev = check_device(str(device))
+            if dev != self.cfg["device"]:
+                raise EngineError(f"this engine runs on {self.cfg['device']}, not {dev}")
+
+    def status(self) -> dict:
+        out = {"engine": {"model": self.cfg["model"], "device": self.cfg["device"], "pid": os.getpid(),
+                          "uptime_s": time.time() - self.started, "restarts": self.restarts,
+                          "recoveries": self.recoveries[-10:], "journal": self.journal.path,
+                          "worker_pid": self.proc.pid if self.proc else None},
+               "serving": self.serving}
+        if self.lock.acquire(timeout=0.5):
+            try:
+                out["worker"] = self.call("status", timeout=60)
+            except TkccError as e:
+                out["worker_error"] = str(e)
+            finally:
+                self.lock.release()
+        else:
+            out["worker"] = self.info
+            out["busy"] = True
+        return out
+
+    def load(self, candidate: dict, tiers=TIERS, timeout_s: float | None = None) -> dict:
+        res = {}
+        for tier in _tiers(tiers):
+            r = self.call("load", timeout_s, spec=candidate, tier=tier)
+            self.specs[r["candidate"]] = candidate
+            res[tier] = r
+        return res
+
+    def swap(self, candidate: str, tier: str, workload=None, timeout_s: float | None = None) -> dict:
+        check_tier(tier)
+        r = self.call("swap", timeout_s, candidate=candidate, tier=tier, workload=workload)
+        self._note_swap(tier, candidate)
+        self.journal.append("swap", tier=tier, candidate=candidate, previous=r.get("previous"),
+                            swap_s=r.get("swap_s"), capture_s=r.get("capture_s"))
+        return r
+
+    def _note_swap(self, tier: str, cid: str) -> None:
+        s = self.serving[tier]
+        if s["current"] != cid:
+            s["history"].append(s["current"])
+            s["current"] = cid
+
+    def revert(self, tier: str, workload=None, timeout_s: float | None = None) -> dict:
+        check_tier(tier)
+        r = self.call("revert", timeout_s, tier=tier, workload=workload)
+        s = self.serving[tier]
+        if s["history"]:
+            s["current"] = s["history"].pop()
+        self.journal.append("revert", tier=tier, reverted=r.get("reverted"), current=r.get("current"))
+        return r
+
+    def experiment(self, candidate: dict, tiers=("fast", "slow"), workload=None, keep: bool = False,
+                   reps: int = 30, warmup: int = 5, rotations: int = 4, timeout_s: float | None = None,
+                   request_id: str | None = None, max_shapes: int = 4) -> dict:
+        """Load, validate, swap + capture, measure, (revert) on each tier; journaled before it returns."""
+        request_id = request_id or uuid.uuid4().hex
+        tiers = _tiers(tiers)
+        self.journal.append("accepted", request_id=request_id, candidate=candidate, tiers=list(tiers))
+        out = {"request_id": request_id, "candidate": None, "ok": True, "tiers": {}}
+        for tier in tiers:
+            t0 = time.perf_counter()
+            step, cid, swapped = "load", None, False
+            rec: dict = {"ok": False}
+            try:
+                with self.lock:
+                    r = self.call("load", timeout_s, spec=candidate, tier=tier)
+                    cid = r["candidate"]
+                    out["candidate"] = cid
+                    self.specs[cid] = candidate
+                    rec["load"] = r
+                    step = "validate"
+                    v = self.call("validate", timeout_s, candidate=cid, tier=tier, workload=workload,
+                                  max_shapes=max_shapes)
+                    rec["validation"] = v
+                    if not v["ok"]:
+                        rec.update(failure="invalid", reason=v["reason"])
+                        raise _Stop
+                    step = "swap"
+                    self.trial = (tier, cid)
+                    rec["swap"] = self.call("swap", timeout_s, candidate=cid, tier=tier, workload=workload)
+                    self._note_swap(tier, cid)
+                    swapped = True
+                    step = "measure"
+                    w0 = time.perf_counter()
+                    m = self.call("measure", timeout_s, tier=tier, workload=workload, reps=reps, warmup=warmup,
+                                  rotations=rotations)
+                    m["supervisor_wall_s"] = time.perf_counter() - w0
+                    m["timing_consistent"] = sum(sum(b["samples_s"]) for b in m["buckets"]) <= m["supervisor_wall_s"]
+                    rec["measurement"] = m
+                    if keep or rec["swap"].get("previous") == cid:
+                        self.trial = None  # kept, or it was already serving before this experiment
+                    else:
+                        step = "revert"
+                        self._end_trial(tier, cid)
+                    rec["ok"] = True
+            except _Stop:
+                pass
+            except CandidateFailed as e:
+                rec.update(failure=e.kind, reason=f"during {step}: {e.reason}")
+                if e.kind in ("crashed", "timeout", "memory", "corrupted") and self.recoveries:
+                    rec["recovery"] = self.recoveries[-1]
+                elif swapped and rec["swap"].get("previous") != cid:
+                    self._end_trial(tier, cid)
+            except TkccError as e:
+                rec.update(failure="refused", reason=f"during {step}: {e}")
+                if swapped and rec["swap"].get("previous") != cid:
+                    self._end_trial(tier, cid)
+            finally:
+                self.trial = None
+            rec["seconds"] = time.perf_counter() - t0
+            out["tiers"][tier] = rec
+            if not rec["ok"]:
+                out["ok"] = False
+                out["reason"] = f"{tier} tier: {rec.get('reason')}"
+                break  # a candidate that fails on one tier is not tried on the next
+        if out["candidate"] and not keep:
+            try:  # free its compiled forwards unless a tier still serves it (the worker checks)
+                self.call("unload", None, candidate=out["candidate"])
+            except TkccError:
+                pass
+        rec = self.journal.append("experiment", **out)
+        out["seq"] = rec["seq"]
+        return out
+
+    def _end_trial(self, tier: str, cid: str) -> None:
+        """Put back the forward that served before the candidate was swapped in to be measured."""
+        s = self.serving[tier]
+        if s["current"] != cid:
+            return  # a recovery already restored the previous forward
+        try:
+            self.call("revert", None, tier=tier, workload=None, capture=False)
+        except TkccError:
+            return
+        if s["history"]:
+            s["current"] = s["history"].pop()
+
+    def results(self, since: int = 0, request_id: str | None = None, kind: str | None = None,
+                limit: int = 1000) -> dict:
+        recs = self.journal.records(since=since, kind=kind, request_id=request_id)
+        return {"records": recs[-int(limit):], "count": len(recs)}
+
+
+class _Stop(Exception):
+    pass
+
+
+def _tiers(tiers) -> tuple:
+    if isinstance(tiers, str):
+        tiers = ("fast", "slow") if tiers == "both" else (tiers,)
+    if not isinstance(tiers, (list, tuple)) or not tiers:
+        raise EngineError(f"tiers: expected 'fast', 'slow', 'both' or a list of them, got {tiers!r}")
+    for t in tiers:
+        check_tier(t)
+    return tuple(tiers)
+
+
+def _worker_entry(conn, cfg):
+    from tkcc.runtime.worker import worker_main
+
+    worker_main(conn, cfg)
