@@ -90,6 +90,8 @@ class EngineEvaluator:
                 verdict = "invalid"
             return EvalResult(verdict, reason=rec.get("reason") or res.get("reason"))
         m = rec["measurement"]
+        if m.get("objective") is None:
+            return EvalResult("invalid", reason=f"the engine measured no objective: {m.get('note', 'no reason given')}")
         m = {**m, "device": self.device, "seconds": rec.get("seconds"),
              "validation": {k: v for k, v in (rec.get("validation") or {}).items() if k in ("ok", "mode", "shapes")}}
         return EvalResult("measured", float(m["objective"]), m)

@@ -20,7 +20,7 @@ VARIANTS: dict[str, dict[str, list]] = {
     "rmsnorm": {"threads": [256, 128, 512, 1024]},
     "router_topk": {"threads": [64, 128, 256]},
     "moe_gemv": {"warps": [4, 8, 2], "rows_per_warp": [2, 1, 4]},
-    "decode_attention": {"nsplit": [32, 16, 64, 128, 8], "warps": [4, 8, 2]},
+    "decode_attention": {"nsplit": [0, 16, 32, 64, 128, 8], "warps": [4, 8, 2], "unroll": [4, 2, 8]},
 }
 
 
@@ -41,9 +41,16 @@ def template_params(family: str, shape: dict, variant: dict | None = None) -> di
     if family == "decode_attention":
         if shape["HQ"] % shape["HKV"]:
             raise TkccError(f"decode_attention: HQ={shape['HQ']} not a multiple of HKV={shape['HKV']}")
-        return dict(HQ=shape["HQ"], HKV=shape["HKV"], D=shape["D"], S=shape["S"], nsplit=v["nsplit"],
-                    warps=v["warps"], merge_threads=min(1024, max(32, shape["D"])))
+        nsplit = v["nsplit"] or default_splits(shape)
+        return dict(HQ=shape["HQ"], HKV=shape["HKV"], D=shape["D"], S=shape["S"], nsplit=nsplit,
+                    warps=v["warps"], unroll=v["unroll"], merge_threads=min(1024, max(32, shape["D"])))
     raise TkccError(f"unknown kernel family {family!r}; families: {sorted(FAMILIES)}")
+
+
+def default_splits(shape: dict, sms: int = 132) -> int:
+    """Context splits when the variant leaves it open (nsplit=0): about four blocks per SM at the
+    longest context the cache holds, and no split shorter than 256 positions."""
+    return max(1, min(shape["S"] // 256, (4 * sms) // max(1, shape["B"] * shape["HQ"])))
 
 
 def source(family: str, target: str, dtype: torch.dtype, shape: dict, variant: dict | None = None) -> str:
@@ -59,6 +66,10 @@ def supported(family: str, dtype: torch.dtype, shape: dict) -> str | None:
             return f"H={shape['H']} and I={shape['I']} must be multiples of {vec} for 16-byte loads"
         if shape["H"] * 4 > 48 * 1024 or shape["K"] * shape["I"] * 4 > 48 * 1024:
             return "activations exceed 48 KiB of shared memory"
+    if family == "decode_attention":
+        row = shape["D"] * esz
+        if row % 16 or row // 16 > 32 or 32 % (row // 16):
+            return f"a head of {shape['D']} x {esz} bytes is not a whole number of 16-byte loads within one warp"
     if family == "rmsnorm" and shape["D"] > 16384:
         return f"D={shape['D']} too large for one block per row"
     return None
@@ -120,6 +131,8 @@ def build(family: str, dtype: torch.dtype, shape: dict, variant: dict | None = N
         split, merge = mod.function("tk_attn_split"), mod.function("tk_attn_merge")
 
         def run(q, k, v, cache_pos, scale):
+            if not (k.is_contiguous() and v.is_contiguous()):
+                raise TkccError("decode_attention (cuda): the KV cache must be contiguous [B, HKV, S, D]")
             B = q.shape[0]
             part = torch.empty(B * p["HQ"], p["nsplit"], p["D"] + 2, dtype=torch.float32, device=q.device)
             o = torch.empty_like(q)
