@@ -45,6 +45,7 @@ class SearchSpace:
         chosen = [reg[n] for n in names] if names else [p for n, p in reg.items() if n not in exclude]
         if exact_only:
             chosen = [p for p in chosen if p.exact]
+        chosen = [p for p in chosen if getattr(p, "emits_source", True)]  # the engine loads artifacts
         return cls(chosen)
 
     def features(self) -> list[tuple]:

@@ -38,6 +38,9 @@ class Pass:
     exact: ClassVar[bool] = True
     description: ClassVar[str] = ""
     params: ClassVar[dict[str, list[Any]]] = {}
+    # False when the rewritten graph holds runtime objects (e.g. captured CUDA graphs) that codegen cannot
+    # write into an artifact: such a pass serves in-process compiles (tkcc.compile), not the engine.
+    emits_source: ClassVar[bool] = True
 
     def apply(self, program, **params):  # -> (Program, RewriteInfo)
         raise NotImplementedError

@@ -92,6 +92,7 @@ class ExactCudaGraph(Pass):
     name = "exact_cudagraph"
     version = "1"
     exact = True
+    emits_source = False  # holds CUDA graphs / region runners: in-process only
     description = ("Replay each phase graph from CUDA graphs captured per input signature (launch elimination, "
                    "static buffers, one shared memory pool); eager where the graph synchronises with the host.")
     params = {"share_pool": [True, False], "capture_after": [1, 2], "speculate_host_reads": [False, True]}

@@ -129,6 +129,7 @@ class ExactRegions(Pass):
     name = "exact_regions"
     version = "1"
     exact = True
+    emits_source = False  # holds CUDA graphs / region runners: in-process only
     description = ("Cut each phase at its graph breaks (host reads, data-dependent sizes) with TorchDynamo and "
                    "replay every piece from CUDA graphs per input signature; host reads run as in eager.")
     params = {"capture_after": [2, 1], "max_graphs": [64, 16, 256]}
