@@ -6,15 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 extras="hf,cuda"
-[ "${1:-}" = "--dev" ] && extras="hf,cuda,dev"
+[ "${1:-}" = "--dev" ] && extras="hf,cuda,science,dev"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
+pin=()
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q "torch==2.13.0" \
     || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+  pin=("torch==$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')")
 fi
 # transformers and triton pinned to the versions the GPU image carries, so the
 # captured graphs match there; numpy<2.4 for Triton 3.6's interpreter.
-.venv/bin/python -m pip install -q -e ".[$extras]" "transformers==5.17.0" "triton==3.6.0" "numpy<2.4"
+# the torch pin keeps a dependency from swapping the CPU build for a CUDA one.
+.venv/bin/python -m pip install -q -e ".[$extras]" "transformers==5.17.0" "triton==3.6.0" "numpy<2.4" "${pin[@]}"
