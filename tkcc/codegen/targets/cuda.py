@@ -17,7 +17,7 @@ from tkcc.errors import TkccError
 
 # variant space per family (first value is the default); the search may choose per shape
 VARIANTS: dict[str, dict[str, list]] = {
-    "rmsnorm": {"threads": [256, 128, 512, 1024]},
+    "rmsnorm": {"threads": [256, 128, 512, 1024, 64, 32]},
     "router_topk": {"threads": [64, 128, 256]},
     "moe_gemv": {"warps": [4, 8, 2], "rows_per_warp": [2, 1, 4]},
     "decode_attention": {"nsplit": [0, 16, 32, 64, 128, 8], "warps": [4, 8, 2], "unroll": [4, 2, 8]},
@@ -31,7 +31,9 @@ def template_params(family: str, shape: dict, variant: dict | None = None) -> di
         if k not in VARIANTS[family]:
             raise TkccError(f"{family}: unknown variant parameter {k!r}; has {sorted(VARIANTS[family])}")
     if family == "rmsnorm":
-        return dict(D=shape["D"], threads=v["threads"], residual=shape.get("residual", True))
+        vector = shape["D"] % 8 == 0  # whole 16-byte vectors per row in every dtype
+        threads = min(v["threads"], max(32, 1 << (max(1, shape["D"] // 8) - 1).bit_length())) if vector else v["threads"]
+        return dict(D=shape["D"], threads=threads, residual=shape.get("residual", True), vector=vector)
     if family == "router_topk":
         if shape["E"] > 4 * v["threads"] * 8:
             raise TkccError(f"router_topk: E={shape['E']} too large for {v['threads']} threads")
@@ -96,6 +98,8 @@ def build(family: str, dtype: torch.dtype, shape: dict, variant: dict | None = N
         def run(x, residual, w, eps):
             y = torch.empty_like(x)
             res = residual if residual is not None else x
+            if p["vector"] and any(t.data_ptr() % 16 for t in (x, res, w)):
+                raise TkccError("rmsnorm (cuda): 16-byte vector loads need 16-byte aligned rows")
             fn((x.shape[0],), (p["threads"],), x.contiguous(), res, w, y, float(eps))
             return y, (residual if residual is not None else x)
         return run
