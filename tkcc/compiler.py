@@ -1,0 +1,447 @@
+"""``tkcc.compile``: capture, rewrite, generate, check and measure a model, in-process.
+
+    compiled = tkcc.compile(model, "azure-conv")
+    logits = compiled(input_ids)            # same call as the model (HF: the prefill graph)
+    tokens = compiled.generate(prompt, 16)  # greedy decoding over the static KV cache
+    compiled.report()                       # plan, pass logs, golden verdict, speedup, measured on
+
+Until the persistent engine and the plan search land, the plan is the
+default one (general exact passes, plus the fusion pass where available and
+allowed by ``mode``), applied in this process; the signature stays when
+they land. Every step is checked: the PassManager lints and compares
+numerics after every pass, the result is compared with the model's own
+eager forward on fresh inputs, and the speedup is measured against the
+captured graphs run op by op in eager PyTorch on shapes drawn from the trace.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tkcc.errors import CaptureError, PlanError, TkccError
+from tkcc.passes.general import DEFAULT_EXACT_PLAN
+from tkcc.passes.log import PassLog, format_logs, write_logs
+from tkcc.passes.manager import PassManager, load_pass_module
+from tkcc.passes.plan import PassPlan
+
+# On CPU, requests are clipped to this many tokens before buckets are drawn (a 1k-token CPU prefill of
+# every candidate would dominate the main job); the report says so (measured_on.max_context, clipped).
+CPU_MAX_CONTEXT = 256
+
+# fusion passes tried after the general ones, by mode (names as registered by tkcc.passes.fusion)
+_FUSION = {"exact": ["fuse_elementwise_exact"], "tolerance": ["fuse_elementwise"]}
+
+
+def default_plan(mode: str = "exact") -> PassPlan:
+    """General exact passes, then the fusion pass for ``mode`` if it is registered, then a final cleanup."""
+    from tkcc.passes.base import all_passes
+
+    registered = all_passes()
+    steps = list(DEFAULT_EXACT_PLAN)
+    for name in _FUSION.get(mode, []):
+        if name in registered and (mode == "tolerance" or registered[name].exact):
+            steps.append((name, {}))
+            steps.append(("dce", {}))
+            break
+    return PassPlan.of(*steps)
+
+
+def resolve_trace(trace):
+    """None -> the bundled Azure conversation trace; a bundled name or a path -> a loaded Trace."""
+    from tkcc.traffic.trace import Trace
+
+    if isinstance(trace, Trace):
+        return trace
+    from tkcc.traffic.loaders import BUNDLED, bundled_trace, load_trace
+
+    if trace is None:
+        trace = "azure-conv"
+    if isinstance(trace, str) and trace in BUNDLED:
+        return load_trace(bundled_trace(trace))
+    if not isinstance(trace, (str, Path)):
+        raise TkccError(f"trace must be a path, a bundled trace name or a Trace, got {type(trace).__name__}")
+    return load_trace(trace)
+
+
+def resolve_plan(plan, mode: str) -> PassPlan:
+    if plan is None:
+        return default_plan(mode)
+    if isinstance(plan, PassPlan):
+        return plan
+    if isinstance(plan, (str, Path)) and not str(plan).lstrip().startswith("[") and Path(str(plan)).is_file():
+        text = Path(str(plan)).read_text()
+        try:
+            return PassPlan.from_json(text)
+        except PlanError as e:
+            raise PlanError(f"{plan}: {e}") from None
+    return PassPlan.from_json(plan)
+
+
+def capture(model, example_inputs=None, device=None):
+    """The frontend's capture (HF causal LMs: prefill + decode over a static KV cache; plain modules: forward)."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"tkcc.compile: model must be a torch.nn.Module, got {type(model).__module__}."
+                           f"{type(model).__qualname__}")
+    if device is not None:
+        model = model.to(device)
+    from tkcc.frontend import capture as frontend_capture
+
+    kwargs = {} if example_inputs is None else {"example_inputs": example_inputs}
+    return frontend_capture(model, **kwargs)
+
+
+def _is_lm(program) -> bool:
+    return set(program.graphs) >= {"prefill", "decode"}
+
+
+# ---- speed -------------------------------------------------------------------------------------
+
+def pick_buckets(workload, program, max_buckets: int = 4) -> list:
+    """The heaviest buckets of each phase the program serves, at most ``max_buckets`` in all."""
+    per_phase = {}
+    for b in sorted(workload.buckets, key=lambda b: -b.weight):
+        if b.phase in program.graphs:
+            per_phase.setdefault(b.phase, []).append(b)
+    out, i = [], 0
+    while len(out) < max_buckets and any(i < len(v) for v in per_phase.values()):
+        for v in per_phase.values():
+            if i < len(v) and len(out) < max_buckets:
+                out.append(v[i])
+        i += 1
+    return out
+
+
+def measure_speed(program, forwards: dict, workload, *, max_buckets: int = 4, reps: int | None = None,
+                  warmup: int = 1, seed: int = 0) -> dict:
+    """Median time per call of the captured graphs (eager, op by op) vs ``forwards``, per bucket, one run."""
+    from tkcc.runtime.measurement import environment
+    from tkcc.runtime.timing import time_eager
+
+    dev = torch.device(program.meta.get("device", "cpu"))
+    reps = reps or (30 if dev.type == "cuda" else 3)
+    rows = []
+    for b in pick_buckets(workload, program, max_buckets):
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            sets = [program.inputs(b.phase, b, gen) for _ in range(2)]
+        except TkccError as e:
+            rows.append({"bucket": b.key(), "weight": b.weight, "skipped": str(e)})
+            continue
+        base = time_eager(program.graphs[b.phase], sets, reps, warmup, dev)
+        comp = time_eager(forwards[b.phase], sets, reps, warmup, dev)
+        base_m, comp_m = _median(base), _median(comp)
+        rows.append({"bucket": b.key(), "phase": b.phase, "weight": b.weight, "eager_s": base_m,
+                     "compiled_s": comp_m, "speedup": base_m / comp_m if comp_m > 0 else None,
+                     "samples": len(base)})
+        if hasattr(program, "reset_state"):
+            program.reset_state()
+    timed = [r for r in rows if r.get("speedup")]
+    wsum = sum(r["weight"] for r in timed)
+    geo = math.exp(sum(r["weight"] * math.log(r["speedup"]) for r in timed) / wsum) if wsum > 0 else None
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = None
+    env = environment(dev, program.meta.get("dtype"))
+    env.update({"triton": triton_version, "samples_per_bucket": reps, "warmup": warmup,
+                "timing": ("CUDA events around each call" if dev.type == "cuda" else "time.perf_counter_ns around each call")
+                + "; median per bucket; 2 input sets rotated; baseline and compiled in one process, one run",
+                "baseline": "captured graphs run op by op in eager PyTorch (no passes, no codegen)",
+                "workload": getattr(workload, "source", ""), "buckets_measured": len(timed),
+                "max_context": workload.meta.get("max_context"),
+                "clipped_fraction": workload.meta.get("clipped_fraction"),
+                "buckets_in_workload": len(workload.buckets)})
+    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env}
+
+
+def _median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+# ---- the compiled model ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class CompileReport:
+    """What ``compiled.report()`` shows: plan, pass logs, golden verdict, speed, and what it ran on."""
+
+    model: str
+    plan: list
+    plan_hash: str
+    mode: str
+    logs: list[PassLog]
+    golden: object | None  # GoldenReport
+    speed: dict | None
+    artifact: str | None
+    timings: dict
+    program: dict
+    checks: dict = dataclasses.field(default_factory=dict)  # extra diagnoses when the verdict is not bit-exact
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "mode": self.mode, "plan": self.plan, "plan_hash": self.plan_hash,
+            "passes": [log.summary() for log in self.logs],
+            "golden": self.golden.to_json() if self.golden is not None else None,
+            "speed": self.speed, "artifact": self.artifact, "timings_s": self.timings, "program": self.program,
+            "checks": self.checks,
+        }
+
+    def text(self) -> str:
+        lines = [f"tkcc compile: {self.model} ({self.program.get('dtype')} on {self.program.get('device')}), "
+                 f"mode={self.mode}, plan {self.plan_hash}",
+                 "plan: " + (" -> ".join(s["name"] for s in self.plan) or "(empty)"), "passes:"]
+        lines += ["  " + ln for ln in format_logs(self.logs).splitlines()]
+        if self.golden is not None:
+            lines.append(self.golden.summary())
+        if self.speed:
+            s = self.speed
+            geo = s.get("weighted_geomean_speedup")
+            lines.append("speed vs eager (" + s["measured_on"].get("baseline", "") + "):")
+            for r in s["buckets"]:
+                if "skipped" in r:
+                    lines.append(f"  {r['bucket']:<28} skipped: {r['skipped']}")
+                else:
+                    lines.append(f"  {r['bucket']:<28} weight {r['weight']:.3f}  eager {r['eager_s'] * 1e3:8.3f} ms  "
+                                 f"compiled {r['compiled_s'] * 1e3:8.3f} ms  x{r['speedup']:.2f}")
+            if geo:
+                lines.append(f"  weighted geomean speedup x{geo:.2f} over {s['measured_on'].get('buckets_measured')} "
+                             "buckets")
+            m = s["measured_on"]
+            lines.append("  measured on: " + ", ".join(f"{k}={m[k]}" for k in
+                                                       ("device", "dtype", "torch", "triton", "samples_per_bucket",
+                                                        "max_context", "clipped_fraction")
+                                                       if k in m) + f"; {m.get('timing')}")
+        if self.artifact:
+            lines.append(f"artifact: {self.artifact}")
+        lines.append("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items()))
+        return "\n".join(lines)
+
+
+class CompiledModel:
+    """A compiled model: call it like the model; ``generate`` for LMs; ``report()`` for what was done."""
+
+    def __init__(self, program, compiled_program, forwards: dict, report: CompileReport, artifact=None):
+        self.program = program  # as captured (the eager-equivalent reference)
+        self.compiled_program = compiled_program
+        self.forwards = forwards
+        self.artifact = artifact
+        self._report = report
+
+    @property
+    def plan(self) -> PassPlan:
+        return PassPlan.from_json(self._report.plan)
+
+    @property
+    def logs(self) -> list[PassLog]:
+        return self._report.logs
+
+    def __call__(self, *args, **kwargs):
+        with torch.no_grad():
+            if not _is_lm(self.program):
+                phase = self.program.phases[0]
+                return self.forwards[phase](*args, **kwargs)
+            input_ids = kwargs.pop("input_ids", None)
+            if input_ids is None:
+                if not args:
+                    raise TkccError("call the compiled model with input_ids (a [batch, tokens] int64 tensor)")
+                input_ids, args = args[0], args[1:]
+            kwargs.pop("use_cache", None)
+            mask = kwargs.pop("attention_mask", None)
+            if mask is not None and not bool(mask.all()):
+                raise TkccError("attention_mask with padding is not supported by the compiled prefill graph")
+            if args or kwargs:
+                raise TkccError(f"unsupported arguments for the compiled model: {sorted(kwargs) or len(args)}; "
+                                "it takes input_ids (and an all-ones attention_mask)")
+            self.program.reset_state()
+            try:
+                pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+                return self.forwards["prefill"](input_ids, pos)
+            finally:
+                self.program.reset_state()
+
+    def generate(self, prompt_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Greedy decoding with the compiled forwards: the ``new_tokens`` tokens after ``prompt_ids`` ([B, n])."""
+        if not _is_lm(self.program):
+            raise TkccError("generate() is for causal LMs (a Program with prefill and decode phases)")
+        from tkcc.frontend import greedy
+
+        with torch.no_grad():
+            return greedy(self.program, prompt_ids, new_tokens, forwards=self.forwards)
+
+    def report(self, print_report: bool = True) -> CompileReport:
+        if print_report:
+            print(self._report.text())
+        return self._report
+
+
+# ---- compile -----------------------------------------------------------------------------------
+
+def compile(model, trace=None, *, plan=None, example_inputs=None, device=None, mode: str = "exact",  # noqa: A001
+            measure: bool = True, pass_modules=(), out_dir=None, check: bool = True, codegen: bool = True,
+            max_buckets: int | None = None, measure_max_context: int | None = None, program=None
+            ) -> CompiledModel:
+    """Capture ``model``, apply the plan, generate code, check it against eager and measure it on ``trace``.
+
+    model:         an ``nn.Module`` (an HF causal LM, or a plain module with ``example_inputs``).
+    trace:         a trace path, a bundled trace name or a Trace (default: the bundled Azure conv trace);
+                   it decides the shapes the speedup is measured on.
+    plan:          a PassPlan, its JSON, or a JSON file (default: :func:`default_plan` for ``mode``).
+    mode:          "exact" (every pass bit-exact, checked bitwise) or "tolerance".
+    pass_modules:  Python files (or modules) with user passes to register before the plan is resolved.
+    out_dir:       where to keep the artifact and pass logs (default: a temporary directory).
+    program:       an already captured Program of ``model`` (skips capture).
+    max_buckets:   heaviest workload buckets to time (default 2 on CPU, 6 on GPU).
+    measure_max_context: clip the trace's requests to this many tokens before drawing buckets
+                   (default: the KV cache length; on CPU at most CPU_MAX_CONTEXT, reported in measured_on).
+    """
+    if mode not in ("exact", "tolerance"):
+        raise PlanError(f"mode must be 'exact' or 'tolerance', got {mode!r}")
+    if program is None and not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"tkcc.compile: model must be a torch.nn.Module, got {type(model).__module__}."
+                           f"{type(model).__qualname__}")
+    for pm in pass_modules or ():
+        load_pass_module(pm)
+    plan = resolve_plan(plan, mode)
+    from tkcc.passes.manager import resolve_plan as check_plan
+
+    check_plan(plan)  # bad plans fail before any work
+    timings = {}
+    t = time.perf_counter()
+    trace_obj = resolve_trace(trace) if (measure or trace is not None) else None
+    timings["trace"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    program = program if program is not None else capture(model, example_inputs, device)
+    timings["capture"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    compiled_program, logs = PassManager(mode=mode).run(program, plan)
+    timings["passes"] = time.perf_counter() - t
+
+    # outputs go to a temporary sibling of out_dir, renamed into place only when everything succeeded
+    final = Path(out_dir) if out_dir is not None else None
+    if final is not None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    else:
+        work = Path(tempfile.mkdtemp(prefix="tkcc-compile-"))
+    try:
+        return _finish(model, program, compiled_program, logs, plan, mode, work, final, codegen, check, measure,
+                       trace_obj, max_buckets, measure_max_context, timings)
+    finally:
+        if final is not None and work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _finish(model, program, compiled_program, logs, plan, mode, work, final, codegen, check, measure, trace_obj,
+            max_buckets, measure_max_context, timings) -> CompiledModel:
+    """Codegen, check, measure, report; then move ``work`` to ``final`` (if given)."""
+    write_logs(logs, work / "logs")
+    forwards, artifact = dict(compiled_program.graphs), None
+    t = time.perf_counter()
+    if codegen:
+        from tkcc.codegen.artifact import Artifact, build_artifact
+
+        art_dir = work / "artifact"
+        if art_dir.exists():
+            shutil.rmtree(art_dir)
+        build_artifact(compiled_program, plan, art_dir)
+        artifact = Artifact.open(art_dir)
+        forwards = artifact.load(compiled_program)
+    timings["codegen"] = time.perf_counter() - t
+
+    golden, golden_extra = None, {}
+    t = time.perf_counter()
+    if check:
+        from tkcc.runtime.golden import check_against_eager
+
+        golden = check_against_eager(program, forwards, mode=mode, steps=3, diagnose=True)
+        golden_extra = dict(golden.diagnosis)
+    timings["check"] = time.perf_counter() - t
+
+    speed = None
+    t = time.perf_counter()
+    if measure:
+        from tkcc.traffic.buckets import workload_from_trace
+
+        if _is_lm(program):
+            on_gpu = str(program.meta.get("device", "cpu")).startswith("cuda")
+            max_ctx = int(program.meta.get("max_cache_len", 1024)) - 1
+            if measure_max_context is not None:
+                max_ctx = min(max_ctx, int(measure_max_context))
+            elif not on_gpu:
+                max_ctx = min(max_ctx, CPU_MAX_CONTEXT)
+            workload = workload_from_trace(trace_obj, max_context=max_ctx,
+                                           batch_sizes=(int(program.meta.get("batch", 1)),))
+            if max_buckets is None:
+                max_buckets = 6 if str(program.meta.get("device", "cpu")).startswith("cuda") else 2
+            speed = measure_speed(program, forwards, workload, max_buckets=max_buckets)
+        else:
+            speed = _measure_plain(program, forwards)
+    timings["measure"] = time.perf_counter() - t
+
+    info = {k: program.meta.get(k) for k in ("name", "family", "dtype", "device", "max_cache_len", "batch",
+                                               "num_layers", "num_params")}
+    info["fingerprint"] = program.fingerprint
+    info["phases"] = program.phases
+    name = str(program.meta.get("name") or type(model).__name__)
+    report = CompileReport(model=name, plan=plan.to_json(), plan_hash=plan.hash(), mode=mode, logs=logs,
+                           golden=golden, speed=speed, artifact=str(artifact.path) if artifact else None,
+                           timings={k: round(v, 3) for k, v in timings.items()}, program=info,
+                           checks=golden_extra)
+    if final is not None:
+        _replace_dir(work, final)
+        if artifact is not None:
+            from tkcc.codegen.artifact import Artifact
+
+            artifact = Artifact.open(final / "artifact")  # same verified bytes, at their final place
+            report.artifact = str(artifact.path)
+    return CompiledModel(program, compiled_program, forwards, report, artifact)
+
+
+def _replace_dir(tmp: Path, dest: Path) -> None:
+    """Move ``tmp`` to ``dest``, replacing an older ``dest`` (never leaving a half-written one)."""
+    import os
+
+    if dest.exists():
+        if not dest.is_dir():
+            raise TkccError(f"{dest}: exists and is not a directory")
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+
+
+def _measure_plain(program, forwards) -> dict:
+    """Plain modules: time each phase on its example inputs (no trace shapes apply)."""
+    from tkcc.runtime.measurement import environment
+    from tkcc.runtime.timing import time_eager
+
+    dev = torch.device(program.meta.get("device", "cpu"))
+    reps = 30 if dev.type == "cuda" else 7
+    rows = []
+    for ph in program.phases:
+        sets = [program.inputs(ph, None, torch.Generator().manual_seed(i)) for i in range(2)]
+        eager = program.eager if getattr(program, "eager", None) is not None else program.graphs[ph]
+        base = _median(time_eager(eager, sets, reps, 2, dev))
+        comp = _median(time_eager(forwards[ph], sets, reps, 2, dev))
+        rows.append({"bucket": f"{ph}/example", "phase": ph, "weight": 1.0 / len(program.phases), "eager_s": base,
+                     "compiled_s": comp, "speedup": base / comp if comp > 0 else None, "samples": reps})
+    env = environment(dev, program.meta.get("dtype"))
+    env.update({"samples_per_bucket": reps, "timing": "median per phase on the example input shapes",
+                "baseline": "the model's own forward (eager)", "platform": platform.platform()})
+    timed = [r for r in rows if r["speedup"]]
+    geo = math.exp(sum(math.log(r["speedup"]) for r in timed) / len(timed)) if timed else None
+    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env}

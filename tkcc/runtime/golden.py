@@ -1,0 +1,521 @@
+"""Golden outputs: record a model's eager outputs once, check any candidate against them.
+
+A golden record is what the model itself computes (plain PyTorch, eager,
+the Program's ``eager`` module over the static KV cache) on deterministic
+prompts drawn from seeds: the prefill logits at every prompt position, the
+logits of N greedy decode steps and the greedy tokens. It lives under
+``golden/<model>/<device>-<dtype>/`` as ``outputs.pt`` plus ``meta.json``
+(versions, seeds, a sha256 of the tensors), a few kilobytes per model.
+
+A check replays the same prompts through the candidate (a Program's graphs,
+or the ``forwards`` an artifact loaded) and compares. Decode steps are
+teacher-forced with the golden tokens, so one early token flip does not
+turn every later comparison into noise; whether the candidate's own greedy
+choice agrees is reported separately (token agreement). Verdicts:
+
+- ``exact``: every logit bitwise equal (the default: invariant 2);
+- ``tolerance``: every logit within rtol/atol *and* identical greedy tokens.
+
+``bisect`` finds the first pass of a plan that breaks the verdict by
+applying prefixes of the plan (binary search; a plan whose prefix k breaks
+exactness is assumed to stay broken for every longer prefix).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tkcc.errors import GoldenError, TkccError
+from tkcc.passes.lint import TOLERANCES, compare
+
+DEFAULT_SEEDS = (0, 1)
+DEFAULT_PROMPT_LENS = (8, 5)
+DEFAULT_STEPS = 6
+FORMAT_VERSION = 1
+
+
+# ---- where golden data lives -----------------------------------------------------------------
+
+def golden_root(root: str | Path | None = None) -> Path:
+    """``root``, else ``$TKCC_GOLDEN_DIR``, else the repository's ``golden/``, else ``./golden``."""
+    if root is not None:
+        return Path(root)
+    env = os.environ.get("TKCC_GOLDEN_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2] / "golden"
+    return repo if repo.is_dir() else Path.cwd() / "golden"
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _device_name(device) -> str:
+    return torch.device(device).type
+
+
+def golden_path(model_name: str, dtype="float32", device="cpu", root=None) -> Path:
+    return golden_root(root) / model_name / f"{_device_name(device)}-{_dtype_name(dtype)}"
+
+
+def _parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    d = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(d, torch.dtype):
+        raise GoldenError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16")
+    return d
+
+
+# ---- running a sequence ------------------------------------------------------------------------
+
+def _reset(program) -> None:
+    if hasattr(program, "reset_state"):
+        program.reset_state()
+    elif getattr(program, "state", None) is not None:
+        with torch.no_grad():
+            for b in program.state.buffers():
+                b.zero_()
+
+
+def _prompts(vocab: int, seeds, lens, batch: int, device) -> list[torch.Tensor]:
+    out = []
+    for seed, n in zip(seeds, lens):
+        g = torch.Generator().manual_seed(int(seed))
+        out.append(torch.randint(0, vocab, (batch, int(n)), generator=g).to(device))
+    return out
+
+
+@torch.no_grad()
+def run_sequence(program, forwards: dict, prompt: torch.Tensor, steps: int, force: torch.Tensor | None = None):
+    """Prefill ``prompt`` then ``steps`` decode steps; returns (prefill logits, decode logits, own greedy tokens).
+
+    ``force`` ([B, steps+1] tokens) teacher-forces the decode inputs; the
+    returned tokens are always the candidate's own argmax choices.
+    """
+    _reset(program)
+    dev = prompt.device
+    t = prompt.shape[1]
+    pre = forwards["prefill"](prompt, torch.arange(t, device=dev))
+    pre = pre.detach().clone()
+    tok = pre[:, -1].argmax(-1, keepdim=True)
+    toks, dec = [tok], []
+    for i in range(steps):
+        feed = force[:, i:i + 1].to(dev) if force is not None else tok
+        out = forwards["decode"](feed, torch.tensor([t + i], device=dev))
+        last = out[:, -1].detach().clone()
+        dec.append(last)
+        tok = last.argmax(-1, keepdim=True)
+        toks.append(tok)
+    _reset(program)
+    return pre, torch.stack(dec) if dec else torch.empty(0), torch.cat(toks, dim=1)
+
+
+def _is_lm(program) -> bool:
+    return set(program.graphs) >= {"prefill", "decode"}
+
+
+def _graph_forwards(program) -> dict:
+    return dict(program.graphs)
+
+
+def _eager_forwards(program) -> dict:
+    eager = getattr(program, "eager", None)
+    if eager is None:
+        raise GoldenError("this Program has no eager reference module (Program.eager); "
+                          "capture it with tkcc.frontend.capture")
+    return {ph: eager for ph in program.graphs}
+
+
+# ---- record ------------------------------------------------------------------------------------
+
+def _capture(model_name: str, dtype, device):
+    from tkcc.frontend import capture_model
+
+    return capture_model(model_name, dtype=_parse_dtype(dtype), device=device)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def record(model_name: str, dtype="float32", device="cpu", steps: int = DEFAULT_STEPS, *, root=None,
+           seeds=DEFAULT_SEEDS, prompt_lens=DEFAULT_PROMPT_LENS, program=None, reference: str = "graph") -> Path:
+    """Record the outputs of a built-in model; returns the golden directory (written atomically).
+
+    ``reference="graph"`` (default) records the captured, unmodified graphs
+    run op by op in eager PyTorch: what every candidate is derived from, so a
+    pass or a kernel is judged on its own. ``reference="eager"`` records the
+    model's own forward (``Program.eager``). Either way ``meta.json`` says how
+    far the captured graph is from the model's own forward
+    (``capture_vs_eager``), so a capture that is not bit-exact is visible.
+    """
+    if reference not in ("graph", "eager"):
+        raise GoldenError(f"reference must be 'graph' or 'eager', got {reference!r}")
+    if steps < 1:
+        raise GoldenError(f"steps={steps}: record at least one decode step")
+    if len(seeds) != len(prompt_lens):
+        raise GoldenError(f"{len(seeds)} seeds but {len(prompt_lens)} prompt lengths")
+    program = program if program is not None else _capture(model_name, dtype, device)
+    if not _is_lm(program):
+        raise GoldenError(f"{model_name}: golden records are for causal LMs (phases prefill+decode), "
+                          f"this Program has {program.phases}")
+    vocab = int(program.meta.get("vocab_size") or program.model.config.vocab_size)
+    batch = int(program.meta.get("batch", 1))
+    forwards = _eager_forwards(program) if reference == "eager" else _graph_forwards(program)
+    prompts = _prompts(vocab, seeds, prompt_lens, batch, device)
+    data = {"version": FORMAT_VERSION, "prompts": [], "prefill_logits": [], "decode_logits": [], "tokens": []}
+    runs = []
+    for p in prompts:
+        pre, dec, toks = run_sequence(program, forwards, p, steps)
+        runs.append((pre.cpu(), dec.cpu(), toks.cpu()))
+        data["prompts"].append(p.cpu())
+        data["prefill_logits"].append(pre.cpu())
+        data["decode_logits"].append(dec.cpu())
+        data["tokens"].append(toks.cpu())
+    other = _graph_forwards(program) if reference == "eager" else _eager_forwards(program)
+    other_runs = [tuple(x.cpu() for x in run_sequence(program, other, p, steps, force=r[2]))
+                  for p, r in zip(prompts, runs)]
+    cve = _compare_lm(model_name, "exact", None, None, reference, runs, other_runs)
+    dest = golden_path(model_name, dtype, device, root)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        torch.save(data, tmp / "outputs.pt")
+        meta = dict(
+            model=model_name, dtype=_dtype_name(dtype), device=_device_name(device), steps=steps,
+            seeds=list(seeds), prompt_lens=list(prompt_lens), batch=batch, vocab_size=vocab,
+            max_cache_len=program.meta.get("max_cache_len"),
+            fingerprint=program.fingerprint,
+            reference=("captured graphs, unmodified, run op by op" if reference == "graph"
+                       else "eager (Program.eager over the static KV cache)"),
+            capture_vs_eager=dict(exact=cve.exact, max_abs_err=cve.max_abs_err, max_rel_err=cve.max_rel_err,
+                                  first_diff=cve.first_diff, token_agreement=cve.token_agreement),
+            torch_version=torch.__version__, transformers_version=_version("transformers"),
+            recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            sha256=_digest(tmp / "outputs.pt"), format_version=FORMAT_VERSION,
+        )
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _replace_dir(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _replace_dir(tmp: Path, dest: Path) -> None:
+    """Move ``tmp`` to ``dest`` atomically, replacing an older ``dest``."""
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+
+
+def _version(mod: str) -> str | None:
+    try:
+        return __import__(mod).__version__
+    except Exception:
+        return None
+
+
+@dataclass
+class Golden:
+    path: Path
+    meta: dict
+    data: dict
+
+
+def load(model_name: str | None = None, dtype="float32", device="cpu", *, root=None, path=None) -> Golden:
+    """Read a golden record, verifying its hash."""
+    d = Path(path) if path is not None else golden_path(model_name, dtype, device, root)
+    meta_f, out_f = d / "meta.json", d / "outputs.pt"
+    if not meta_f.exists() or not out_f.exists():
+        raise GoldenError(f"no golden record at {d} (expected meta.json and outputs.pt); "
+                          f"record one with: tkcc golden record --model {model_name or '<name>'} "
+                          f"--device {_device_name(device)} --dtype {_dtype_name(dtype)}")
+    try:
+        meta = json.loads(meta_f.read_text())
+    except json.JSONDecodeError as e:
+        raise GoldenError(f"{meta_f}: not valid JSON: {e}") from e
+    if meta.get("sha256") and meta["sha256"] != _digest(out_f):
+        raise GoldenError(f"{out_f}: sha256 does not match meta.json (file changed or truncated); record again")
+    try:
+        data = torch.load(out_f, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise GoldenError(f"{out_f}: cannot be read: {e}") from e
+    return Golden(d, meta, data)
+
+
+# ---- check -------------------------------------------------------------------------------------
+
+@dataclass
+class GoldenReport:
+    """Outcome of comparing a candidate with golden (or eager) outputs."""
+
+    model: str
+    mode: str
+    ok: bool
+    exact: bool
+    reference: str  # path of the golden record, or "eager (fresh inputs, seeds ...)"
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    first_diff: str | None = None  # "prompt 0, decode step 3, index (0, 17): 0.1 vs 0.2"
+    token_agreement: float = 1.0
+    first_token_mismatch: str | None = None
+    compared: int = 0  # number of logit tensors compared
+    rtol: float | None = None
+    atol: float | None = None
+    notes: list[str] = field(default_factory=list)
+    # when asked and not bit-exact: candidate vs captured graphs, captured graphs vs eager (JSON reports)
+    diagnosis: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for k in ("max_abs_err", "max_rel_err"):
+            if isinstance(d[k], float) and not math.isfinite(d[k]):
+                d[k] = str(d[k])
+        return d
+
+    def summary(self) -> str:
+        verdict = "PASS" if self.ok else "FAIL"
+        kind = "bit-exact" if self.exact else f"max abs err {self.max_abs_err:.3g}, max rel err {self.max_rel_err:.3g}"
+        lines = [f"golden {verdict} ({self.mode} mode) for {self.model}: {kind}; "
+                 f"greedy-token agreement {self.token_agreement:.0%} over {self.compared} outputs",
+                 f"  reference: {self.reference}"]
+        if self.first_diff:
+            lines.append(f"  first difference: {self.first_diff}")
+        if self.first_token_mismatch:
+            lines.append(f"  first token mismatch: {self.first_token_mismatch}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _program_name(program) -> str:
+    return str(program.meta.get("name") or getattr(program.model, "tkcc_name", None) or "model")
+
+
+def _compare_lm(name, mode, rtol, atol, reference_label, ref_runs, got_runs, notes=()) -> GoldenReport:
+    exact_req = mode == "exact"
+    rep = GoldenReport(model=name, mode=mode, ok=True, exact=True, reference=reference_label, rtol=rtol, atol=atol,
+                       notes=list(notes))
+    agree = total = 0
+    for i, ((rpre, rdec, rtok), (gpre, gdec, gtok)) in enumerate(zip(ref_runs, got_runs)):
+        parts = [("prefill", rpre, gpre)] + [(f"decode step {s}", rdec[s], gdec[s]) for s in range(rdec.shape[0])]
+        for label, r, g in parts:
+            rep.compared += 1
+            c = compare(r, g.to(r.device), exact=exact_req, rtol=rtol, atol=atol)
+            rep.max_abs_err = max(rep.max_abs_err, c.max_abs_err)
+            rep.max_rel_err = max(rep.max_rel_err, c.max_rel_err)
+            if not c.exact:
+                rep.exact = False
+                if rep.first_diff is None:
+                    where = c.first_diff.split(" ", 1)[1] if c.first_diff and " " in c.first_diff else c.first_diff
+                    rep.first_diff = f"prompt {i}, {label}, {where}"
+            if not c.ok:
+                rep.ok = False
+        n = min(rtok.shape[1], gtok.shape[1])
+        same = (rtok[:, :n] == gtok[:, :n].to(rtok.device))
+        agree += int(same.sum())
+        total += same.numel()
+        if rep.first_token_mismatch is None and not bool(same.all()):
+            j = int((~same).nonzero()[0][1])
+            rep.first_token_mismatch = (f"prompt {i}, token {j}: golden {int(rtok[0, j])}, "
+                                        f"candidate {int(gtok[0, j])}")
+    rep.token_agreement = agree / total if total else 1.0
+    if total and agree != total:
+        rep.ok = False
+    return rep
+
+
+def check(name_or_program, forwards: dict | None = None, mode: str = "exact", rtol: float | None = None,
+          atol: float | None = None, *, dtype="float32", device="cpu", root=None, golden: Golden | None = None
+          ) -> GoldenReport:
+    """Compare a candidate with the recorded golden outputs.
+
+    ``name_or_program``: a built-in model name (captured here; the candidate
+    is its graphs) or a Program. ``forwards``: phase -> callable replacing
+    the Program's graphs (e.g. ``artifact.load(program)``).
+    """
+    if mode not in ("exact", "tolerance"):
+        raise GoldenError(f"mode must be 'exact' or 'tolerance', got {mode!r}")
+    if isinstance(name_or_program, str):
+        program = _capture(name_or_program, dtype, device)
+        name = name_or_program
+    else:
+        program = name_or_program
+        name = _program_name(program)
+        dtype = program.meta.get("dtype", dtype)
+        device = program.meta.get("device", device)
+    if not _is_lm(program):
+        raise GoldenError(f"{name}: golden records are for causal LMs; use check_against_eager for {program.phases}")
+    golden = golden if golden is not None else load(name.split("[")[0], dtype, device, root=root)
+    if rtol is None and atol is None and mode == "tolerance":
+        rtol, atol = TOLERANCES.get(_parse_dtype(dtype), (1e-4, 1e-5))
+    forwards = forwards if forwards is not None else _graph_forwards(program)
+    d = golden.data
+    ref_runs, got_runs = [], []
+    for p, pre, dec, toks in zip(d["prompts"], d["prefill_logits"], d["decode_logits"], d["tokens"]):
+        dev = torch.device(program.meta.get("device", "cpu"))
+        got = run_sequence(program, forwards, p.to(dev), dec.shape[0], force=toks)
+        ref_runs.append((pre, dec, toks))
+        got_runs.append(tuple(x.cpu() for x in got))
+    notes = []
+    if golden.meta.get("torch_version") and golden.meta["torch_version"] != torch.__version__:
+        notes.append(f"golden recorded with torch {golden.meta['torch_version']}, checking with {torch.__version__}")
+    if golden.meta.get("max_cache_len") not in (None, program.meta.get("max_cache_len")):
+        notes.append(f"golden recorded with max_cache_len={golden.meta['max_cache_len']}, this Program has "
+                     f"{program.meta.get('max_cache_len')} (attention shapes differ: bits may too)")
+    if golden.meta.get("fingerprint") and golden.meta["fingerprint"] != program.fingerprint:
+        notes.append("model fingerprint differs from the recorded one (different weights, settings or truncation)")
+    return _compare_lm(name, mode, rtol, atol, str(golden.path), ref_runs, got_runs, notes)
+
+
+def check_against_eager(program, forwards: dict | None = None, mode: str = "exact", rtol=None, atol=None, *,
+                        seeds=(1234, 5678), steps: int = 4, prompt_lens=(7, 3), reference: dict | None = None,
+                        reference_label: str | None = None, diagnose: bool = False) -> GoldenReport:
+    """Compare a candidate with the Program's own eager module on fresh inputs (no recorded data needed).
+
+    ``reference``: phase -> callable to compare with instead of the eager
+    module. ``diagnose``: if the candidate is not bit-exact, also run the
+    captured graphs on the same inputs and report candidate-vs-captured and
+    captured-vs-eager, which tells a capture difference from a compiler one.
+    """
+    if mode not in ("exact", "tolerance"):
+        raise GoldenError(f"mode must be 'exact' or 'tolerance', got {mode!r}")
+    name = _program_name(program)
+    forwards = forwards if forwards is not None else _graph_forwards(program)
+    eager = reference if reference is not None else _eager_forwards(program)
+    dtype = _parse_dtype(program.meta.get("dtype", "float32"))
+    if rtol is None and atol is None and mode == "tolerance":
+        rtol, atol = TOLERANCES.get(dtype, (1e-4, 1e-5))
+    label = f"{reference_label or 'eager'} on fresh inputs (seeds {list(seeds)})"
+    if _is_lm(program):
+        vocab = int(program.meta.get("vocab_size") or program.model.config.vocab_size)
+        dev = torch.device(program.meta.get("device", "cpu"))
+        ref_runs, got_runs = [], []
+        prompts = _prompts(vocab, seeds, prompt_lens, int(program.meta.get("batch", 1)), dev)
+        for p in prompts:
+            ref = run_sequence(program, eager, p, steps)
+            got = run_sequence(program, forwards, p, steps, force=ref[2])
+            ref_runs.append(tuple(x.cpu() for x in ref))
+            got_runs.append(tuple(x.cpu() for x in got))
+        rep = _compare_lm(name, mode, rtol, atol, label, ref_runs, got_runs)
+        if diagnose and not rep.exact:
+            cap_runs = [tuple(x.cpu() for x in run_sequence(program, _graph_forwards(program), p, steps, force=r[2]))
+                        for p, r in zip(prompts, ref_runs)]
+            vs_cap = _compare_lm(name, mode, rtol, atol, "captured graphs", cap_runs, got_runs)
+            cap = _compare_lm(name, mode, rtol, atol, label, ref_runs, cap_runs)
+            rep.diagnosis = {"compiled_vs_captured": vs_cap.to_json(), "captured_vs_eager": cap.to_json()}
+
+            def say(r):
+                return "bit-exact" if r.exact else f"max abs err {r.max_abs_err:.3g}"
+
+            rep.notes.append(f"candidate vs captured graphs: {say(vs_cap)}; captured graphs vs eager: {say(cap)}"
+                             + ("  => the difference comes from capture (frontend), not from passes or codegen"
+                                if vs_cap.exact and not cap.exact else ""))
+        return rep
+    # plain modules: every phase on fresh inputs from Program.inputs
+    from tkcc.passes.lint import run_graph
+
+    rep = GoldenReport(model=name, mode=mode, ok=True, exact=True, reference=label, rtol=rtol, atol=atol)
+    for seed in seeds:
+        for ph in program.phases:
+            inputs = program.inputs(ph, None, torch.Generator().manual_seed(int(seed)))
+            ref = run_graph(eager[ph], inputs, program)
+            got = run_graph(forwards[ph], inputs, program)
+            c = compare(ref, got, exact=(mode == "exact"), rtol=rtol, atol=atol)
+            rep.compared += 1
+            rep.max_abs_err = max(rep.max_abs_err, c.max_abs_err)
+            rep.max_rel_err = max(rep.max_rel_err, c.max_rel_err)
+            if not c.exact:
+                rep.exact = False
+                rep.first_diff = rep.first_diff or f"seed {seed}, phase {ph}, {c.first_diff}"
+            if not c.ok:
+                rep.ok = False
+    return rep
+
+
+# ---- bisect ------------------------------------------------------------------------------------
+
+@dataclass
+class BisectResult:
+    """The first plan step whose prefix fails the check (None: the whole plan passes)."""
+
+    step: int | None
+    pass_name: str | None
+    params: dict | None
+    report: GoldenReport | None  # the check of the first failing prefix
+    checks: int = 0  # how many prefixes were checked
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "pass": self.pass_name, "params": self.params, "checks": self.checks,
+                "report": self.report.to_json() if self.report else None}
+
+    def summary(self) -> str:
+        if self.step is None:
+            return f"bisect: every prefix of the plan passes ({self.checks} checks)"
+        return (f"bisect: plan step {self.step} ({self.pass_name} {self.params}) is the first that breaks the check "
+                f"({self.checks} checks)\n" + (self.report.summary() if self.report else ""))
+
+
+def bisect(program, plan, golden=None, mode: str = "exact", rtol=None, atol=None, **check_kwargs) -> BisectResult:
+    """First pass of ``plan`` whose application makes ``program`` fail the golden check.
+
+    ``golden``: a :class:`Golden`, a path to a golden directory, ``"eager"``
+    (compare with the Program's eager module on fresh inputs), or None (the
+    recorded golden for the program's model). Prefixes are applied with the
+    PassManager's own numerics check off, so the golden check is the judge.
+    """
+    from tkcc.passes.manager import PassManager, resolve_plan
+    from tkcc.passes.plan import PassPlan
+
+    plan = plan if isinstance(plan, PassPlan) else PassPlan.from_json(plan)
+    resolve_plan(plan)
+    if isinstance(golden, (str, Path)) and str(golden) != "eager":
+        golden = load(path=golden)
+
+    def judge(k: int) -> GoldenReport:
+        prefix = PassPlan(plan.steps[:k])
+        prog, _ = PassManager(check_numerics=False).run(program, prefix)
+        if golden == "eager":
+            return check_against_eager(prog, mode=mode, rtol=rtol, atol=atol, **check_kwargs)
+        return check(prog, mode=mode, rtol=rtol, atol=atol, golden=golden, **check_kwargs)
+
+    checks = 1
+    full = judge(len(plan))
+    if full.ok:
+        return BisectResult(None, None, None, None, checks)
+    base = judge(0)
+    checks += 1
+    if not base.ok:
+        raise GoldenError(f"the program fails the check before any pass is applied: {base.first_diff}; "
+                          "bisect needs a passing starting point")
+    lo, hi, bad = 0, len(plan), full  # prefix lo passes, prefix hi fails
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        rep = judge(mid)
+        checks += 1
+        if rep.ok:
+            lo = mid
+        else:
+            hi, bad = mid, rep
+    step = plan.steps[hi - 1]
+    return BisectResult(hi - 1, step.name, dict(step.params), bad, checks)
+
+
+__all__ = ["record", "check", "check_against_eager", "bisect", "load", "golden_path", "GoldenReport",
+           "BisectResult", "run_sequence", "TkccError"]
