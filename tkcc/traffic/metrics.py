@@ -78,6 +78,7 @@ class BucketTimingModel:
         if bad:
             raise TkccError(f"bucket timings must be finite and >= 0: {bad[:5]}")
         self.forward = {b.key(): (b.weight, t[b.key()]) for b in workload.buckets if b.phase == "forward"}
+        self.has_prefill = "prefill" in workload.phases()
         for phase in ("prefill", "decode"):
             for b in workload.batch_sizes():
                 bs = sorted(workload.buckets_for(phase, b), key=lambda x: x.context)
@@ -86,6 +87,10 @@ class BucketTimingModel:
                                               np.array([t[x.key()] for x in bs]))
 
     def _interp(self, phase, batch, contexts):
+        if phase == "prefill" and (phase, batch) not in self.grids and not self.has_prefill:
+            # a decode-only workload (Workload.only("decode")): prefill is not measured, so every
+            # TTFT-based figure comes out None while the decode figures stay exact
+            return np.full(np.shape(contexts), np.nan)
         if (phase, batch) not in self.grids:
             raise TkccError(f"no {phase} timings at batch {batch}; have {sorted(self.grids)}")
         g, v = self.grids[(phase, batch)]
@@ -116,6 +121,8 @@ def _as_timing_model(workload, timing_model):
 
 
 def _pct(values, weights) -> dict:
+    keep = np.isfinite(values)  # NaN: not measured (decode-only workloads have no TTFT)
+    values, weights = values[keep], np.asarray(weights)[keep]
     if values.size == 0:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
     p50, p90, p99 = weighted_quantiles(values, weights, (0.5, 0.9, 0.99))

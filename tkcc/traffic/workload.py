@@ -78,6 +78,16 @@ class Workload:
         blob = json.dumps(payload, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def only(self, *phases: str) -> "Workload":
+        """The same traffic with only the buckets of ``phases`` measured (e.g. decode alone, for a model
+        whose eager prefill cannot run at the trace's prompt lengths); figures that need the others are None."""
+        keep = [b for b in self.buckets if b.phase in phases]
+        if not keep:
+            raise ValueError(f"workload has no buckets of phases {phases}; it has {sorted(self.phases())}")
+        from dataclasses import replace
+
+        return replace(self, buckets=keep, meta={**self.meta, "phases_measured": list(phases)})
+
     def phases(self) -> set[str]:
         return {b.phase for b in self.buckets}
 

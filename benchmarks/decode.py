@@ -1,0 +1,446 @@
+"""Batch-1 decode on one GPU: HF eager, HF + torch.compile (optional), tkcc's fused path, and the floor.
+
+For each model and context: ms/token (CUDA events, median of several runs of
+``--tokens`` steps; the tkcc path replays one CUDA graph per step), the floor
+(weights read per token + KV bytes at that context, over the device-to-device
+copy bandwidth measured in this run) and the peak device memory of each
+variant. MoE models are timed under the router's own (near-uniform) choices
+and under real OLMoE routing replayed into the expert kernels (forced ids
+sampled from ``tkcc.traffic.routing.Routing``). Then the trace-weighted
+objective (P90 per-user decode tokens/s) from the measured curve.
+
+  python benchmarks/decode.py --checks        # full run: ~2.5 min on an H200 (kernel checks, 2 models, 4 contexts)
+  python benchmarks/decode.py --quick         # 2 contexts, fewer tokens
+  python benchmarks/decode.py --compile       # add HF static cache + torch.compile (slow to compile)
+  TRITON_INTERPRET=1 python benchmarks/decode.py --smoke   # CPU: llama-tiny through every code path, ~1 min
+Rows go to benchmarks/results/decode.json (and $OUT/decode.json when $OUT is set).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tkcc.frontend.models import build_model, get_spec  # noqa: E402
+from tkcc.kernels.decoder import FusedDecoder  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read + written (median of 20)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    ts = []
+    for i in range(25):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            ts.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / float(np.median(ts))
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode token reads: all but the embedding table (one row), experts k/E."""
+    cfg = model.config
+    total = 0
+    emb = model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        if p is emb and not getattr(cfg, "tie_word_embeddings", False):
+            total += p.shape[1] * p.element_size()
+            continue
+        b = p.numel() * p.element_size()
+        if ".experts." in name:
+            b = b * cfg.num_experts_per_tok // cfg.num_experts
+        total += b
+    return total
+
+
+def kv_bytes(model, context: int) -> int:
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * d * context * 2
+
+
+def time_steps(fn, n: int, reps: int) -> float:
+    """Median over reps of (time of n calls)/n, ms; CUDA events (host clock on CPU)."""
+    out = []
+    for _ in range(reps):
+        if CUDA:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn(n)
+            e1.record()
+            torch.cuda.synchronize()
+            out.append(e0.elapsed_time(e1) / n)
+        else:
+            t = time.perf_counter()
+            fn(n)
+            out.append((time.perf_counter() - t) * 1e3 / n)
+    return float(np.median(out))
+
+
+def peak_reset():
+    if CUDA:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak() -> int:
+    return int(torch.cuda.max_memory_allocated()) if CUDA else 0
+
+
+# -- HF baselines --------------------------------------------------------------------------------
+def hf_decode_timer(model, context: int, tokens: int, fwd):
+    """A decode-step loop on HF's StaticCache at ``context``; the cache holds random K/V (timing only)."""
+    from transformers import StaticCache
+
+    dev = next(model.parameters()).device
+    cache = StaticCache(config=model.config, max_cache_len=context + tokens + 8)
+    tok = torch.tensor([[7]], device=dev)
+    with torch.no_grad():
+        model(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([0], device=dev), use_cache=True)
+    for layer in cache.layers:
+        layer.keys.normal_()
+        layer.values.normal_()
+    positions = [torch.tensor([context + i], device=dev) for i in range(tokens)]
+
+    def run(n):
+        with torch.no_grad():
+            for i in range(n):
+                fwd(input_ids=tok, past_key_values=cache, cache_position=positions[i % tokens], use_cache=True)
+    return run, cache
+
+
+def hf_rows(model, name, contexts, tokens, reps, variant, fwd, compile_cap_s=None):
+    rows = []
+    for c in contexts:
+        peak_reset()
+        run, cache = hf_decode_timer(model, c, tokens, fwd)
+        t0 = time.time()
+        run(min(3, tokens))  # warm-up (compiles on the first context for torch.compile)
+        if CUDA:
+            torch.cuda.synchronize()
+        warm = time.time() - t0
+        ms = time_steps(run, tokens, reps)
+        rows.append(dict(model=name, context=c, routing="router", variant=variant, ms_per_token=ms,
+                         peak_mem_bytes=peak(), warmup_s=round(warm, 2)))
+        log(f"{name} {variant} ctx={c}: {ms:.3f} ms/token (warm-up {warm:.1f}s)")
+        del run, cache
+        if compile_cap_s and warm > compile_cap_s:
+            log(f"{variant}: warm-up {warm:.0f}s exceeded the cap {compile_cap_s}s; skipping its other contexts")
+            break
+    return rows
+
+
+# -- tkcc ------------------------------------------------------------------------------------------
+def real_routing_ids(model, tokens: int, seed: int = 0) -> torch.Tensor | None:
+    """[tokens, layers, k] expert ids drawn from the real OLMoE routing skew."""
+    cfg = model.config
+    from tkcc.traffic.routing import Routing
+
+    r = Routing.for_model(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, seed=seed)
+    ids = np.stack([r.sample_topk(layer, tokens, generator=seed + layer) for layer in range(cfg.num_hidden_layers)],
+                   axis=1)
+    return torch.from_numpy(ids.astype(np.int32)), float(r.imbalance())
+
+
+def greedy_check(model, dec_factory, prompts, new_tokens, fp32_reference=True):
+    """Greedy tokens and first-step logits of HF eager and of the fused path, each against HF eager in fp32
+    on the same (upcast) weights: bf16 noise alone flips near-tied argmaxes of a random-weight model, so
+    'identical to HF bf16' is judged next to how far HF bf16 itself is from the fp32 model."""
+    import copy
+
+    dev = next(model.parameters()).device
+    ref32 = copy.deepcopy(model).float() if fp32_reference else None
+
+    def gen(m, p):
+        with torch.no_grad():
+            toks = m.generate(torch.tensor([p], device=dev), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False)[0, len(p):].tolist()
+            logits = m(torch.tensor([p], device=dev)).logits[0, -1].float()
+        return toks, logits
+
+    def cmp(a_toks, a_logits, b_toks, b_logits):
+        first = next((i for i, (x, y) in enumerate(zip(a_toks, b_toks)) if x != y), None)
+        return dict(identical=a_toks == b_toks, first_divergence=first,
+                    logits_rel_err=float((a_logits - b_logits).norm() / b_logits.norm()))
+
+    res = []
+    for p in prompts:
+        hf_t, hf_l = gen(model, p)
+        dec = dec_factory(len(p) + new_tokens + 8)
+        tk_t = dec.generate(p, new_tokens)
+        dec2 = dec_factory(len(p) + 8)
+        dec2.generate(p, 1)
+        tk_l = dec2.logits.float()
+        row = dict(prompt_len=len(p), new_tokens=new_tokens, tkcc_vs_hf=cmp(tk_t, tk_l, hf_t, hf_l),
+                   hf=hf_t[:8], tkcc=tk_t[:8])
+        if ref32 is not None:
+            r_t, r_l = gen(ref32, p)
+            row["hf_bf16_vs_fp32"] = cmp(hf_t, hf_l, r_t, r_l)
+            row["tkcc_bf16_vs_fp32"] = cmp(tk_t, tk_l, r_t, r_l)
+        res.append(row)
+        del dec, dec2
+    del ref32
+    peak_reset()
+    return res
+
+
+def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=True):
+    rows, notes = [], {}
+    chunk = None
+    if CUDA and tune:
+        dec = FusedDecoder(model, max_cache_len=4096)
+        t0 = time.time()
+        notes["tuning_us_per_layer"] = {k: [list(v[0]) if v[0] else "cublas", round(v[1], 2)]
+                                         for k, v in dec.tune(log=log).items()}
+        notes["tune_s"] = round(time.time() - t0, 1)
+        del dec
+    variants = [("tkcc", "router", True)] + ([("tkcc", "real", True)] if is_moe else []) + \
+        ([("tkcc_nopdl", "router", False)] if CUDA else [])
+    forced = imb = None
+    if is_moe:
+        forced, imb = real_routing_ids(model, 256)
+        notes["real_routing_max_over_mean"] = imb
+    for c in contexts:
+        for variant, routing, pdl in variants:
+            peak_reset()
+            dec = FusedDecoder(model, max_cache_len=c + tokens + 8, attn_chunk=chunk, forced_routing=routing == "real",
+                               pdl=pdl if CUDA else False)
+            g = torch.Generator(device=dec.device).manual_seed(c)
+            dec.k_cache.normal_(generator=g)
+            dec.v_cache.normal_(generator=g)
+            if routing == "real":
+                dec.set_forced_routing(forced)
+            dec.reset(11, c)
+            start = (dec.token.clone(), dec.pos.clone(), dec.seqlen.clone())
+            if CUDA and c == contexts[0]:
+                # the captured graph must produce the same tokens as eager steps from the same state
+                seq = []
+                for i in range(6):
+                    dec.step()
+                    seq.append(int(dec.token))
+                dec.token.copy_(start[0]), dec.pos.copy_(start[1]), dec.seqlen.copy_(start[2])
+                dec.forced_step.zero_() if is_moe else None
+            if CUDA:
+                dec.capture()
+            if CUDA and c == contexts[0]:
+                rseq = []
+                for i in range(6):
+                    dec.run(1)
+                    rseq.append(int(dec.token))
+                notes.setdefault("graph_replay_matches_eager", {})[f"{variant}/{routing}"] = rseq == seq
+                log(f"{name} {variant}/{routing}: graph replay tokens == eager step tokens: {rseq == seq}")
+
+            def run(n, dec=dec, start=start):
+                dec.token.copy_(start[0])
+                dec.pos.copy_(start[1])
+                dec.seqlen.copy_(start[2])
+                dec.run(n)
+            run(2)
+            ms = time_steps(run, tokens, reps)
+            rows.append(dict(model=name, context=c, routing=routing, variant=variant, ms_per_token=ms,
+                             peak_mem_bytes=peak(), attn_splits=dec.splits, attn_chunk=dec.chunk, pdl=dec.pdl))
+            if CUDA and variant == "tkcc" and routing == "router" and profile:
+                try:
+                    notes.setdefault("profile_us_per_token", {})[str(c)] = prof = dec.profile()
+                    log(f"  profile ctx={c}: " + ", ".join(f"{k} {v['us']}us" + (f" ({v['GBps']} GB/s)"
+                                                             if v.get("GBps") else "")
+                                                             for k, v in prof.items() if isinstance(v, dict)))
+                except Exception as e:  # the timing row stands; say why the breakdown is missing
+                    notes.setdefault("profile_errors", []).append(f"ctx {c}: {type(e).__name__}: {e}")
+            log(f"{name} {variant} ctx={c} routing={routing}: {ms:.3f} ms/token (splits {dec.splits})")
+            del dec, run
+    return rows, notes
+
+
+def objective_rows(rows, model_names):
+    """P90 per-user decode tokens/s on two real traces from each variant's measured ms/token curve."""
+    from tkcc.traffic.loaders import bundled_trace, load_trace
+    from tkcc.traffic.metrics import FunctionTimingModel, serving_metrics
+
+    out = []
+    traces = {"azure-conv": "azure-conv", "servegen-m-mid-81 (long context)": "servegen-m-mid-81"}
+    for tname, key in traces.items():
+        try:
+            trace = load_trace(bundled_trace(key))
+        except Exception as e:
+            log(f"objective: cannot load {key}: {e}")
+            continue
+        for m in model_names:
+            by = {}
+            for r in rows:
+                if r["model"] == m and r["variant"] != "floor" and r["routing"] in ("router", "real"):
+                    by.setdefault((r["variant"], r["routing"]), []).append((r["context"], r["ms_per_token"]))
+            for (variant, routing), pts in by.items():
+                pts.sort()
+                if len(pts) < 2:
+                    continue
+                xs = np.log([p[0] for p in pts])
+                ys = [p[1] / 1e3 for p in pts]
+                dec = lambda b, ctx, xs=xs, ys=ys: np.interp(np.log(np.maximum(ctx, 1)), xs, ys)
+                tm = FunctionTimingModel(lambda b, ctx: np.zeros_like(ctx, dtype=np.float64), dec)
+                met = serving_metrics(trace, tm, max_context=int(max(p[0] for p in pts)))
+                out.append(dict(model=m, trace=tname, variant=variant, routing=routing,
+                                p90_decode_tokens_per_s=met["p90_decode_tokens_per_s"],
+                                contexts_measured=[p[0] for p in pts]))
+    return out
+
+
+def print_table(rows):
+    print("\nmodel         ctx    routing  variant          ms/token   floor    %floor  peak GiB")
+    for r in rows:
+        fl = r.get("floor_ms_per_token") or float("nan")
+        print(f"{r['model']:<13} {r['context']:>6} {r['routing']:<8} {r['variant']:<15} {r['ms_per_token']:>9.3f} "
+              f"{fl:>8.3f} {100 * fl / r['ms_per_token']:>7.1f} {r['peak_mem_bytes'] / 2**30:>8.2f}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["olmoe-16l", "llama-1b-16l"])
+    ap.add_argument("--contexts", nargs="+", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=None, help="decode steps per timed run")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="add HF static cache + torch.compile")
+    ap.add_argument("--compile-mode", default="max-autotune")
+    ap.add_argument("--compile-cap-s", type=float, default=150.0,
+                    help="stop compiling further contexts once one context's warm-up took longer than this")
+    ap.add_argument("--compile-contexts", nargs="+", type=int, default=None,
+                    help="contexts for the torch.compile variant (each cache size compiles anew)")
+    ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel-kind breakdown")
+    ap.add_argument("--checks", action="store_true", help="also run every kernel's bf16 correctness check first")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny models, 2 short contexts, no HF timing")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.models = [m for m in a.models if m.endswith("tiny")] or ["llama-tiny"]
+        a.contexts = a.contexts or [4, 12]
+        a.tokens = a.tokens or 1
+        a.reps = 1
+        a.no_eager = True
+    contexts = a.contexts or ([128, 8192] if a.quick else [128, 2048, 8192, 32768])
+    tokens = a.tokens or (16 if a.quick else 32)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    dev = "cuda" if CUDA else "cpu"
+    import transformers
+    import triton
+
+    meta = dict(device=torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu",
+                torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+                commit=commit(), command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                dtype=str(dtype).replace("torch.", ""), batch=1, phase="decode", tokens_per_run=tokens, reps=a.reps)
+    result = dict(meta=meta, rows=[], objective=[], checks=None, greedy={}, notes={})
+    out_paths = [Path(a.out)] + ([Path(os.environ["OUT"]) / "decode.json"] if os.environ.get("OUT") else [])
+
+    def save():
+        for p in out_paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(result, indent=1, default=str))
+
+    if CUDA:
+        meta["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9
+        log(f"copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s")
+    if a.checks:
+        from tkcc.kernels.checks import run_checks
+
+        t0 = time.time()
+        chk = run_checks(dev, dtype if CUDA else torch.float32)
+        if CUDA and torch.cuda.get_device_capability()[0] >= 9:
+            chk += run_checks(dev, dtype, pdl=True)
+        result["checks"] = dict(n=len(chk), failed=[r for r in chk if not r["ok"]],
+                                worst={r["kernel"]: max(x["rel_err"] for x in chk if x["kernel"] == r["kernel"])
+                                       for r in chk}, seconds=round(time.time() - t0, 1))
+        log(f"kernel checks: {len(chk)} cases, {len(result['checks']['failed'])} failed")
+        save()
+    for name in a.models:
+        spec = get_spec(name)
+        mpe = max(spec.config.get("max_position_embeddings", 4096), max(contexts) + tokens + 64)
+        t0 = time.time()
+        model = build_model(name, dtype, dev, max_position_embeddings=mpe)
+        log(f"built {name} in {time.time() - t0:.1f}s")
+        wb = weight_bytes_per_token(model)
+        bw = meta.get("copy_bandwidth_GBps", 0) * 1e9
+        rows = []
+        if not a.no_eager:
+            rows += hf_rows(model, name, contexts, tokens if CUDA else 2, a.reps, "hf_eager", model.forward)
+        if a.compile and CUDA:
+            cf = torch.compile(model.forward, mode=a.compile_mode, fullgraph=True)
+            rows += hf_rows(model, name, a.compile_contexts or contexts, tokens, a.reps,
+                            f"hf_compile[{a.compile_mode}]", cf, compile_cap_s=a.compile_cap_s)
+            del cf
+            torch._dynamo.reset()
+        prompts = [[int(x) for x in torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator()
+                                                   .manual_seed(n))] for n in ((3,) if a.smoke else (16, 40))]
+        result["greedy"][name] = greedy_check(model, lambda S: FusedDecoder(model, max_cache_len=S), prompts,
+                                              2 if a.smoke else 24, fp32_reference=CUDA)
+        for g in result["greedy"][name]:
+            log(f"{name} greedy, prompt {g['prompt_len']}: " + "; ".join(
+                f"{k}: same={v['identical']} first_diff={v['first_divergence']} logits_err={v['logits_rel_err']:.4f}"
+                for k, v in g.items() if isinstance(v, dict)))
+        r2, notes = tkcc_rows(model, name, contexts, tokens, a.reps, spec.is_moe, tune=CUDA, profile=not a.no_profile)
+        rows += r2
+        result["notes"][name] = notes
+        for c in contexts:
+            fl = (wb + kv_bytes(model, c)) / bw * 1e3 if bw else None
+            for r in rows:
+                if r["context"] == c:
+                    r["floor_ms_per_token"] = fl
+            rows.append(dict(model=name, context=c, routing="-", variant="floor", ms_per_token=fl or float("nan"),
+                             floor_ms_per_token=fl, peak_mem_bytes=0, weight_bytes=wb, kv_bytes=kv_bytes(model, c)))
+        for r in rows:
+            r.update(device=meta["device"], dtype=meta["dtype"], batch=1, phase="decode")
+        result["rows"] += rows
+        save()
+        del model
+        peak_reset()
+    try:
+        result["objective"] = objective_rows(result["rows"], a.models)
+    except Exception as e:  # the timing rows stand on their own; say why the objective is missing
+        result["notes"]["objective_error"] = f"{type(e).__name__}: {e}"
+    save()
+    print_table(result["rows"])
+    for o in result["objective"]:
+        print(f"objective {o['model']} {o['trace']} {o['variant']}/{o['routing']}: "
+              f"P90 decode {o['p90_decode_tokens_per_s']:.0f} tok/s")
+    return result
+
+
+if __name__ == "__main__":
+    main()

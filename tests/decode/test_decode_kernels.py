@@ -1,0 +1,62 @@
+"""Every kernel family against its PyTorch reference on fresh random inputs.
+
+CPU: the Triton interpreter must be switched on before triton is imported, and
+other tests import triton normally, so each family runs in a subprocess with
+TRITON_INTERPRET=1 (fp32 and fp16). GPU: bf16 in this process.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = ["gemv", "rmsnorm", "silu_mul", "router", "moe", "attention", "rope"]
+
+
+def _run_interp(families, dtype):
+    env = dict(os.environ, TRITON_INTERPRET="1", TKCC_CHECK_DTYPE=dtype, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "tkcc.kernels.checks", *families], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    return p.returncode, res
+
+
+@pytest.mark.parametrize("dtype,families", [
+    ("float32", FAMILIES),
+    ("float16", ["gemv", "attention", "rope"]),
+])
+def test_kernels_match_reference_interpreter(dtype, families):
+    rc, res = _run_interp(families, dtype)
+    assert res["n"] > 0
+    assert rc == 0 and not res["failed"], json.dumps(res["failed"], indent=1)
+
+
+def test_checks_detect_a_wrong_kernel():
+    """The comparison itself must be able to fail: a perturbed output exceeds every tolerance."""
+    from tkcc.kernels.checks import TOL, rel_err
+
+    ref = torch.randn(1000, dtype=torch.float64)
+    bad = ref.clone()
+    bad[::10] += 0.5
+    assert rel_err(bad, ref) > max(TOL.values())
+    bad[3] = float("nan")
+    assert rel_err(bad, ref) == float("inf")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_kernels_match_reference_gpu_bf16(family, pdl):
+    from tkcc.kernels.checks import run_checks
+
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    rows = run_checks("cuda", torch.bfloat16, [family], pdl=pdl)
+    bad = [r for r in rows if not r["ok"]]
+    assert rows and not bad, bad

@@ -1,0 +1,113 @@
+"""The decode passes on captured tiny models (CPU): structure of the rewrite, and bit-exact outputs off the
+kernel path (the ops' reference paths are the eager arithmetic, so a wrong rewiring shows up as a mismatch)."""
+
+import pytest
+import torch
+
+from tkcc.passes.base import get_pass
+from tkcc.passes.manager import apply_plan
+from tkcc.passes.plan import PassPlan
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    from tkcc.frontend.capture import capture_model
+
+    return capture_model("olmoe-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from tkcc.frontend.capture import capture_model
+
+    return capture_model("llama-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _fill_cache(program, seed):
+    g = torch.Generator().manual_seed(seed)
+    for name, buf in program.state.named_buffers():
+        buf.copy_(torch.randn(buf.shape, generator=g))
+
+
+def _same_outputs(program, new_program, seed):
+    """Both decode graphs on the same cache contents and fresh inputs give identical logits."""
+    for i in range(3):
+        inp = program.inputs("decode", generator=torch.Generator().manual_seed(seed + i))
+        _fill_cache(program, seed + i)
+        ref = program.graphs["decode"](*inp)
+        _fill_cache(program, seed + i)
+        got = new_program.graphs["decode"](*inp)
+        ref = ref[0] if isinstance(ref, (tuple, list)) else ref
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        assert torch.equal(ref, got), float((ref - got).abs().max())
+
+
+def test_moe_regroup_replaces_every_block_and_keeps_eager_arithmetic(olmoe):
+    from tkcc.kernels import ops
+
+    new, logs = apply_plan(olmoe, PassPlan.of("moe_regroup"), mode="tolerance")
+    t = _targets(new.graphs["decode"])
+    assert t.count(ops.moe_block) == olmoe.num_blocks
+    assert torch.ops.aten.bmm.default not in t  # the per-token weight gather + bmm are gone
+    assert logs[0].replaced == olmoe.num_blocks
+    added = logs[0].phases["decode"].added
+    assert added and all(logs[0].phases["decode"].provenance[n] for n in added)
+    _same_outputs(olmoe, new, seed=1)
+
+
+def test_decode_fusion_and_kv_split_attention(llama):
+    from tkcc.kernels import ops
+
+    new, logs = apply_plan(llama, PassPlan.of("decode_fusion", "kv_split_attention"), mode="tolerance")
+    t = _targets(new.graphs["decode"])
+    assert t.count(ops.split_kv_attention) == llama.num_blocks
+    assert torch.ops.aten.scaled_dot_product_attention.default not in t
+    before = _targets(llama.graphs["decode"])
+    ex = torch.ops.aten.expand.default
+    assert before.count(ex) - t.count(ex) == 2 * llama.num_blocks  # repeat_kv's copies of the cache are gone
+    assert torch.ops.aten.rsqrt.default not in t  # every RMSNorm region became one op
+    assert t.count(ops.add_rms_norm) >= llama.num_blocks  # residual adds fused into the norm after them
+    _same_outputs(llama, new, seed=5)
+
+
+def test_decode_fused_step_falls_back_with_a_reason_off_gpu(llama):
+    new, info = get_pass("decode_fused_step")().apply(llama)
+    step = new.graphs["decode"].fused_decode
+    assert step.unsupported and "device" in step.unsupported
+    _same_outputs(llama, new, seed=9)
+    assert step.fallback_calls == 3
+
+
+def test_pass_params_are_checked():
+    from tkcc.errors import PlanError
+
+    with pytest.raises(PlanError, match="chunk"):
+        get_pass("kv_split_attention").check_params({"chunk": 3})
+    assert get_pass("moe_regroup").check_params({})["fused"] is True
+
+
+def test_hot_first_order_is_a_permutation_most_used_first():
+    import numpy as np
+
+    from tkcc.passes.moe import hot_first_order
+
+    p = np.random.default_rng(0).dirichlet(np.ones(16))
+    order = hot_first_order(p).numpy()
+    assert sorted(order.tolist()) == list(range(16))
+    assert np.all(np.diff(p[order]) <= 0)
+
+
+def test_reorder_experts_keeps_the_moe_function():
+    from tkcc.frontend.models import build_model
+    from tkcc.kernels.decoder import reorder_experts
+
+    m = build_model("olmoe-tiny", torch.float32, "cpu")
+    x = torch.randn(1, 5, m.config.hidden_size)
+    mlp = m.model.layers[0].mlp
+    ref = mlp(x)
+    reorder_experts(mlp, torch.randperm(m.config.num_experts, generator=torch.Generator().manual_seed(3)))
+    assert torch.allclose(mlp(x), ref, atol=1e-6, rtol=1e-5)

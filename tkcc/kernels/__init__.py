@@ -1,0 +1,7 @@
+"""Triton kernels for the decode fast path, one module per family, each beside its PyTorch reference.
+
+Kernels are rendered from ``templates/*.py.jinja`` (plain Triton with a few
+jinja hooks) by ``tkcc.kernels.render``; ``checks`` compares every family with
+its reference; ``decoder.FusedDecoder`` assembles a whole batch-1 decode step;
+``ops`` holds the graph-callable ops the decode passes insert.
+"""

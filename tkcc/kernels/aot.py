@@ -1,0 +1,96 @@
+"""Compile every kernel variant ahead of time for a GPU target, with no GPU present.
+
+The Triton interpreter is lenient about types; the real compiler is not. This
+renders each template variant the fused decode path uses and compiles it for
+``sm_90`` (or another target), returning per-kernel register/shared-memory
+use and spills, so a broken kernel is caught before any device time is spent.
+"""
+from __future__ import annotations
+
+from tkcc.kernels.render import load
+
+# (template, hooks, kernel name, signature, constexprs)
+_P = "*bf16"
+
+
+def variants():
+    return _variants(False) + [x for x in _variants(True) if x[0] != "gemv.py.jinja"]
+
+
+def _variants(pdl):
+    v = []
+    for norm, gated, res in ((True, False, False), (False, False, True), (True, True, False)):
+        sig = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
+               "stride_wn": "i32", "eps": "fp32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr"}
+        sig = dict(sig, FULL_K="constexpr")
+        for gpdl, bk in ((False, 512), (True, 2048)) if not pdl else ():
+            v.append(("gemv.py.jinja", dict(norm=norm, gated=gated, residual=res, pdl=gpdl), "gemv_kernel", sig,
+                      dict(BLOCK_N=4, BLOCK_K=bk, EVEN_K=True, FULL_K=bk == 2048)))
+    route = dict(TOPK=8, E_PAD=64, NORM_TOPK=False, FORCED=False)
+    sig = {"x_ptr": _P, "nw_ptr": _P, "logits_ptr": _P, "forced_ptr": "*i32", "w_ptr": _P, "act_ptr": _P, "I": "i32",
+           "H": "i32", "E": "i32", "eps": "fp32", "stride_we": "i64", "stride_wn": "i32", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "TOPK": "constexpr", "E_PAD": "constexpr", "NORM_TOPK": "constexpr",
+           "FORCED": "constexpr", "NORM": "constexpr", "EVEN_K": "constexpr"}
+    for forced in (False, True):
+        v.append(("moe.py.jinja", dict(pdl=pdl), "moe_gate_up_kernel", sig,
+                  dict(route, FORCED=forced, BLOCK_N=4, BLOCK_K=512, NORM=True, EVEN_K=True)))
+    sig = {"act_ptr": _P, "logits_ptr": _P, "forced_ptr": "*i32", "w_ptr": _P, "res_ptr": _P, "y_ptr": _P, "I": "i32",
+           "H": "i32", "E": "i32", "stride_we": "i64", "stride_wn": "i32", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "TOPK": "constexpr", "E_PAD": "constexpr", "NORM_TOPK": "constexpr",
+           "FORCED": "constexpr", "RESIDUAL": "constexpr", "EVEN_K": "constexpr"}
+    for forced in (False, True):
+        v.append(("moe.py.jinja", dict(pdl=pdl), "moe_down_kernel", sig,
+                  dict(route, FORCED=forced, BLOCK_N=4, BLOCK_K=512, RESIDUAL=True, EVEN_K=True)))
+    sig = {"q_ptr": _P, "k_ptr": _P, "v_ptr": _P, "out_ptr": _P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
+           "seqlen_ptr": "*i32", "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32",
+           "SPLITS": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "BLOCK_S": "constexpr",
+           "SINGLE": "constexpr"}
+    for G, single in ((1, True), (4, False)):
+        v.append(("attention.py.jinja", dict(pdl=pdl), "attn_partial_kernel", sig,
+                  dict(G=G, G_PAD=16, D=128, BLOCK_S=64, SINGLE=single)))
+    sig = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": _P, "seqlen_ptr": "*i32", "chunk": "i32",
+           "SPLITS": "i32", "D": "constexpr", "BLOCK_SP": "constexpr"}
+    v.append(("attention.py.jinja", dict(pdl=pdl), "attn_combine_kernel", sig, dict(D=128, BLOCK_SP=16)))
+    sig = {"qkv_ptr": _P, "q_out_ptr": _P, "k_cache_ptr": _P, "v_cache_ptr": _P, "pos_ptr": "*i64",
+           "inv_freq_ptr": "*fp32", "qn_ptr": _P, "kn_ptr": _P, "eps": "fp32", "stride_ch": "i32", "stride_cs": "i32",
+           "HQ": "i32", "HKV": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr",
+           "BLOCK_K": "constexpr"}
+    for qk in (True, False):
+        v.append(("rotary.py.jinja", dict(pdl=pdl), "qkv_rope_kernel", sig, dict(D=128, HALF=64, QK_NORM=qk, BLOCK_K=2048)))
+    sig = {"x_ptr": _P, "r_ptr": _P, "w_ptr": _P, "y_ptr": _P, "h_ptr": _P, "K": "i32", "eps": "fp32",
+           "BLOCK_K": "constexpr"}
+    for res in (True, False):
+        v.append(("rmsnorm.py.jinja", dict(residual=res), "rmsnorm_kernel", sig, dict(BLOCK_K=2048)))
+    v.append(("silu_mul.py.jinja", {}, "silu_mul_kernel", {"x_ptr": _P, "y_ptr": _P, "N": "i32",
+                                                           "BLOCK": "constexpr"}, dict(BLOCK=1024)))
+    v.append(("router.py.jinja", {}, "router_kernel", {"logits_ptr": _P, "ids_ptr": "*i64", "w_ptr": _P, "E": "i32",
+                                                       "TOPK": "constexpr", "E_PAD": "constexpr",
+                                                       "NORM_TOPK": "constexpr"},
+              dict(TOPK=8, E_PAD=64, NORM_TOPK=True)))
+    return v
+
+
+def compile_all(arch: int = 90, warp_size: int = 32):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rows = []
+    for tpl, hooks, kname, sig, consts in variants():
+        fn = getattr(load(tpl, **hooks), kname)
+        # the JIT specialises pointers and ints divisible by 16 (what makes loads 16 bytes wide); do the same
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+                 if sig[n].startswith("*") or n in ("K", "N", "I", "H", "stride_wn", "stride_we", "stride_kh",
+                                                    "stride_ks", "stride_ch", "stride_cs")}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, warp_size))
+        md = k.metadata
+        rows.append(dict(template=tpl, hooks=hooks, kernel=kname, consts={a: b for a, b in consts.items()},
+                         shared=getattr(md, "shared", None), num_warps=getattr(md, "num_warps", None),
+                         wide_loads=k.asm["ptx"].count(".v4.")))
+    return rows
+
+
+if __name__ == "__main__":
+    for r in compile_all():
+        print(r["kernel"], r["hooks"], {k: r[k] for k in ("shared", "wide_loads")})

@@ -1,0 +1,203 @@
+"""Correctness checks of every kernel family against its PyTorch reference.
+
+Fresh random inputs on every call, several shapes, outputs poisoned with NaN
+before the kernel writes them. Used by the CPU tests (under the Triton
+interpreter, fp32/fp16), the GPU tests (bf16) and the GPU benchmark, so the
+three agree on what "correct" means. Each check returns rows
+``{kernel, shape, dtype, rel_err, tol, ok}``.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+TOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _row(kernel, shape, dtype, err, tol=None):
+    tol = tol if tol is not None else TOL[dtype]
+    return {"kernel": kernel, "shape": str(shape), "dtype": str(dtype).replace("torch.", ""), "rel_err": err,
+            "tol": tol, "ok": bool(err <= tol)}
+
+
+def _rand(*shape, device, dtype, g, scale=1.0):
+    return (torch.randn(*shape, generator=g, device="cpu", dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def check_gemv(device, dtype, g, pdl=False, shapes=((256, 128), (96, 200), (64, 512))):
+    """Four hook combinations x two block shapes per shape (one of them full-K, the PDL prefetch layout)."""
+    from tkcc.kernels.gemv import gemv, gemv_ref
+
+    rows = []
+    for N, K in shapes:
+        for norm, gated, res in ((False, False, False), (True, False, False), (False, False, True), (True, True, False)):
+            x = _rand(K, device=device, dtype=dtype, g=g)
+            w = _rand(2 * N if gated else N, K, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(K))
+            nw = _rand(K, device=device, dtype=dtype, g=g) if norm else None
+            r = _rand(N, device=device, dtype=dtype, g=g) if res else None
+            for cfg in ((32, 512, 4), (8, 64, 2)):
+                out = torch.full((N,), float("nan"), device=device, dtype=dtype)
+                gemv(x, w, norm_w=nw, residual=r, gated=gated, out=out, config=cfg, pdl=pdl)
+                ref = gemv_ref(x.reshape(1, -1), w, nw, 1e-5, None if r is None else r.reshape(1, -1), gated).reshape(-1)
+                rows.append(_row(f"gemv{'+norm' * norm}{'+gated' * gated}{'+res' * res}", (N, K, cfg), dtype,
+                                 rel_err(out, ref)))
+    return rows
+
+
+def check_rmsnorm(device, dtype, g, pdl=False, shapes=((1, 64), (3, 200), (2, 2048))):
+    from tkcc.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+
+    rows = []
+    for shape in shapes:
+        x = _rand(*shape, device=device, dtype=dtype, g=g)
+        r = _rand(*shape, device=device, dtype=dtype, g=g)
+        w = _rand(shape[-1], device=device, dtype=dtype, g=g)
+        rows.append(_row("rmsnorm", shape, dtype, rel_err(rmsnorm(x, w, 1e-6), rmsnorm_ref(x, w, 1e-6))))
+        y, h = rmsnorm(x, w, 1e-6, residual=r)
+        yr, hr = rmsnorm_ref(x, w, 1e-6, residual=r)
+        rows.append(_row("rmsnorm+residual", shape, dtype, max(rel_err(y, yr), rel_err(h, hr))))
+    return rows
+
+
+def check_silu_mul(device, dtype, g, pdl=False, shapes=((1, 64), (4, 300), (1, 4096))):
+    from tkcc.kernels.activation import silu_mul, silu_mul_ref
+
+    rows = []
+    for shape in shapes:
+        x = _rand(*shape[:-1], 2 * shape[-1], device=device, dtype=dtype, g=g, scale=2.0)
+        rows.append(_row("silu_mul", shape, dtype, rel_err(silu_mul(x, block=128), silu_mul_ref(x))))
+    return rows
+
+
+def _distinct_logits(T, E, device, dtype, g):
+    """Logits with no ties in any dtype (multiples of 1/8, |x| <= E/16): top-k is then unambiguous."""
+    return torch.stack([(torch.randperm(E, generator=g).float() - E / 2) / 8 for _ in range(T)]).to(device, dtype)
+
+
+def check_router(device, dtype, g, pdl=False, shapes=((1, 8, 2), (5, 64, 8), (2, 60, 4))):
+    from tkcc.kernels.router import router, router_ref
+
+    rows = []
+    for T, E, k in shapes:
+        for norm in (False, True):
+            logits = _distinct_logits(T, E, device, dtype, g)
+            ids, w = router(logits, k, norm)
+            rids, rw = router_ref(logits, k, norm)
+            same = bool(torch.equal(ids.cpu(), rids.cpu()))
+            rows.append(_row(f"router{'+renorm' * norm}", (T, E, k), dtype, rel_err(w, rw) if same else float("inf")))
+    return rows
+
+
+def check_moe(device, dtype, g, pdl=False, shapes=((8, 32, 64, 2), (16, 48, 96, 4), (64, 16, 64, 8))):
+    from tkcc.kernels.moe import moe, moe_ref
+
+    rows = []
+    for E, I, H, k in shapes:
+        for i, (norm, res, norm_topk, forced) in enumerate(((False, False, False, False), (True, True, True, False),
+                                                            (True, True, False, True))):
+            x = _rand(H, device=device, dtype=dtype, g=g)
+            logits = _distinct_logits(1, E, device, dtype, g).reshape(E)
+            gu = _rand(E, 2 * I, H, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(H))
+            dn = _rand(E, H, I, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(I))
+            nw = _rand(H, device=device, dtype=dtype, g=g) if norm else None
+            r = _rand(H, device=device, dtype=dtype, g=g) if res else None
+            fid = (torch.randperm(E, generator=g)[:k].to(device=device, dtype=torch.int32) if forced else None)
+            out = torch.full((H,), float("nan"), device=device, dtype=dtype)
+            for cfg in (((4, 32, 4), (8, 64, 2))[i % 2],):
+                moe(x, logits, gu, dn, k, norm_topk, residual=r, norm_w=nw, forced_ids=fid, out=out,
+                    gate_up_config=cfg, down_config=cfg, pdl=pdl)
+                ref = moe_ref(x.reshape(1, H), logits.reshape(1, E), gu, dn, k, norm_topk,
+                              None if r is None else r.reshape(1, H), nw, 1e-5, fid).reshape(-1)
+                name = f"moe{'+norm' * norm}{'+res' * res}{'+renorm' * norm_topk}{'+forced' * forced}"
+                rows.append(_row(name, (E, I, H, k, cfg), dtype, rel_err(out, ref)))
+    return rows
+
+
+def check_attention(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 77), (8, 2, 64, 300, 300), (4, 1, 16, 1024, 513))):
+    from tkcc.kernels.attention import attention, attention_ref
+
+    rows = []
+    for Hq, Hkv, D, S, L in shapes:
+        q = _rand(Hq, D, device=device, dtype=dtype, g=g)
+        kc = _rand(Hkv, S, D, device=device, dtype=dtype, g=g)
+        vc = _rand(Hkv, S, D, device=device, dtype=dtype, g=g)
+        kc[:, L:] = float("nan")  # positions past the context must never be read
+        vc[:, L:] = float("nan")
+        seqlen = torch.tensor([L], device=device, dtype=torch.int32)
+        ref = attention_ref(q, kc, vc, L)
+        for splits in (1, 3, 8):
+            out = torch.full((Hq, D), float("nan"), device=device, dtype=dtype)
+            attention(q, kc, vc, seqlen, splits=splits, out=out, block_s=16, pdl=pdl)
+            rows.append(_row("attention", (Hq, Hkv, D, S, L, f"splits={splits}"), dtype, rel_err(out, ref)))
+    return rows
+
+
+def check_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32), (8, 2, 64), (2, 1, 16))):
+    from tkcc.kernels.rotary import rope, rope_ref
+
+    rows = []
+    for hq, hkv, D in shapes:
+        for norm in (False, True):
+            S = 40
+            pos = int(torch.randint(0, S, (1,), generator=g))
+            qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
+            inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+            qn = _rand(hq * D, device=device, dtype=dtype, g=g) if norm else None
+            kn = _rand(hkv * D, device=device, dtype=dtype, g=g) if norm else None
+            kc, vc = (_rand(hkv, S, D, device=device, dtype=dtype, g=g) for _ in range(2))
+            kr, vr = kc.clone(), vc.clone()
+            q = rope(qkv, kc, vc, torch.tensor([pos], device=device, dtype=torch.int32), inv_freq, hq, hkv, qn, kn,
+                     pdl=pdl)
+            qr = rope_ref(qkv, kr, vr, pos, inv_freq, hq, hkv, qn, kn)
+            err = max(rel_err(q, qr), rel_err(kc, kr), rel_err(vc, vr))
+            rows.append(_row(f"rope{'+qknorm' * norm}+cache", (hq, hkv, D, pos), dtype, err))
+    return rows
+
+
+FAMILIES = {
+    "gemv": check_gemv,
+    "rmsnorm": check_rmsnorm,
+    "silu_mul": check_silu_mul,
+    "router": check_router,
+    "moe": check_moe,
+    "attention": check_attention,
+    "rope": check_rope,
+}
+
+
+def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None, pdl=False):
+    """``pdl``: launch with programmatic dependent launch (GPU, Hopper+) — the variant the fused decoder uses."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, (1,))))
+    rows = []
+    for name in families or FAMILIES:
+        fn = FAMILIES[name]
+        kw = {}
+        if str(device) == "cpu":  # the interpreter runs programs one by one: the first two shapes per family
+            kw["shapes"] = inspect.signature(fn).parameters["shapes"].default[:2]
+        got = fn(device, dtype, g, pdl=pdl, **kw)
+        for r in got:
+            r["pdl"] = pdl
+        rows += got
+    return rows
+
+
+if __name__ == "__main__":  # python -m tkcc.kernels.checks [family ...] (dtype by TKCC_CHECK_DTYPE)
+    import json
+    import os
+    import sys
+
+    dt = getattr(torch, os.environ.get("TKCC_CHECK_DTYPE", "float32"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    res = run_checks(dev, dt, sys.argv[1:] or None)
+    bad = [r for r in res if not r["ok"]]
+    print(json.dumps({"n": len(res), "failed": bad}, indent=1))
+    sys.exit(1 if bad else 0)

@@ -1,0 +1,406 @@
+"""A whole batch-1 decode step built from the fused kernels, capturable as one CUDA graph.
+
+Built from a transformers Llama-like or OLMoE-like model, sharing its weights:
+projections that read the same input are regrouped into one weight tensor
+(q|k|v, gate|up) by concatenating once and re-pointing the model's own
+parameters at views of it, so memory does not grow and the HF model still
+runs. Per layer (OLMoE): QKV GEMV with the RMSNorm prologue; q/k norm +
+rotary + cache write; split-KV attention (+ combine); o-proj GEMV + residual;
+router GEMV with the norm prologue; experts gate_up (routing in the
+prologue); experts down + residual. Llama: the MLP is two GEMVs (gated, then
+down + residual). The step reads the token and the position from device
+buffers and writes the next token and position back, so replays chain with
+no host synchronisation.
+"""
+from __future__ import annotations
+
+
+import torch
+import triton
+
+from tkcc.errors import TkccError
+from tkcc.kernels import gemv as gemv_mod
+from tkcc.kernels import moe as moe_mod
+from tkcc.kernels.attention import attention
+from tkcc.kernels.gemv import gemv
+from tkcc.kernels.moe import moe
+from tkcc.kernels.rotary import rope
+
+
+def _regroup(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Concatenate weights along dim 0 and re-point each parameter at its slice (no lasting copy)."""
+    if all(p.data.untyped_storage().data_ptr() == params[0].data.untyped_storage().data_ptr() for p in params):
+        base = params[0].data
+        n = sum(p.shape[0] for p in params)
+        if base.storage_offset() == 0 and params[-1].data.storage_offset() + params[-1].numel() == n * base.shape[1]:
+            return torch.as_strided(base, (n, base.shape[1]), base.stride(), 0)
+    cat = torch.cat([p.data for p in params], 0)
+    off = 0
+    for p in params:
+        p.data = cat[off: off + p.shape[0]]
+        off += p.shape[0]
+    return cat
+
+
+def reorder_experts(mlp: torch.nn.Module, order: torch.Tensor) -> None:
+    """Permute a sparse-MoE block's experts (router rows, gate_up, down) in place: same function,
+    hot experts stored together. ``order[i]`` is the old index of new expert i."""
+    with torch.no_grad():
+        mlp.gate.weight.data = mlp.gate.weight.data[order].contiguous()
+        mlp.experts.gate_up_proj.data = mlp.experts.gate_up_proj.data[order].contiguous()
+        mlp.experts.down_proj.data = mlp.experts.down_proj.data[order].contiguous()
+
+
+class FusedDecoder:
+    """Batch-1 greedy decode with the fused kernels. ``step()`` is graph-capturable."""
+
+    def __init__(self, model, max_cache_len: int, attn_chunk: int | None = None, forced_routing: bool = False,
+                 pdl: bool | None = None, kv: tuple[list, list] | None = None):
+        """``kv``: optional per-layer (keys, values) tensors [H_kv, S, D] to use as the cache in place (e.g. a
+        captured Program's static cache, so its prefill graph and this decode step share one cache)."""
+        cfg = model.config
+        self.model = model
+        self.cfg = cfg
+        inner = model.model
+        dev = next(model.parameters()).device
+        dt = next(model.parameters()).dtype
+        self.device, self.dtype = dev, dt
+        # programmatic dependent launch: each kernel starts while the previous one drains (Hopper and later)
+        self.pdl = (dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9) if pdl is None else pdl
+        self.H = cfg.hidden_size
+        self.Hq = cfg.num_attention_heads
+        self.Hkv = cfg.num_key_value_heads
+        self.D = getattr(cfg, "head_dim", None) or self.H // self.Hq
+        self.eps = cfg.rms_norm_eps
+        self.max_cache_len = max_cache_len
+        self.is_moe = hasattr(inner.layers[0].mlp, "experts")
+        rot = inner.rotary_emb
+        if float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
+            raise TkccError("FusedDecoder: rotary attention_scaling != 1 is not supported")
+        self.inv_freq = rot.inv_freq.detach().float().to(dev).contiguous()
+        self.layers = []
+        for layer in inner.layers:
+            a = layer.self_attn
+            if getattr(a, "q_proj").bias is not None or getattr(cfg, "clip_qkv", None):
+                raise TkccError("FusedDecoder: attention biases / clip_qkv are not supported")
+            L = dict(ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                     qkv=_regroup([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), o=a.o_proj.weight,
+                     q_norm=getattr(getattr(a, "q_norm", None), "weight", None),
+                     k_norm=getattr(getattr(a, "k_norm", None), "weight", None))
+            if self.is_moe:
+                m = layer.mlp
+                L.update(router=m.gate.weight, gate_up=m.experts.gate_up_proj, down=m.experts.down_proj,
+                         top_k=m.gate.top_k, norm_topk=bool(getattr(m.gate, "norm_topk_prob", False)))
+            else:
+                m = layer.mlp
+                L.update(gate_up=_regroup([m.gate_proj.weight, m.up_proj.weight]), down=m.down_proj.weight)
+            self.layers.append(L)
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        nl = len(self.layers)
+        if kv is None:
+            self.k_cache = torch.zeros(nl, self.Hkv, max_cache_len, self.D, device=dev, dtype=dt)
+            self.v_cache = torch.zeros_like(self.k_cache)
+            self.k_layers, self.v_layers = list(self.k_cache), list(self.v_cache)
+        else:
+            self.k_layers, self.v_layers = list(kv[0]), list(kv[1])
+            want = (self.Hkv, max_cache_len, self.D)
+            for t in self.k_layers + self.v_layers:
+                if tuple(t.shape) != want or t.stride(-1) != 1 or t.dtype != dt:
+                    raise TkccError(f"FusedDecoder: cache tensor {tuple(t.shape)} {t.dtype} stride {t.stride()} "
+                                    f"does not match [H_kv, S, D] = {want} {dt}")
+            self.k_cache = self.v_cache = None
+        self.chunk = attn_chunk or (256 if self.Hkv >= 16 else 128)
+        self.splits = triton.cdiv(max_cache_len, self.chunk)
+        if self.splits == 1:
+            self.chunk = max_cache_len
+        # device-side state: the step reads these and writes the next values back
+        self.token = torch.zeros(1, device=dev, dtype=torch.long)
+        self.pos = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.seqlen = torch.ones(1, device=dev, dtype=torch.int32)
+        H, D = self.H, self.D
+        self.h = torch.empty(H, device=dev, dtype=dt)
+        self.qkv = torch.empty((self.Hq + 2 * self.Hkv) * D, device=dev, dtype=dt)
+        self.q = torch.empty(self.Hq, D, device=dev, dtype=dt)
+        self.attn = torch.empty(self.Hq, D, device=dev, dtype=dt)
+        self.po = torch.empty(self.Hq, self.splits, D, device=dev, dtype=torch.float32)
+        self.plse = torch.empty(self.Hq, self.splits, device=dev, dtype=torch.float32)
+        self.logits = torch.empty(model.lm_head.weight.shape[0], device=dev, dtype=dt)
+        if self.is_moe:
+            E = self.layers[0]["router"].shape[0]
+            k = self.layers[0]["top_k"]
+            I = self.layers[0]["down"].shape[2]
+            self.router_logits = torch.empty(E, device=dev, dtype=dt)
+            self.act = torch.empty(k, I, device=dev, dtype=dt)
+            self.forced = torch.zeros(nl, k, device=dev, dtype=torch.int32) if forced_routing else None
+            self.forced_all = None
+            self.forced_step = torch.zeros(1, device=dev, dtype=torch.long)
+        else:
+            self.act = torch.empty(self.layers[0]["down"].shape[1], device=dev, dtype=dt)
+            self.forced = None
+        self.graph = None
+
+    # -- routing replay (benchmark) -------------------------------------------------------------
+    def set_forced_routing(self, ids: torch.Tensor) -> None:
+        """ids [T, layers, k]: the expert choices of T tokens, replayed cyclically, one token per step."""
+        if self.forced is None:
+            raise TkccError("FusedDecoder was built without forced_routing=True")
+        self.forced_all = ids.to(self.device, torch.int32).contiguous()
+        self.forced_step.zero_()
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> None:
+        eps, H = self.eps, self.H
+        if self.forced is not None and self.forced_all is not None:
+            torch.index_select(self.forced_all, 0, self.forced_step, out=self.forced.view(1, *self.forced.shape))
+            self.forced_step.add_(1).remainder_(self.forced_all.shape[0])
+        torch.index_select(self.embed, 0, self.token, out=self.h.view(1, H))
+        for li, L in enumerate(self.layers):
+            gemv(self.h, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, pdl=self.pdl)
+            rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, self.Hq, self.Hkv,
+                 L["q_norm"], L["k_norm"], eps, q_out=self.q, pdl=self.pdl)
+            attention(self.q, self.k_layers[li], self.v_layers[li], self.seqlen, splits=self.splits, chunk=self.chunk,
+                      out=self.attn, partials=(self.po, self.plse), pdl=self.pdl)
+            gemv(self.attn.view(-1), L["o"], residual=self.h, out=self.h, pdl=self.pdl)
+            if self.is_moe:
+                gemv(self.h, L["router"], norm_w=L["ln2"], eps=eps, out=self.router_logits, pdl=self.pdl)
+                moe(self.h, self.router_logits, L["gate_up"], L["down"], L["top_k"], L["norm_topk"], residual=self.h,
+                    norm_w=L["ln2"], eps=eps, forced_ids=None if self.forced is None else self.forced[li],
+                    act_buf=self.act, out=self.h, pdl=self.pdl)
+            else:
+                gemv(self.h, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True, out=self.act, pdl=self.pdl)
+                gemv(self.act, L["down"], residual=self.h, out=self.h, pdl=self.pdl)
+        gemv(self.h, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, pdl=self.pdl)
+        torch.argmax(self.logits, dim=0, keepdim=True, out=self.token)
+        self.pos.add_(1)
+        self.seqlen.add_(1)
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        """One decode step as a captured Program's decode graph takes it: (input_ids [1, 1], cache_position [1])
+        -> logits [1, 1, vocab]. Inputs are copied on the device (no host sync); the step is replayed from a
+        CUDA graph once ``capture()`` has run."""
+        self.token.copy_(input_ids.reshape(-1)[:1])
+        self.pos.copy_(cache_position.reshape(-1)[-1:])
+        torch.add(self.pos, 1, out=self.seqlen)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step()
+        return self.logits.view(1, 1, -1).clone()
+
+    # -- driving ----------------------------------------------------------------------------------
+    def reset(self, token: int, pos: int) -> None:
+        if pos >= self.max_cache_len:
+            raise TkccError(f"context {pos} is longer than the cache ({self.max_cache_len} positions)")
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        self.seqlen.fill_(pos + 1)
+
+    def capture(self) -> None:
+        """Record one step as a CUDA graph (after a warm-up step on a side stream compiles every kernel)."""
+        saved = (self.token.clone(), self.pos.clone(), self.seqlen.clone(), self.forced_step_clone())
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        self._restore(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+        self._restore(saved)
+
+    def forced_step_clone(self):
+        return self.forced_step.clone() if self.is_moe else None
+
+    def _restore(self, saved):
+        self.token.copy_(saved[0])
+        self.pos.copy_(saved[1])
+        self.seqlen.copy_(saved[2])
+        if saved[3] is not None:
+            self.forced_step.copy_(saved[3])
+
+    def run(self, n: int) -> None:
+        for _ in range(n):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """Greedy: the prompt is fed one token at a time (teacher-forced), then new_tokens are generated."""
+        if len(prompt) + new_tokens > self.max_cache_len:
+            raise TkccError(f"prompt {len(prompt)} + {new_tokens} new tokens exceed the cache ({self.max_cache_len})")
+        out = []
+        for i, t in enumerate(prompt):
+            self.reset(t, i)
+            self.step()
+        for _ in range(new_tokens - 1):
+            out.append(int(self.token))
+            self.run(1)
+        out.append(int(self.token))
+        return out
+
+    # -- measuring --------------------------------------------------------------------------------
+    def _graph_time(self, fn, reps: int = 7) -> float:
+        """Median µs of ``fn`` replayed from a CUDA graph (launch gaps as in the real step, no host overhead)."""
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e3)
+        del g
+        return sorted(ts)[len(ts) // 2]
+
+    def profile(self) -> dict:
+        """GPU µs per token of each kernel kind over all layers, each replayed alone from a CUDA graph, with
+        the bytes it must read and the bandwidth that implies; plus the whole step. Scratch outputs keep the
+        residual stream and the cache unchanged."""
+        eps, Ls = self.eps, self.layers
+        x = torch.randn(self.H, device=self.device, dtype=self.dtype) * 0.1
+        h2 = torch.empty_like(self.h)
+        qkv = torch.randn_like(self.qkv) * 0.1
+        kinds = {}
+
+        def nbytes(*ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        kinds["qkv_gemv+norm"] = (lambda: [gemv(x, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, pdl=self.pdl) for L in Ls],
+                                  sum(nbytes(L["qkv"]) for L in Ls))
+        kinds["rope+cache_write"] = (lambda: [rope(qkv, self.k_layers[i], self.v_layers[i], self.pos, self.inv_freq,
+                                                   self.Hq, self.Hkv, L["q_norm"], L["k_norm"], eps, q_out=self.q, pdl=self.pdl)
+                                              for i, L in enumerate(Ls)], 0)
+        ctx = int(self.seqlen)
+        kinds["attention(split-KV)"] = (
+            lambda: [attention(self.q, self.k_layers[i], self.v_layers[i], self.seqlen, splits=self.splits,
+                               chunk=self.chunk, out=self.attn, partials=(self.po, self.plse), pdl=self.pdl) for i in range(len(Ls))],
+            2 * len(Ls) * self.Hkv * ctx * self.D * self.k_layers[0].element_size())
+        kinds["o_proj+residual"] = (lambda: [gemv(self.attn.view(-1), L["o"], residual=x, out=h2, pdl=self.pdl) for L in Ls],
+                                    sum(nbytes(L["o"]) for L in Ls))
+        if self.is_moe:
+            k = Ls[0]["top_k"]
+            E = Ls[0]["router"].shape[0]
+            kinds["router_gemv+norm"] = (lambda: [gemv(x, L["router"], norm_w=L["ln2"], eps=eps,
+                                                       out=self.router_logits, pdl=self.pdl) for L in Ls],
+                                         sum(nbytes(L["router"]) for L in Ls))
+            lg = torch.randn(E, device=self.device, dtype=self.dtype)
+            kinds["moe_gate_up+down"] = (
+                lambda: [moe(x, lg, L["gate_up"], L["down"], L["top_k"], L["norm_topk"], residual=x, norm_w=L["ln2"],
+                             eps=eps, act_buf=self.act, out=h2, pdl=self.pdl) for L in Ls],
+                sum(nbytes(L["gate_up"], L["down"]) for L in Ls) * k // E)
+        else:
+            kinds["mlp_gate_up(gated)+norm"] = (lambda: [gemv(x, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True,
+                                                             out=self.act, pdl=self.pdl) for L in Ls],
+                                                sum(nbytes(L["gate_up"]) for L in Ls))
+            kinds["mlp_down+residual"] = (lambda: [gemv(self.act, L["down"], residual=x, out=h2, pdl=self.pdl) for L in Ls],
+                                          sum(nbytes(L["down"]) for L in Ls))
+        kinds["lm_head+norm+argmax"] = (lambda: (gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps,
+                                                      out=self.logits, pdl=self.pdl),
+                                                 torch.argmax(self.logits, dim=0, keepdim=True)), nbytes(self.lm_head))
+        out = {}
+        for name, (fn, b) in kinds.items():
+            us = self._graph_time(fn)
+            out[name] = dict(us=round(us, 1), bytes=int(b), GBps=round(b / us / 1e3, 1) if b else None)
+        saved = (self.token.clone(), self.pos.clone(), self.seqlen.clone(), self.forced_step_clone())
+
+        def whole():
+            self._restore(saved)
+            self.step()
+        out["whole_step"] = dict(us=round(self._graph_time(whole), 1))
+        self._restore(saved)
+        out["sum_of_kinds_us"] = round(sum(v["us"] for k, v in out.items() if k != "whole_step"), 1)
+        return out
+
+    # -- tuning -----------------------------------------------------------------------------------
+    def tune(self, reps: int = 5, log=None) -> dict:
+        """Pick each GEMV/MoE kernel's block shape by timing it over all layers' weights (so the L2 does
+        not serve them), replayed from a CUDA graph as in the real step. Results go to the kernel modules'
+        TUNED tables; returns {kind: (config, µs per layer, or per call for lm_head)}."""
+        eps = self.eps
+        x = torch.randn(self.H, device=self.device, dtype=self.dtype)
+        out = {}
+
+        def bench(fn, per=len(self.layers)):
+            return self._graph_time(fn, reps) / per
+
+        def pick(kind, key, table, configs, make, per=len(self.layers)):
+            best = None
+            for c in configs:
+                try:
+                    t = bench(make(c), per)
+                except Exception as e:  # a config that does not compile for this shape is skipped
+                    if log:
+                        log(f"tune {kind} {c}: {type(e).__name__}: {e}")
+                    continue
+                if best is None or t < best[1]:
+                    best = (c, t)
+            table[key] = best[0]
+            out[kind] = best
+            if log:
+                log(f"tune {kind}: {best[0]} {best[1]:.2f} us/{'layer' if per > 1 else 'call'}")
+
+        Ls = self.layers
+        qkv_out = torch.empty_like(self.qkv)
+        N, K = Ls[0]["qkv"].shape
+        pick("qkv", gemv_mod._key(N, K, True, False, False, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+             lambda c: lambda: [gemv(x, L["qkv"], norm_w=L["ln1"], eps=eps, out=qkv_out, config=c, pdl=self.pdl) for L in Ls])
+        a = torch.randn(self.Hq * self.D, device=self.device, dtype=self.dtype)
+        h = torch.empty(self.H, device=self.device, dtype=self.dtype)
+        N, K = Ls[0]["o"].shape
+        pick("o_proj", gemv_mod._key(N, K, False, False, True, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+             lambda c: lambda: [gemv(a, L["o"], residual=x, out=h, config=c, pdl=self.pdl) for L in Ls])
+        if self.is_moe:
+            lg = torch.empty_like(self.router_logits)
+            N, K = Ls[0]["router"].shape
+            pick("router", gemv_mod._key(N, K, True, False, False, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+                 lambda c: lambda: [gemv(x, L["router"], norm_w=L["ln2"], eps=eps, out=lg, config=c, pdl=self.pdl) for L in Ls])
+            E, I2, Hh = Ls[0]["gate_up"].shape
+            k = Ls[0]["top_k"]
+            lgs = [torch.randn(E, device=self.device, dtype=self.dtype) for _ in Ls]
+            act = torch.empty_like(self.act)
+            pick("moe_gate_up", ("gate_up", (E, I2 // 2, Hh), str(self.dtype)), moe_mod.TUNED, moe_mod.GATE_UP_CONFIGS,
+                 lambda c: lambda: [moe(x, lgs[i], L["gate_up"], L["down"], k, L["norm_topk"], residual=x,
+                                        norm_w=L["ln2"], act_buf=act, out=h, gate_up_config=c, pdl=self.pdl)
+                                    for i, L in enumerate(Ls)])
+            pick("moe_down", ("down", (E, I2 // 2, Hh), str(self.dtype)), moe_mod.TUNED, moe_mod.DOWN_CONFIGS,
+                 lambda c: lambda: [moe(x, lgs[i], L["gate_up"], L["down"], k, L["norm_topk"], residual=x,
+                                        norm_w=L["ln2"], act_buf=act, out=h, down_config=c, pdl=self.pdl)
+                                    for i, L in enumerate(Ls)])
+        else:
+            N2, K = Ls[0]["gate_up"].shape
+            act = torch.empty_like(self.act)
+            pick("mlp_gate_up", gemv_mod._key(N2 // 2, K, True, True, False, self.dtype), gemv_mod.TUNED,
+                 gemv_mod.CONFIGS,
+                 lambda c: lambda: [gemv(x, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True, out=act, config=c, pdl=self.pdl)
+                                    for L in Ls])
+            N, K = Ls[0]["down"].shape
+            ai = torch.randn(K, device=self.device, dtype=self.dtype)
+            pick("mlp_down", gemv_mod._key(N, K, False, False, True, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+                 lambda c: lambda: [gemv(ai, L["down"], residual=x, out=h, config=c, pdl=self.pdl) for L in Ls])
+        # reference points: cuBLAS for the same batch-1 products (no norm/residual fused)
+        import torch.nn.functional as F
+
+        for kind, key, xin in (("cublas_qkv", "qkv", x), ("cublas_o_proj", "o", a)):
+            out[kind] = (None, bench(lambda: [F.linear(xin, L[key]) for L in Ls]))
+            if log:
+                log(f"tune {kind}: {out[kind][1]:.2f} us/layer")
+        if not self.is_moe:
+            out["cublas_mlp_gate_up"] = (None, bench(lambda: [F.linear(x, L["gate_up"]) for L in Ls]))
+            out["cublas_mlp_down"] = (None, bench(lambda: [F.linear(ai, L["down"]) for L in Ls]))
+        N, K = self.lm_head.shape
+        pick("lm_head", gemv_mod._key(N, K, True, False, False, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+             lambda c: lambda: [gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c,
+                                     pdl=self.pdl)], per=1)
+        return out

@@ -1,0 +1,123 @@
+"""decode_fused_step: the whole batch-1 decode step as one fused kernel sequence, replayed as one CUDA graph.
+
+Replaces a causal LM's ``decode`` graph by a module that runs
+``tkcc.kernels.decoder.FusedDecoder`` over the model's own weights and the
+Program's static KV cache (``Program.state``, written in place, shared with the
+prefill graph). Per layer: QKV GEMV with the RMSNorm prologue; q/k-norm +
+rotary + cache write; split-KV attention; o-proj + residual; MoE (router
+GEMV, experts gate_up with routing in the prologue, experts down + residual)
+or gated MLP (two GEMVs). With ``cuda_graph`` the step is captured on its
+first call and then replayed: inputs are copied on the device, so a decode
+loop has no host synchronisation. With ``pdl`` each kernel launches while the
+previous one drains (programmatic dependent launch, Hopper and later).
+Anything the fused step does not support (batch > 1, other families, CPU
+without the Triton interpreter) runs the original graph, with the reason
+logged.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+
+from tkcc.errors import TkccError
+from tkcc.kernels.common import fallback_reason
+from tkcc.passes.base import Pass, RewriteInfo, register
+
+log = logging.getLogger("tkcc.passes.decode_graph")
+
+
+class FusedDecodeStep(torch.nn.Module):
+    """(input_ids [1, 1], cache_position [1]) -> logits [1, 1, vocab] through the fused decoder."""
+
+    def __init__(self, decoder, original: torch.fx.GraphModule, cuda_graph: bool, unsupported: str | None):
+        super().__init__()
+        self.decoder = decoder
+        self.original = original
+        self.cuda_graph = cuda_graph
+        self.unsupported = unsupported
+        self.calls = 0
+        self.fallback_calls = 0
+
+    def forward(self, input_ids, cache_position):
+        reason = self.unsupported
+        if reason is None and (input_ids.numel() != 1 or cache_position.numel() != 1):
+            reason = f"input_ids {tuple(input_ids.shape)} is not one token of one sequence"
+        if reason is not None:
+            if self.fallback_calls == 0:
+                log.info("decode_fused_step: running the original graph (%s)", reason)
+            self.fallback_calls += 1
+            return self.original(input_ids, cache_position)
+        self.calls += 1
+        dec = self.decoder
+        if self.cuda_graph and dec.graph is None and input_ids.is_cuda and self.calls >= 2:
+            dec.capture()
+        return dec.forward(input_ids, cache_position)
+
+
+def _output_like(gm: torch.fx.GraphModule, graph: torch.fx.Graph, value: torch.fx.Node):
+    """An output node with the same structure as ``gm``'s (a bare value or a 1-tuple/list)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    a = out.args[0]
+    if isinstance(a, (tuple, list)):
+        if len(a) != 1:
+            raise TkccError(f"decode graph returns {len(a)} values; the fused step returns logits only")
+        return graph.output(type(a)([value]))
+    return graph.output(value)
+
+
+@register
+class DecodeFusedStep(Pass):
+    name = "decode_fused_step"
+    version = "1"
+    exact = False
+    description = ("Decode phase -> one fused kernel sequence per step (MoE regrouped, KV staged in place, "
+                   "norms/rotary/activations fused), captured as one CUDA graph.")
+    params = {"cuda_graph": [True, False], "pdl": [True, False], "attn_chunk": [0, 64, 128, 256, 512],
+              "tune": [False, True]}
+
+    def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=False):
+        from tkcc.kernels.decoder import FusedDecoder
+
+        info = RewriteInfo()
+        if "decode" not in program.graphs:
+            info.notes.append("no decode phase; nothing to do")
+            return program, info
+        gm = program.graphs["decode"]
+        kv = program.state
+        unsupported = None
+        dec = None
+        if kv is None or not hasattr(kv, "key"):
+            unsupported = "the Program has no static KV cache (Program.state)"
+        elif kv.batch != 1:
+            unsupported = f"batch {kv.batch} (the fused step is batch-1 decode)"
+        else:
+            keys = [kv.key(i)[0] for i in range(kv.num_layers)]
+            vals = [kv.value(i)[0] for i in range(kv.num_layers)]
+            unsupported = fallback_reason(keys[0])
+            if unsupported is None:
+                try:
+                    dec = FusedDecoder(program.model, max_cache_len=kv.max_cache_len, attn_chunk=attn_chunk or None,
+                                       pdl=None if pdl else False, kv=(keys, vals))
+                    if tune and keys[0].is_cuda:
+                        info.notes.append(f"tuned: {dec.tune()}")
+                except (TkccError, AttributeError) as e:
+                    unsupported = f"{type(e).__name__}: {e}"
+                    dec = None
+        graph = torch.fx.Graph()
+        ph = [graph.placeholder(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+        for new, old in zip(ph, [n for n in gm.graph.nodes if n.op == "placeholder"]):
+            new.meta = dict(old.meta)
+        root = torch.nn.Module()
+        root.add_module("fused_decode", FusedDecodeStep(dec, gm, cuda_graph, unsupported))
+        call = graph.call_module("fused_decode", tuple(ph))
+        call.meta["tkcc_from"] = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        _output_like(gm, graph, call)
+        new_gm = torch.fx.GraphModule(root, graph, class_name="FusedDecode")
+        info.matched = 1
+        info.replaced = 0 if unsupported else 1
+        info.provenance[f"decode:{call.name}"] = call.meta["tkcc_from"]
+        info.notes.append(f"decode: fused step ({'original graph: ' + unsupported if unsupported else 'kernels'}; "
+                          f"cuda_graph={cuda_graph}, pdl={pdl}, attn_chunk={attn_chunk or 'auto'})")
+        return program.with_graphs({"decode": new_gm}), info

@@ -1,0 +1,84 @@
+"""moe_regroup: replace each sparse-MoE block by one op that reads only the selected experts' weights.
+
+transformers' ``batched_mm`` experts path gathers the k selected experts'
+weights into a new tensor for every token (``gate_up_proj[expert_ids]``: a
+64 MB copy per OLMoE layer per decode token) before two bmm's. The
+replacement op (``tkcc.kernels.ops.moe_block``) routes (softmax + top-k in the
+kernel prologue) and streams each selected expert's rows once, with the
+silu*mul and the weighted sum fused; prefill and unsupported devices run the
+same eager arithmetic (bit-exact). ``expert_order=hot_first`` permutes the
+experts in place (router rows, gate_up, down together: the same function) so
+the experts the workload's routing uses most are stored together; at batch 1
+this changes no byte counts and is offered for batched decode.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tkcc.passes.base import RewriteInfo, register
+from tkcc.passes.decode_regions import (module_paths, param_node, region_io, region_nodes, replace_region,
+                                        resolve_module)
+from tkcc.passes.graph_pass import GraphPass
+
+MOE_BLOCK = r"\.layers\.\d+\.mlp$"
+
+
+def is_sparse_moe(module) -> bool:
+    return hasattr(module, "experts") and hasattr(module, "gate") and hasattr(module.experts, "gate_up_proj") \
+        and hasattr(module.gate, "top_k")
+
+
+def hot_first_order(probs: np.ndarray) -> torch.Tensor:
+    """Expert permutation, most used first (stable for ties)."""
+    return torch.from_numpy(np.argsort(-np.asarray(probs), kind="stable").copy())
+
+
+@register
+class MoERegroup(GraphPass):
+    name = "moe_regroup"
+    version = "1"
+    exact = False  # the fused one-token path reorders fp32 sums; prefill keeps the eager arithmetic
+    description = ("Sparse-MoE blocks -> one op: routing in the kernel prologue, only the k selected experts' "
+                   "weights read, once, silu*mul and weighted sum fused (eager arithmetic off the fast path).")
+    params = {"fused": [True, False], "expert_order": ["none", "hot_first"]}
+
+    def apply(self, program, **params):
+        self._model = program.model
+        if params.get("expert_order", "none") == "hot_first":
+            self._reorder(program)
+        return super().apply(program, **params)
+
+    def _reorder(self, program):
+        from tkcc.kernels.decoder import reorder_experts
+        from tkcc.traffic.routing import Routing
+
+        layers = [m for _p, m in program.model.named_modules() if is_sparse_moe(m)]
+        if not layers:
+            return
+        g = layers[0].gate
+        r = Routing.for_model(len(layers), g.num_experts, g.top_k)
+        for i, m in enumerate(layers):
+            reorder_experts(m, hot_first_order(r.probs[i]))
+
+    def rewrite(self, gm, info: RewriteInfo, phase: str, fused=True, expert_order="none"):
+        from tkcc.kernels import ops  # imported here: the pass registry must load without triton
+
+        for path in module_paths(gm, MOE_BLOCK):
+            mod = resolve_module(self._model, path)
+            if not is_sparse_moe(mod):
+                continue
+            nodes = region_nodes(gm, path)
+            if not nodes:
+                continue
+            ins, outs = region_io(nodes)
+            if len(ins) != 1 or len(outs) != 1:
+                info.notes.append(f"{phase}: {path} has {len(ins)} inputs/{len(outs)} outputs; left as is")
+                continue
+            w = [param_node(gm, f"{path}.{n}", nodes[0])
+                 for n in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")]
+            replace_region(gm, nodes, ops.moe_block,
+                           (ins[0], *w, int(mod.gate.top_k), bool(getattr(mod.gate, "norm_topk_prob", False)),
+                            fused), phase=phase, info=info)
+        info.notes.append(f"{phase}: {info.replaced} MoE block(s) regrouped so far (fused={fused}, "
+                          f"expert_order={expert_order})")
