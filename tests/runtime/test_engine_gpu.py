@@ -44,7 +44,7 @@ def build(program):
 
 @pytest.fixture(scope="module")
 def gpu_engine(tmp_path_factory):
-    from conftest import BLOCKS_MODEL, stop_engine
+    from engine_helpers import BLOCKS_MODEL, stop_engine
 
     tmp = tmp_path_factory.mktemp("gpu-engine")
     eng = _start(tmp, BLOCKS_MODEL)
@@ -58,7 +58,7 @@ def _start(tmp, model):
     import subprocess
     import sys
 
-    from conftest import HERE, RunningEngine
+    from engine_helpers import HERE, RunningEngine
 
     sock = os.path.join(str(tmp), "engine.sock")
     proc = subprocess.Popen([sys.executable, "-m", "tkcc.cli", "serve", "--model", model, "--device", "cuda",

@@ -143,7 +143,7 @@ def test_tcp_loopback_server_with_token(tmp_path):
     """The TCP listener (no worker needed for ping): token checked, shutdown over RPC stops it."""
     import threading
 
-    from conftest import BLOCKS_MODEL
+    from engine_helpers import BLOCKS_MODEL
     from tkcc.runtime import EngineClient
     from tkcc.runtime.journal import Journal
     from tkcc.runtime.server import EngineServer

@@ -21,6 +21,9 @@ import torch.fx
 from tkcc.errors import ArtifactError
 
 _IMPORTABLE_ROOTS = {"torch", "operator", "math", "builtins", "_operator"}
+# tkcc's kernel library: graph-callable ops (fused kernel or eager reference) that a generated forward may
+# call; it needs torch and triton, never the compiler (tkcc.passes, tkcc.frontend)
+RUNTIME_PACKAGES = ("tkcc.kernels",)
 
 
 def safe_name(name: str, taken: set[str]) -> str:
@@ -81,6 +84,12 @@ def target_source(target, imports: set[str], where: str) -> str:
     if module in ("_operator",):
         module = "operator"
     root = module.split(".")[0]
+    if qual and any(module == p or module.startswith(p + ".") for p in RUNTIME_PACKAGES):
+        import importlib
+
+        if getattr(importlib.import_module(module), qual, None) is target:
+            imports.add(module)
+            return f"{module}.{qual}"
     if qual and root in _IMPORTABLE_ROOTS:
         path = f"{module}.{qual}" if module != "builtins" else qual
         obj = _lookup(path)
@@ -90,7 +99,8 @@ def target_source(target, imports: set[str], where: str) -> str:
             return path
     raise ArtifactError(
         f"{where}: calls {target!r} (module {module or '?'}), which a generated forward cannot import without "
-        f"the compiler; only torch/operator/math callables and tkcc generated kernels can be emitted")
+        f"the compiler; only torch/operator/math callables, tkcc generated kernels and {RUNTIME_PACKAGES} can be "
+        f"emitted")
 
 
 def _lookup(path: str):

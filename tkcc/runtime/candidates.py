@@ -177,7 +177,14 @@ def _build_plan(spec, tier, program, work_dir, max_bytes, cand):
         import shutil
 
         shutil.rmtree(out_dir)  # a stale build of the same id (e.g. before a worker restart)
-    art = build_artifact(rewritten, plan, out_dir, tier=program.num_blocks)
+    try:
+        art = build_artifact(rewritten, plan, out_dir, tier=program.num_blocks)
+    except ArtifactError as e:
+        # The rewritten graph holds runtime objects codegen cannot write as source (e.g. the fused decode
+        # step's captured decoder). The candidate still runs, is validated and measured here, in the
+        # worker, from the rewritten graphs; it just has no artifact to ship across processes.
+        info["codegen"] = f"in-process, no artifact: {e}"
+        return dict(rewritten.graphs), info
     info["artifact"] = out_dir
     info["artifact_hash"] = art.hash
     cand.exact = cand.exact and all(k.get("exact", True) for k in art.manifest.get("kernels", {}).values())
