@@ -219,10 +219,12 @@ def compile_exact(model: torch.nn.Module, workload: Workload, inputs: Callable |
                     info["tried"].append({"mode": "whole", "ok": False, "why": f"bucket {key}: forward {why}"})
                     order = ["speculative", "regions"]
                     break
-    pool = torch.cuda.graph_pool_handle() if cuda else None
     ptrs = weight_pointers(model)
     chosen, impl = "eager", model
     for m in order:
+        # a fresh memory pool per attempt: a capture that failed part-way can leave its pool marked as
+        # recording, and every later capture into it then fails ("already recording to mempool_id")
+        pool = torch.cuda.graph_pool_handle() if cuda else None
         cand = _candidate(model, m, pool, ptrs)
         try:
             ok, why = _golden_check(cand, model, per_bucket, deterministic)
@@ -231,8 +233,8 @@ def compile_exact(model: torch.nn.Module, workload: Workload, inputs: Callable |
         entry = {"mode": m, "ok": ok, "why": why}
         if hasattr(cand, "report"):
             entry["capture"] = cand.report()
-        if ok and cuda and _graphs(entry.get("capture")) == 0 and m != order[-1]:
-            ok, entry["ok"] = False, False  # exact, but only because it ran eagerly: try the next way
+        if ok and cuda and _graphs(entry.get("capture")) == 0:
+            ok, entry["ok"] = False, False  # exact only because it ran eagerly (plus overhead): try the next way
             entry["why"] = "nothing was captured: " + "; ".join(_refusals(entry.get("capture")))[:400]
         info["tried"].append(entry)
         if ok:
