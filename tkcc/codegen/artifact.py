@@ -2,7 +2,7 @@
 
 Layout of an artifact directory (see docs/codegen.md)::
 
-    manifest.json            plan + plan hash, program fingerprint, target, tier, phases, versions,
+    manifest.json            plan + plan hash, program fingerprint, targets, tier, phases, versions,
                              SHA-256 of every other file, and the artifact hash over all of it
     _rt.py                   verbatim copy of tkcc/codegen/rt.py (the only support code generated code imports)
     forward_<phase>.py       one per phase: bind(model, state, constants) -> forward(*inputs)
@@ -17,6 +17,13 @@ verifies every file against the manifest; ``Artifact.load`` executes the
 verified bytes as a private package (``tkcc_artifact_<hash>``) that imports
 torch, triton and ``_rt`` only: no tkcc.passes, no tkcc.frontend, so it loads
 in a fresh process or on another machine.
+
+Targets: ``targets`` lists every kernel target the forwards run (``triton``
+for generated kernels and Triton decode ops, ``cuda`` for decode ops the plan
+put on the CUDA C++ kernels) and ``target`` names it, or ``"mixed"`` when
+there are several. ``load`` refuses a target the model's device cannot run
+(``cuda`` off an NVIDIA GPU) before executing anything. Forwards that call the
+decode ops import ``tkcc.kernels.ops`` (listed under ``runtime``).
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from tkcc.errors import ArtifactError
+from tkcc.errors import ArtifactError, TkccError
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -89,6 +96,7 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
     kernels: dict[str, object] = {}
     constants: dict[str, torch.Tensor] = {}
     calls: list[tuple[str, dict]] = []
+    used_targets: set[str] = set()
     for phase, gm in program.graphs.items():
         header = (f"Phase {phase!r} of program {program.fingerprint}, plan {plan_hash}.\n\n"
                   f"Load with tkcc.codegen.Artifact.open(path).load(program_or_model)[{phase!r}].")
@@ -101,8 +109,9 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
             constants[k] = v
         kernels.update(fs.kernels)
         calls += [(phase, c) for c in fs.kernel_calls]
+        used_targets |= fs.targets
         phases[phase] = {"module": fname, "inputs": fs.inputs, "bindings": fs.bindings,
-                         "kernels": sorted(fs.kernels)}
+                         "kernels": sorted(fs.kernels), "ops": fs.op_calls, "targets": sorted(fs.targets)}
     for name, k in sorted(kernels.items()):
         files[f"kernels/{name}.py"] = k.source.encode()
     if constants:
@@ -136,9 +145,12 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
         for entry, blob in zip(aot_entries, binaries):
             files[entry["file"]] = blob
 
+    targets = sorted(used_targets)
     manifest = {
         "format": FORMAT,
-        "target": target,
+        "target": (targets[0] if len(targets) == 1 else "mixed") if targets else target,
+        "targets": targets,
+        "runtime": ["tkcc.kernels.ops"] if any(m["ops"] for m in phases.values()) else [],
         "tier": tier,
         "plan": plan_json,
         "plan_hash": plan_hash,
@@ -251,6 +263,7 @@ class Artifact:
             model = program_or_model
         else:
             raise ArtifactError(f"load() takes a Program or an nn.Module, got {type(program_or_model).__name__}")
+        self._check_targets(model, program_or_model)
         want = self.manifest.get("model_class")
         if want and type(model).__name__ != want:
             raise ArtifactError(f"{self.path}: built for a {want}, got a {type(model).__name__}")
@@ -272,6 +285,33 @@ class Artifact:
         """Kernel name -> launcher of the loaded artifact (``.stats`` counts kernel vs reference runs)."""
         pkg = self._import()
         return {name: sys.modules[f"{pkg.__name__}.kernels.{name}"].launch for name in self.manifest["kernels"]}
+
+    @property
+    def targets(self) -> list[str]:
+        """Kernel targets the forwards run (older manifests: their single ``target``)."""
+        t = self.manifest.get("targets")
+        if t is None:
+            t = [self.manifest.get("target", "triton")]
+        return list(t)
+
+    def _check_targets(self, model, program_or_model) -> None:
+        """ArtifactError when the model's device cannot run one of the artifact's kernel targets."""
+        from tkcc.codegen.targets import OP_TARGETS, check_target
+
+        p = next(iter(model.parameters()), None)
+        dev = p.device.type if p is not None else torch.device(
+            (getattr(program_or_model, "meta", None) or {}).get("device", "cpu")).type
+        for t in self.targets:
+            if t not in OP_TARGETS:
+                raise ArtifactError(f"{self.path / MANIFEST}: unknown kernel target {t!r} (targets {self.targets}); "
+                                    f"this tkcc loads {list(OP_TARGETS)}")
+            if t == "triton":
+                continue  # Triton kernels take their PyTorch reference off the kernel devices
+            try:
+                check_target(t, dev)
+            except TkccError as e:
+                raise ArtifactError(f"{self.path}: the artifact runs {t!r} kernels, which cannot run on this "
+                                    f"model's device {dev!r}: {e}") from None
 
     def _check_bindings(self, phase, meta, model, state) -> None:
         roots = {"model": model, "state": state}

@@ -6,6 +6,11 @@ resident model (or the state holding the KV cache), once; ``forward(*inputs)``
 is the graph, one line per node, calling aten ops and the artifact's own
 kernel modules. No weight is embedded; small tensor constants that belong to
 neither model nor state go to ``constants.pt``.
+
+Calls to the decode ops (``tkcc.kernels.ops``: MoE block, RMSNorm, split-KV
+attention) are written as ``_ops.<name>(...)``: the generated module then
+imports ``tkcc.kernels.ops`` (the kernel runtime, not the compiler), and each
+call's ``target`` keyword is recorded so the manifest can name the targets.
 """
 from __future__ import annotations
 
@@ -30,6 +35,26 @@ class ForwardSource:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
     kernel_calls: list[dict] = field(default_factory=list)  # {kernel, node, shapes, dtypes} for AOT
+    op_calls: list[dict] = field(default_factory=list)  # {op, node, target}: calls to tkcc.kernels.ops
+
+    @property
+    def targets(self) -> set[str]:
+        """Kernel targets this forward runs: triton for generated kernels, each op call's own target."""
+        return ({"triton"} if self.kernels else set()) | {c["target"] for c in self.op_calls}
+
+
+OPS_MODULE = "tkcc.kernels.ops"
+
+
+def _decode_op(t) -> str | None:
+    """The name of ``t`` in tkcc.kernels.ops if it is one of the decode ops there, else None."""
+    if getattr(t, "__module__", None) != OPS_MODULE:
+        return None
+    import importlib
+
+    ops = importlib.import_module(OPS_MODULE)
+    name = getattr(t, "__name__", "")
+    return name if t in ops.OPS and getattr(ops, name, None) is t else None
 
 
 def _tensor_names(module) -> dict[int, str]:
@@ -68,7 +93,7 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
     model_names, state_names = _tensor_names(model), _tensor_names(state)
     out = ForwardSource(source="")
     imports: set[str] = {"torch"}
-    taken = {"torch", "operator", "math", "_rt", "model", "state", "constants", "bind", "forward"}
+    taken = {"torch", "operator", "math", "_rt", "_ops", "model", "state", "constants", "bind", "forward"}
     names: dict[torch.fx.Node, str] = {}
     bind_lines: list[str] = []
     body: list[str] = []
@@ -128,6 +153,9 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
                 out.kernel_calls.append({"kernel": t.name, "node": n.name, "origin": list(t.origin),
                                          "shapes": [[_hint(d) for d in a.meta["val"].shape] for a in n.args],
                                          "dtypes": [str(a.meta["val"].dtype) for a in n.args]})
+            elif _decode_op(t):
+                call = emit.call_source(n, f"_ops.{_decode_op(t)}", names, imports)
+                out.op_calls.append({"op": _decode_op(t), "node": n.name, "target": n.kwargs.get("target", "triton")})
             else:
                 call = emit.call_source(n, emit.target_source(t, imports, where), names, imports)
         elif n.op == "call_method":
@@ -156,6 +184,8 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
     lines += emit.import_lines(imports)
     lines.append("")
     lines.append("from . import _rt")
+    if out.op_calls:
+        lines.append(f"from {OPS_MODULE.rpartition('.')[0]} import ops as _ops  # the decode ops' kernel runtime")
     for kname, alias in sorted(kernel_alias.items()):
         lines.append(f"from .kernels import {kname} as {alias}")
     lines += ["", "", "def bind(model, state, constants):",

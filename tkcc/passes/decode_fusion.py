@@ -8,6 +8,10 @@ add eps, rsqrt, multiply, downcast, weight); it becomes one
 and ``h`` for the next residual). Off the kernel devices both run the eager
 arithmetic, so the rewrite is bit-exact there; the kernel rounds where eager
 code rounds (rsqrt may differ in the last fp32 bit).
+
+``target`` picks the kernel: Triton or the CUDA C++ ``rmsnorm`` family
+(``cuda_threads`` per row). A CUDA target on a Program that is not on an
+NVIDIA GPU is a PlanError.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import operator
 
 import torch
 
+from tkcc.codegen.targets import OP_TARGETS, check_pass_target, variant_params
 from tkcc.passes.base import RewriteInfo, register
 from tkcc.passes.decode_regions import module_paths, param_node, region_io, region_nodes, replace_region, \
     resolve_module
@@ -39,18 +44,22 @@ def _unalias(x, outs, nodes):
 @register
 class DecodeFusion(GraphPass):
     name = "decode_fusion"
-    version = "1"
+    version = "2"
     exact = False
     description = "RMSNorm regions -> one kernel each; a residual add feeding a norm fused into it."
-    params = {"fuse_residual": [True, False], "fused": [True, False]}
+    params = {"fuse_residual": [True, False], "fused": [True, False], "target": list(OP_TARGETS),
+              **variant_params("rmsnorm")}
 
     def apply(self, program, **params):
+        check_pass_target(self.name, params.get("target", "triton"), program)
         self._model = program.model
         return super().apply(program, **params)
 
-    def rewrite(self, gm, info: RewriteInfo, phase: str, fuse_residual=True, fused=True):
+    def rewrite(self, gm, info: RewriteInfo, phase: str, fuse_residual=True, fused=True, target="triton",
+                **cuda_variant):
         from tkcc.kernels import ops  # imported here: the pass registry must load without triton
 
+        kw = {"target": target, **(cuda_variant if target == "cuda" else {})}
         for path, typ in module_paths(gm, NORM).items():
             if "RMSNorm" not in str(typ):
                 continue
@@ -73,7 +82,7 @@ class DecodeFusion(GraphPass):
                     and not x.kwargs:
                 a, b = x.args
                 with gm.graph.inserting_before(nodes[0]):
-                    pair = gm.graph.call_function(ops.add_rms_norm, (a, b, w, eps, fused))
+                    pair = gm.graph.call_function(ops.add_rms_norm, (a, b, w, eps, fused), dict(kw))
                     y = gm.graph.call_function(operator.getitem, (pair, 0))
                     h = gm.graph.call_function(operator.getitem, (pair, 1))
                 y.meta["val"], h.meta["val"] = outs[0].meta.get("val"), x.meta.get("val")
@@ -90,4 +99,4 @@ class DecodeFusion(GraphPass):
                 info.replaced += 1
                 info.provenance[f"{phase}:{pair.name}"] = [x.name] + [n.name for n in nodes]
             else:
-                replace_region(gm, nodes, ops.rms_norm, (x, w, eps, fused), phase=phase, info=info)
+                replace_region(gm, nodes, ops.rms_norm, (x, w, eps, fused), dict(kw), phase=phase, info=info)

@@ -10,11 +10,17 @@ directly: one decode token runs the split-KV kernel over positions
 [0, cache_position] only (chunks of ``chunk`` positions spread over the SMs,
 merged by a log-sum-exp combine), with no expanded copy; other shapes run the
 eager repeat_kv + sdpa (bit-exact).
+
+``target`` picks the one-token kernel: the Triton split-KV kernel (``chunk``
+positions per split) or the CUDA C++ one (``cuda_nsplit`` splits, 0 = by the
+context; ``cuda_warps`` warps; ``cuda_unroll`` rows in flight per lane group).
+A CUDA target on a Program that is not on an NVIDIA GPU is a PlanError.
 """
 from __future__ import annotations
 
 import torch
 
+from tkcc.codegen.targets import OP_TARGETS, check_pass_target, variant_params
 from tkcc.passes.base import RewriteInfo, register
 from tkcc.passes.decode_regions import erase_dead
 from tkcc.passes.graph_pass import GraphPass, origin
@@ -40,13 +46,17 @@ def cache_source(node):
 @register
 class KVSplitAttention(GraphPass):
     name = "kv_split_attention"
-    version = "1"
+    version = "2"
     exact = False  # the one-token kernel's softmax sums in another order; other shapes stay eager
     description = ("Attention reads the static cache in place: one decode token -> split-KV kernel over positions "
                    "<= cache_position only (no repeat_kv copy, no masked positions); other shapes -> eager sdpa.")
-    params = {"chunk": [256, 128, 512, 64]}
+    params = {"chunk": [256, 128, 512, 64], "target": list(OP_TARGETS), **variant_params("decode_attention")}
 
-    def rewrite(self, gm, info: RewriteInfo, phase: str, chunk=256):
+    def apply(self, program, **params):
+        check_pass_target(self.name, params.get("target", "triton"), program)
+        return super().apply(program, **params)
+
+    def rewrite(self, gm, info: RewriteInfo, phase: str, chunk=256, target="triton", **cuda_variant):
         from tkcc.kernels import ops  # imported here: the pass registry must load without triton
 
         pos = [n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "cache_position"]
@@ -72,8 +82,9 @@ class KVSplitAttention(GraphPass):
                 scale = float(qv.shape[-1]) ** -0.5
             extra = {k2: v2 for k2, v2 in node.kwargs.items() if k2 not in ("scale", "attn_mask")}
             with gm.graph.inserting_before(node):
+                kw = {"target": target, **(cuda_variant if target == "cuda" else {})}
                 new = gm.graph.call_function(ops.split_kv_attention, (q, ks[0], vs[0], pos[0], mask, float(scale),
-                                                                      n_rep, int(chunk), extra or None))
+                                                                      n_rep, int(chunk), extra or None), kw)
             new.meta["val"] = node.meta.get("val")
             new.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
             origin(new, node, *ks[1], *vs[1])

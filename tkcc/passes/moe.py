@@ -10,12 +10,19 @@ same eager arithmetic (bit-exact). ``expert_order=hot_first`` permutes the
 experts in place (router rows, gate_up, down together: the same function) so
 the experts the workload's routing uses most are stored together; at batch 1
 this changes no byte counts and is offered for batched decode.
+
+``target`` picks the one-token kernels: Triton (routing in the expert
+kernel's prologue) or CUDA C++ (router logits, the ``router_topk`` kernel with
+``cuda_router_threads``, then ``moe_gemv`` with ``cuda_warps`` x
+``cuda_rows_per_warp`` rows per block). A CUDA target on a Program that is not
+on an NVIDIA GPU is a PlanError.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from tkcc.codegen.targets import OP_TARGETS, check_pass_target, variant_params
 from tkcc.passes.base import RewriteInfo, register
 from tkcc.passes.decode_regions import (module_paths, param_node, region_io, region_nodes, replace_region,
                                         resolve_module)
@@ -37,13 +44,15 @@ def hot_first_order(probs: np.ndarray) -> torch.Tensor:
 @register
 class MoERegroup(GraphPass):
     name = "moe_regroup"
-    version = "1"
+    version = "2"
     exact = False  # the fused one-token path reorders fp32 sums; prefill keeps the eager arithmetic
     description = ("Sparse-MoE blocks -> one op: routing in the kernel prologue, only the k selected experts' "
                    "weights read, once, silu*mul and weighted sum fused (eager arithmetic off the fast path).")
-    params = {"fused": [True, False], "expert_order": ["none", "hot_first"]}
+    params = {"fused": [True, False], "expert_order": ["none", "hot_first"], "target": list(OP_TARGETS),
+              **variant_params("moe_gemv"), **variant_params("router_topk", "cuda_router_")}
 
     def apply(self, program, **params):
+        check_pass_target(self.name, params.get("target", "triton"), program)
         self._model = program.model
         if params.get("expert_order", "none") == "hot_first":
             self._reorder(program)
@@ -61,7 +70,8 @@ class MoERegroup(GraphPass):
         for i, m in enumerate(layers):
             reorder_experts(m, hot_first_order(r.probs[i]))
 
-    def rewrite(self, gm, info: RewriteInfo, phase: str, fused=True, expert_order="none"):
+    def rewrite(self, gm, info: RewriteInfo, phase: str, fused=True, expert_order="none", target="triton",
+                **cuda_variant):
         from tkcc.kernels import ops  # imported here: the pass registry must load without triton
 
         for path in module_paths(gm, MOE_BLOCK):
@@ -79,6 +89,7 @@ class MoERegroup(GraphPass):
                  for n in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")]
             replace_region(gm, nodes, ops.moe_block,
                            (ins[0], *w, int(mod.gate.top_k), bool(getattr(mod.gate, "norm_topk_prob", False)),
-                            fused), phase=phase, info=info)
+                            fused), phase=phase, info=info,
+                           kwargs={"target": target, **(cuda_variant if target == "cuda" else {})})
         info.notes.append(f"{phase}: {info.replaced} MoE block(s) regrouped so far (fused={fused}, "
-                          f"expert_order={expert_order})")
+                          f"expert_order={expert_order}, target={target})")

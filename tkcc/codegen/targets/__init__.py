@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from tkcc.errors import TkccError
+from tkcc.errors import PlanError, TkccError
 
 # target -> (device types it runs on here, what is only compiled)
 TARGETS: dict[str, dict] = {
@@ -31,6 +31,41 @@ def check_target(target: str, device: str | torch.device) -> None:
     if dev not in TARGETS[target]["runs_on"]:
         raise TkccError(f"target {target!r} cannot run on device {dev!r} ({TARGETS[target]['note']}); "
                         f"it runs on: {', '.join(TARGETS[target]['runs_on']) or 'nothing here (compile only)'}")
+
+
+# targets a decode op can be asked for (``tkcc.kernels.ops``): Triton runs everywhere (its kernel on CUDA or
+# under the interpreter, the eager reference elsewhere); CUDA runs only on an NVIDIA GPU
+OP_TARGETS = ("triton", "cuda")
+
+
+def variant_params(family: str, prefix: str = "cuda_", rename: dict[str, str] | None = None) -> dict[str, list]:
+    """The CUDA variant space of ``family`` as pass parameters (``{prefix + name: values}``, default first)."""
+    from tkcc.codegen.targets.cuda import VARIANTS
+
+    rename = rename or {}
+    return {prefix + rename.get(k, k): list(v) for k, v in VARIANTS[family].items()}
+
+
+def program_device(program) -> str:
+    """The device type a Program runs on (its capture meta, else its model's first parameter)."""
+    dev = (getattr(program, "meta", None) or {}).get("device")
+    if dev is None:
+        model = getattr(program, "model", None)
+        p = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+        dev = p.device if p is not None else "cpu"
+    return torch.device(dev).type
+
+
+def check_pass_target(pass_name: str, target: str, program) -> None:
+    """PlanError when pass ``pass_name`` is asked for a kernel target the Program's device cannot run."""
+    if target not in OP_TARGETS:
+        raise PlanError(f"pass {pass_name!r}: unknown kernel target {target!r}; decode ops run {list(OP_TARGETS)}")
+    if target == "triton":
+        return  # the ops take the eager reference wherever Triton cannot run
+    try:
+        check_target(target, program_device(program))
+    except TkccError as e:
+        raise PlanError(f"pass {pass_name!r}: {e}") from None
 
 
 def kernel(family: str, target: str, dtype: torch.dtype, shape: dict, variant: dict | None = None,
