@@ -56,6 +56,13 @@ def main() -> int:
     from tkcc.traffic.loaders import bundled_trace, load_trace
 
     cap = args.max_cache_len or (4096 if args.device.startswith("cuda") else 512)
+
+    def save(final: bool = False):
+        """Write what is measured so far (a run cut short keeps its finished stages)."""
+        out["complete"] = final
+        for path in [args.out] + ([os.path.join(os.environ["OUT"], "campaign.json")] if os.environ.get("OUT") else []):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(out, indent=1, default=str))
     tmp = Path(tempfile.mkdtemp(prefix="tkcc-campaign-bench-"))
     store = ExperimentStore(tmp / "store.db")
     out: dict = {"model": args.model, "device": args.device, "budget_s": args.budget}
@@ -70,7 +77,7 @@ def main() -> int:
         return w.only("decode")
 
     def space():
-        return SearchSpace.from_registry(exact_only=not args.tolerance)
+        return SearchSpace.from_registry(exact_only=not args.tolerance, device=args.device)
 
     extra = ("--max-cache-len", str(cap), "--timeout", "300")
     if args.device == "cpu":
@@ -99,6 +106,7 @@ def main() -> int:
         out.update(two_tier_candidates=res["two_tier"]["candidates"], slow_only_candidates=res["slow_only"]["candidates"],
                    two_tier_objective=res["two_tier"]["objective"], slow_only_objective=res["slow_only"]["objective"],
                    tiers=res)
+        save()
 
         # 2. A/A: the serving forward measured twice per comparison
         wl = EngineEvaluator(client, w1).workload
@@ -117,6 +125,7 @@ def main() -> int:
                    aa_relative_diffs=[vals[2 * i + 1] / vals[2 * i] - 1 for i in range(3 + args.aa)])
         print("A/A", out["aa_comparisons"], "comparisons,", out["aa_false_ships"], "false ships; threshold",
               f"{calib.threshold() * 100:.2f}%", flush=True)
+        save()
 
         # 3. drift: optimise on trace 1, switch to trace 2, re-check and re-optimise
         w2 = workload(args.drift_trace)
@@ -143,9 +152,7 @@ def main() -> int:
     env = (status.get("worker") or {}).get("env", {})
     out.update(env=env, commit=commit, command=" ".join(["python", *sys.argv]), wall_s=round(time.time() - t_start, 1),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    for path in [args.out] + ([os.path.join(os.environ["OUT"], "campaign.json")] if os.environ.get("OUT") else []):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(out, indent=1, default=str))
+    save(final=True)
     print(json.dumps({k: out[k] for k in ("two_tier_candidates", "slow_only_candidates", "two_tier_objective",
                                           "slow_only_objective", "aa_comparisons", "aa_false_ships")}))
     return 0

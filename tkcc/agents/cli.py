@@ -129,7 +129,8 @@ def _proposer(args, client, evaluator):
     from tkcc.agents.search import BayesianSearch, SearchSpace
 
     if args.proposer == "search":
-        return BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance), seed=args.seed)
+        return BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance, device=evaluator.device_type),
+                              seed=args.seed)
     from tkcc.agents.external import ExternalAgent
 
     if not args.agent_cmd:
@@ -205,7 +206,8 @@ def cmd_watch(args):
         wk = {"max_context": int(worker.get("max_cache_len") or 4096), "batch_sizes": (int(worker.get("batch") or 1),)}
         model = str((client.status().get("engine") or {}).get("model") or args.model)
         events = watch(rolling, lambda wl: EngineEvaluator(client, wl, pass_modules=args.pass_module, reps=args.reps),
-                       lambda: BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance),
+                       lambda: BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance,
+                                                                        device=str(worker.get("device", "cpu"))),
                                               seed=args.seed),
                        ExperimentStore(args.store), name=args.name or f"watch-{model}", model=model,
                        budget_s=_seconds(args.budget, "--budget"), min_requests=args.min_requests,

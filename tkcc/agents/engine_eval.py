@@ -34,6 +34,7 @@ class EngineEvaluator:
         self.model = (status.get("engine") or {}).get("model")
         env = worker.get("env") or {}
         self.device = env.get("device_name") or env.get("device") or worker.get("device")
+        self.device_type = str(worker.get("device") or (status.get("engine") or {}).get("device") or "cpu")
         self.model_fp = json.dumps({"model": self.model,
                                     "fingerprint": {t: v.get("fingerprint") for t, v in (worker.get("tiers") or {}).items()},
                                     "dtype": worker.get("dtype"), "device": self.device}, sort_keys=True, default=str)

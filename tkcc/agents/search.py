@@ -36,9 +36,10 @@ class SearchSpace:
 
     @classmethod
     def from_registry(cls, names: list[str] | None = None, exact_only: bool = True,
-                      exclude: tuple[str, ...] = ("sharding",)) -> "SearchSpace":
+                      exclude: tuple[str, ...] = ("sharding",), device: str | None = None) -> "SearchSpace":
         """Registered passes (by default every exact one, less those a single engine cannot run:
-        sharding needs one engine per rank, ``tkcc serve --tp N``)."""
+        sharding needs one engine per rank, ``tkcc serve --tp N``). With ``device``, kernel-target values
+        that device cannot run (``target="cuda"`` on a CPU) are left out of the space."""
         from tkcc.passes.base import all_passes
 
         reg = all_passes()
@@ -46,13 +47,23 @@ class SearchSpace:
         if exact_only:
             chosen = [p for p in chosen if p.exact]
         chosen = [p for p in chosen if getattr(p, "emits_source", True)]  # the engine loads artifacts
-        return cls(chosen)
+        space = cls(chosen)
+        if device is not None and not str(device).startswith("cuda"):
+            space.params_override = {p.name: {"target": [v for v in p.params["target"] if v != "cuda"]}
+                                     for p in chosen if "target" in p.params}
+        return space
+
+    params_override: dict = None  # pass name -> {param: allowed values}, narrowing a pass's own space
+
+    def space_of(self, p: type[Pass]) -> dict:
+        over = (self.params_override or {}).get(p.name, {})
+        return {k: over.get(k, v) for k, v in p.params.items()}
 
     def features(self) -> list[tuple]:
         out = []
         for p in self.passes:
             out.append((p.name,))
-            for k, vals in p.params.items():
+            for k, vals in self.space_of(p).items():
                 out.extend((p.name, k, v) for v in vals)
         return out
 
@@ -60,22 +71,23 @@ class SearchSpace:
         steps = []
         for p in self.passes:
             if rng.random() < 0.5:
-                steps.append(PassStep(p.name, {k: rng.choice(v) for k, v in p.params.items()}))
+                steps.append(PassStep(p.name, {k: rng.choice(v) for k, v in self.space_of(p).items()}))
         return PassPlan(tuple(steps))
 
     def mutate(self, plan: PassPlan, rng: random.Random) -> PassPlan:
         """Toggle one pass in or out, or change one parameter of one included pass."""
         present = {s.name: s for s in plan.steps}
         p = rng.choice(self.passes)
-        if p.name in present and p.params and rng.random() < 0.6:
-            k = rng.choice(list(p.params))
+        space = self.space_of(p)
+        if p.name in present and space and rng.random() < 0.6:
+            k = rng.choice(list(space))
             params = dict(present[p.name].params)
-            params[k] = rng.choice(p.params[k])
+            params[k] = rng.choice(space[k])
             present[p.name] = PassStep(p.name, params)
         elif p.name in present:
             del present[p.name]
         else:
-            present[p.name] = PassStep(p.name, {k: rng.choice(v) for k, v in p.params.items()})
+            present[p.name] = PassStep(p.name, {k: rng.choice(v) for k, v in space.items()})
         order = [q.name for q in self.passes]
         return PassPlan(tuple(present[n] for n in order if n in present))
 
