@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tkcc.atomic import replace_dir
 from tkcc.errors import CaptureError, PlanError, TkccError
 from tkcc.passes.general import DEFAULT_EXACT_PLAN
 from tkcc.passes.log import PassLog, format_logs, write_logs
@@ -410,28 +411,13 @@ def _finish(model, program, compiled_program, logs, plan, mode, work, final, cod
                            timings={k: round(v, 3) for k, v in timings.items()}, program=info,
                            checks=golden_extra)
     if final is not None:
-        _replace_dir(work, final)
+        replace_dir(work, final)
         if artifact is not None:
             from tkcc.codegen.artifact import Artifact
 
             artifact = Artifact.open(final / "artifact")  # same verified bytes, at their final place
             report.artifact = str(artifact.path)
     return CompiledModel(program, compiled_program, forwards, report, artifact)
-
-
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    """Move ``tmp`` to ``dest``, replacing an older ``dest`` (never leaving a half-written one)."""
-    import os
-
-    if dest.exists():
-        if not dest.is_dir():
-            raise TkccError(f"{dest}: exists and is not a directory")
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
 
 
 def _measure_plain(program, forwards) -> dict:

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from codegen_helpers import Block, Pointwise, RMSNorm, capture
+from codegen_helpers import Block, RMSNorm, capture
 from tkcc.errors import PlanError
 from tkcc.passes.base import get_pass
 from tkcc.passes.manager import apply_plan

@@ -8,7 +8,7 @@ import torch.fx
 
 from tkcc.errors import PassError, PlanError
 from tkcc.frontend.program import Program
-from tkcc.passes import Pass, PassPlan, RewriteInfo, register
+from tkcc.passes import Pass, PassPlan, register
 from tkcc.passes.general import DEFAULT_EXACT_PLAN
 from tkcc.passes.graph_pass import GraphPass
 from tkcc.passes.lint import compare, run_graph

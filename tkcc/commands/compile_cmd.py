@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tkcc.atomic import replace_dir
 from tkcc.errors import PlanError, TkccError
 
 
@@ -55,18 +56,6 @@ def _check_device(device: str) -> None:
 
 # ---- compile -----------------------------------------------------------------------------------
 
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    if dest.exists():
-        if not dest.is_dir():
-            raise TkccError(f"--out {dest}: exists and is not a directory")
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
-
-
 def cmd_compile(args) -> dict:
     import torch
 
@@ -101,7 +90,7 @@ def cmd_compile(args) -> dict:
         data["logs"] = str(dest / "logs")
         data["out"] = str(dest)
         (tmp / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-        _replace_dir(tmp, dest)
+        replace_dir(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

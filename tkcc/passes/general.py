@@ -20,12 +20,11 @@ What counts as a side effect (never removed, never merged):
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx
 
-from tkcc.passes.base import RewriteInfo, register
+from tkcc.passes.base import register
 from tkcc.passes.graph_pass import GraphPass
 from tkcc.passes.lint import _fetch_attr, _mutated_arg_positions, _root
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from tkcc.atomic import replace_dir
 from tkcc.errors import GoldenError, TkccError
 from tkcc.passes.lint import TOLERANCES, compare
 
@@ -207,22 +208,11 @@ def record(model_name: str, dtype="float32", device="cpu", steps: int = DEFAULT_
             sha256=_digest(tmp / "outputs.pt"), format_version=FORMAT_VERSION,
         )
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _replace_dir(tmp, dest)
+        replace_dir(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
-
-
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    """Move ``tmp`` to ``dest`` atomically, replacing an older ``dest``."""
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
 
 
 def _version(mod: str) -> str | None:

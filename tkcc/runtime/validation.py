@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 # (atol, rtol) per dtype for tolerance mode; a model/plan may declare its own.
-from tkcc.passes.lint import TOLERANCES  # noqa: E402 - one table for passes, golden checks and the engine
+from tkcc.passes.lint import TOLERANCES  # noqa: E402,F401 - re-exported: one table for passes, golden, engine
 
 
 WEIGHTS_CHANGED = "the candidate modified the model's weights"
