@@ -92,6 +92,8 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
         if state.shipped is None:
             state.shipped = (baseline.key, base_obj)
             store.record_ship(cid, baseline.key, [], base_obj, "ship", "baseline")
+        if len(cfg.tiers) > 1:  # what serves must be known on the screening tier, or nothing can be screened out
+            _evaluate(store, state, evaluator, baseline, cfg.tiers[0], wfp, bar)
         _calibrate_noise(cfg, store, state, evaluator, baseline, wfp, bar)
         while time.monotonic() < deadline:
             props = proposer.propose(cfg.batch, state.history)
@@ -186,8 +188,6 @@ def _calibrate_noise(cfg, store, state, evaluator, baseline, wfp, bar) -> None:
 def _fast_objective_of_shipped(state: CampaignState) -> float | None:
     key = state.shipped[0] if state.shipped else None
     vals = [h.objective for h in state.history if h.tier == "fast" and h.objective and h.plan.hash() == key]
-    if key == PassPlan().hash() and not vals:
-        return None
     return max(vals) if vals else None
 
 
