@@ -296,8 +296,9 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1, default=str)
-    if os.environ.get("OUT"):
-        shutil.copy(args.out, os.path.join(os.environ["OUT"], "engine.json"))
+    copy = os.path.join(os.environ["OUT"], "engine.json") if os.environ.get("OUT") else None
+    if copy and os.path.abspath(copy) != os.path.abspath(args.out):
+        shutil.copy(args.out, copy)
     shutil.rmtree(workdir, ignore_errors=True)
     summary = {k: out[k] for k in ("persistent_experiments_per_hour", "restart_experiments_per_hour", "speedup",
                                    "swap_and_capture_s", "fast_tier_s", "slow_tier_s", "engine_start_s",

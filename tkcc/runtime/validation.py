@@ -194,14 +194,26 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
                     raise ValidationFailure(f"{what}: the reference output {i} itself has NaN/Inf; "
                                             "cannot validate on these inputs")
             poison_bytes = sum(r.numel() * r.element_size() for r in ref)
+            shape_exact, note = exact, ""
+            if exact and device.type == "cuda":
+                # Exactness is only asked where the reference itself reproduces its bits under the same
+                # poisoned allocations: on a GPU, library kernels (cuBLAS, sdpa) can pick another
+                # algorithm for other pointer alignments (seen on an H200: the captured olmoe-16l decode
+                # step differs from itself by 0.035 in bf16 at some contexts).
+                again = run_candidate(reference[b.phase], inputs, guard, [], device, poison_bytes,
+                                      f"{what} reference rerun")
+                if not all(torch.equal(x, y) for x, y in zip(ref, again)):
+                    shape_exact, note = False, "reference not bitwise reproducible here: checked in tolerance mode"
+                guard.restore()
             runs, prev = [], []
             err = 0.0
+            exact_b = shape_exact
             for k in range(2):
                 outs = run_candidate(candidate[b.phase], inputs, guard, prev, device, poison_bytes,
                                      f"{what} run {k + 1}")
-                err = max(err, compare(ref, outs, exact, atol, rtol, f"{what} run {k + 1}"))
-                compare(ref_state, guard.current(), exact, atol, rtol, f"{what} run {k + 1} cache state")
-                if not exact:
+                err = max(err, compare(ref, outs, exact_b, atol, rtol, f"{what} run {k + 1}"))
+                compare(ref_state, guard.current(), exact_b, atol, rtol, f"{what} run {k + 1} cache state")
+                if not exact_b:
                     g_ref, g_out = greedy_tokens(ref), greedy_tokens(outs)
                     if g_ref is not None and not torch.equal(g_ref, g_out):
                         raise ValidationFailure(f"{what} run {k + 1}: greedy tokens differ "
@@ -209,10 +221,11 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
                                                 f"{g_ref.flatten().tolist()[:8]})")
                 runs.append([o.clone() for o in outs])
                 prev = outs
-            compare(runs[0], runs[1], True if exact else False, atol, rtol, f"{what}: run 2 vs run 1")
+            compare(runs[0], runs[1], exact_b, atol, rtol, f"{what}: run 2 vs run 1")
             guard.restore()
-            shapes.append({"bucket": b.key(), "max_abs_err": err, "outputs": len(ref)})
-        if not exact:
+            shapes.append({"bucket": b.key(), "max_abs_err": err, "outputs": len(ref),
+                           "mode": "exact" if exact_b else "tolerance", **({"note": note} if note else {})})
+        if not exact or any(sh["mode"] == "tolerance" for sh in shapes):
             greedy = check_greedy(program, reference, candidate, gen)
     except ValidationFailure as e:
         reason = str(e)
@@ -220,7 +233,8 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
         reason = None
     if weights is not None and weights_checksum(weights[0]) != weights[1]:
         reason = WEIGHTS_CHANGED + (f" (and {reason})" if reason else "")
-    return {"ok": reason is None, "reason": reason, "mode": "exact" if exact else "tolerance", "atol": atol,
+    mode = "exact" if exact and all(sh["mode"] == "exact" for sh in shapes) else "tolerance"
+    return {"ok": reason is None, "reason": reason, "mode": mode, "atol": atol,
             "rtol": rtol, "seed": seed, "shapes": shapes, "greedy": greedy, "seconds": time.perf_counter() - t0}
 
 
