@@ -11,6 +11,9 @@ collectives, so all ranks must run it at once). ``RankGroup`` gives that:
   a gloo control group, runs ``worker.op_<op>(**params)`` locally, gathers
   every follower's outcome and returns rank 0's result. Any follower that
   raised is reported as ``RankError`` naming the rank.
+- ``group.call_all(op, **params)`` does the same but returns every rank's
+  outcome (result or error), so the caller can merge per-rank verdicts and
+  tell "every rank refused" from "the ranks disagree" (the engine does).
 
 Failure handling: before each call the followers' processes are checked; a
 dead follower, or a control message not answered within ``timeout_s``
@@ -53,18 +56,25 @@ def _follower_main(rank, world, store_path, backend, make_worker, timeout_s):
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=ctrl)
-        op, params = box[0]
+        op, params, full = (*box[0], False)[:3]
         if op == "__exit__":
             break
+        result, info = None, None
         if err is None:
             try:
-                getattr(worker, f"op_{op}")(**params)
+                result = getattr(worker, f"op_{op}")(**params)
                 status = None
             except BaseException as e:  # noqa: BLE001
-                status = _describe(e)
+                status, info = _describe(e), _error_info(e)
         else:
             status = f"worker did not start: {err}"
-        dist.gather_object(status, None, dst=0, group=ctrl)
+            info = {"type": "RankStartError", "message": status.splitlines()[0], "tkcc": False,
+                    "traceback": status, "start": True}
+        if full:  # call_all: the whole outcome (the result must pickle)
+            reply = {"ok": True, "result": result} if status is None else {"ok": False, "error": info}
+        else:
+            reply = status
+        dist.gather_object(reply, None, dst=0, group=ctrl)
     dist.destroy_process_group()
     os._exit(0)
 
@@ -72,6 +82,14 @@ def _follower_main(rank, world, store_path, backend, make_worker, timeout_s):
 def _describe(e: BaseException) -> str:
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-4:])
     return f"{type(e).__name__}: {e}\n{tb}"[-4000:]
+
+
+def _error_info(e: BaseException) -> dict:
+    from tkcc.errors import TkccError
+
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])[-4000:]
+    return {"type": type(e).__name__, "message": str(e) or type(e).__name__, "tkcc": isinstance(e, TkccError),
+            "traceback": tb}
 
 
 class RankGroup:
@@ -116,14 +134,40 @@ class RankGroup:
 
     def call(self, op: str, **params):
         """Run ``op_<op>(**params)`` on every rank; rank 0's result, or RankError."""
+        local_err, result, statuses = self._exchange(op, params, False)
+        for r, st in enumerate(statuses[1:], start=1):
+            if st is not None:
+                raise RankError(f"rank {r} of {self.world} failed in {op!r}: {st.splitlines()[0]}", r, "error", st)
+        if local_err is not None:
+            raise local_err
+        return result
+
+    def call_all(self, op: str, **params) -> list[dict]:
+        """Run ``op_<op>(**params)`` on every rank; every rank's outcome, by rank.
+
+        Each outcome is ``{"ok": True, "result": ...}`` or ``{"ok": False,
+        "error": {...}}``; rank 0's error also carries the exception itself
+        (``"exception"``), the followers' carry type, message, ``tkcc`` (a
+        TkccError: bad input, not a candidate's failure) and traceback. A dead
+        or silent rank is still a RankError, after which the group is closed.
+        """
+        local_err, result, replies = self._exchange(op, params, True)
+        if local_err is None:
+            first = {"ok": True, "result": result}
+        else:
+            first = {"ok": False, "error": {**_error_info(local_err), "exception": local_err}}
+        return [first] + list(replies[1:])
+
+    def _exchange(self, op: str, params: dict, full: bool):
         import torch.distributed as dist
 
         if self.closed:
             raise RankError(f"the rank group is closed; cannot run {op!r}", None, "closed")
         self._check_alive()
         try:
-            dist.broadcast_object_list([(op, params)], src=0, group=self.ctrl)
+            dist.broadcast_object_list([(op, params, full)], src=0, group=self.ctrl)
         except Exception as e:
+            self._check_alive()  # a rank that died just now: say so, rather than what the transport saw
             self.close(graceful=False)
             raise RankError(f"could not send {op!r} to the ranks ({type(e).__name__}: {e}); group torn down",
                             None, "error") from e
@@ -132,20 +176,15 @@ class RankGroup:
             result = getattr(self.worker, f"op_{op}")(**params)
         except BaseException as e:  # noqa: BLE001
             local_err, result = e, None
-        statuses = [None] * self.world
+        replies = [None] * self.world
         try:
-            dist.gather_object(None, statuses, dst=0, group=self.ctrl)
+            dist.gather_object(None, replies, dst=0, group=self.ctrl)
         except Exception as e:
             self._check_alive()
             self.close(graceful=False)
             raise RankError(f"ranks did not answer {op!r} within {self.timeout_s:.0f} s ({type(e).__name__}); "
                             "group torn down", None, "timeout") from e
-        for r, st in enumerate(statuses[1:], start=1):
-            if st is not None:
-                raise RankError(f"rank {r} of {self.world} failed in {op!r}: {st.splitlines()[0]}", r, "error", st)
-        if local_err is not None:
-            raise local_err
-        return result
+        return local_err, result, replies
 
     def close(self, graceful: bool = True) -> None:
         """Stop every follower (asking first when ``graceful``), destroy the groups, reap the processes."""

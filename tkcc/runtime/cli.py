@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--fast-blocks", type=int, default=None,
                    help="blocks in the fast tier (default: a fifth of the model's, at least 1)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of the worker (default: torch's)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: one engine rank per GPU (cuda:0..N-1), or N gloo processes on cpu; "
+                        "the baseline is the model sharded N ways, candidates must shard with degree N (default 1)")
     _address_args(p, serving=True)
     p.add_argument("--allow-remote", action="store_true", help="allow --host to be a non-loopback address")
     p.add_argument("--journal", default=None, help="JSONL journal of results (default: next to the socket)")
@@ -108,6 +111,7 @@ def cmd_serve(args):
     if args.host is None and args.port:
         raise EngineError("--port needs --host (e.g. --host 127.0.0.1); without them the engine uses a Unix socket")
     dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+    _check_tp(args.tp, args.device)
     if args.host is None:
         sock = os.path.abspath(args.socket or protocol.default_socket_path())
         base = sock
@@ -120,7 +124,7 @@ def cmd_serve(args):
            "batch": args.batch, "fast_blocks": args.fast_blocks, "state_dir": state_dir,
            "work_dir": os.path.join(state_dir, "candidates"), "timeout_s": args.timeout,
            "worker_max_rss_bytes": int(args.worker_max_rss * (1 << 30)),
-           "max_artifact_bytes": args.max_artifact_bytes, "threads": args.threads}
+           "max_artifact_bytes": args.max_artifact_bytes, "threads": args.threads, "tp": args.tp}
     sup = Supervisor(cfg, Journal(args.journal or (base + ".journal.jsonl")))
     server = EngineServer(sup, secrets.token_hex(32), socket_path=sock, host=args.host, port=args.port,
                           allow_remote=args.allow_remote, max_request_bytes=args.max_request_bytes)
@@ -134,14 +138,17 @@ def cmd_serve(args):
     ready = {"ready": True, "address": server.address, "token_file": token_file, "journal": sup.journal.path,
              "pid": os.getpid(), "worker_pid": info.get("pid"), "model": args.model, "device": cfg["device"],
              "dtype": dtype, "tiers": {t: v["blocks"] for t, v in info["tiers"].items()},
-             "startup_s": info.get("worker_start_s")}
+             "startup_s": info.get("worker_start_s"), "tp": args.tp}
+    if args.tp > 1:
+        ready["rank_pids"] = [r["pid"] for r in info.get("ranks", [])]
     if args.host is not None:
         ready["token"] = server.token  # TCP clients on other shells need it; it is also in token_file (0600)
     if args.json:
         print(json.dumps(ready), flush=True)
     else:
         where = server.address.get("socket") or f"{server.address['host']}:{server.address['port']}"
-        print(f"tkcc engine ready: {args.model} on {cfg['device']} ({dtype}), tiers {ready['tiers']}, listening on "
+        tp = f" x{args.tp} ranks (tensor parallel)" if args.tp > 1 else ""
+        print(f"tkcc engine ready: {args.model} on {cfg['device']}{tp} ({dtype}), tiers {ready['tiers']}, listening on "
               f"{where}; token in {token_file}; started in {ready['startup_s']:.1f} s", flush=True)
 
     def _stop(signum, frame):
@@ -157,6 +164,27 @@ def cmd_serve(args):
     if not args.json:
         print("tkcc engine stopped", file=sys.stderr)
     return 0
+
+
+def _check_tp(tp: int, device: str) -> None:
+    """--tp N: at least 1, ranks on cuda:0..N-1 (or gloo on cpu), no more ranks than devices; before anything starts."""
+    if tp < 1:
+        raise EngineError(f"--tp {tp}: the tensor-parallel degree must be at least 1")
+    if tp == 1:
+        return
+    from tkcc.parallel.launch import check_world
+    from tkcc.parallel.layout import LayoutError
+
+    dev = str(device)
+    if dev.startswith("cuda") and dev not in ("cuda", "cuda:0"):
+        raise EngineError(f"--tp {tp} --device {dev}: tensor-parallel ranks use cuda:0..cuda:{tp - 1}; "
+                          "pass --device cuda (restrict GPUs with CUDA_VISIBLE_DEVICES)")
+    if not dev.startswith(("cuda", "cpu")):
+        raise EngineError(f"--tp {tp} --device {dev}: tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
+    try:
+        check_world(tp, "nccl" if dev.startswith("cuda") else "gloo")
+    except LayoutError as e:
+        raise EngineError(f"--tp {tp}: {e}") from None
 
 
 # ------------------------------------------------------------------ submit
@@ -247,6 +275,9 @@ def cmd_status(args):
     eng = st["engine"]
     lines = [f"engine pid {eng['pid']} (worker {eng.get('worker_pid')}): {eng['model']} on {eng['device']}, "
              f"up {eng['uptime_s']:.0f} s, {eng['restarts']} restart(s)"]
+    if w.get("ranks"):
+        lines.append(f"  tensor parallel: {len(w['ranks'])} ranks, pids {[r['pid'] for r in w['ranks']]}, "
+                     f"baseline strategy {(w.get('tp') or {}).get('strategy')}")
     for t, info in (w.get("tiers") or {}).items():
         lines.append(f"  {t}: {info['blocks']} blocks, serving {info['current']}, history {info['history']}")
     mem = w.get("memory") or {}

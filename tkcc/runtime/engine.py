@@ -6,6 +6,11 @@ candidate now serving (initially the captured baseline), the history of
 earlier ones (for revert) and, on a GPU, the CUDA graphs captured for the
 current forward on the workload's shapes. A candidate is swapped into a
 slot only after it passed validation on that tier in this process.
+
+With ``tkcc serve --tp N`` every rank's worker holds a ``TPEngineCore``
+(``tkcc.runtime.tp``), a subclass that serves the sharded model; the hooks
+here (``_serving_tiers``, ``_reference``, ``_build``, ``op_startup``) are
+where it differs.
 """
 from __future__ import annotations
 
@@ -41,10 +46,12 @@ class Slot:
 
 
 class EngineCore:
+    tp = 1  # ranks the served model is split over (TPEngineCore: > 1)
+
     def __init__(self, cfg: dict):
         t0 = time.perf_counter()
         self.cfg = cfg
-        self.device = torch.device(check_device(cfg["device"]))
+        self.device = torch.device(check_device(self._device_name(cfg)))
         self.dtype = parse_dtype(cfg.get("dtype", "float32"))
         self.work_dir = cfg.get("work_dir") or os.path.join(cfg.get("state_dir", "/tmp"), "candidates")
         os.makedirs(self.work_dir, exist_ok=True)
@@ -58,22 +65,61 @@ class EngineCore:
                                     int(cfg.get("batch", 1)))
         t2 = time.perf_counter()
         self.fast_blocks = fast_blocks_for(self.program.num_blocks, cfg.get("fast_blocks"))
-        self.programs = build_tiers(self.program, self.fast_blocks)
+        self.programs = self._serving_tiers(self.program)
+        self.program = self.programs["slow"]
         t3 = time.perf_counter()
         self.slots = {t: Slot() for t in self.programs}
         baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
         for t in self.programs:
-            cands.build_for_tier(baseline, t, self.programs, self.work_dir, self.max_bytes)
+            self._build(baseline, t)
         self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
         self.validated: set[tuple[str, str]] = {("baseline", t) for t in self.programs}
         self.validations: dict[tuple[str, str], dict] = {}
         self.weights = weights_checksum(self.program.model)
         self.default_workload = default_workload(self.program)
-        self.deterministic = {t: self._baseline_deterministic(t) for t in self.programs}
-        self.canaries = {t: self._canary_run(t) for t in self.programs}
         self.env = environment(self.device, self.dtype)
         self.startup = {"import_and_setup_s": t1 - t0, "build_and_capture_s": t2 - t1, "tiers_s": t3 - t2,
-                        "checks_s": time.perf_counter() - t3, "total_s": time.perf_counter() - t0}
+                        "total_s": time.perf_counter() - t0}
+        self.deterministic: dict = {}
+        self.canaries: dict = {}
+        if self.tp == 1:
+            self.op_startup()  # a rank group runs it on every rank at once (its checks call collectives)
+
+    def op_startup(self) -> dict:
+        """Checks of the baseline before any candidate code runs: reproducibility, canary outputs."""
+        t0 = time.perf_counter()
+        self.deterministic = {t: self._baseline_deterministic(t) for t in self.programs}
+        self.canaries = {t: self._canary_run(t) for t in self.programs}
+        self.startup["checks_s"] = time.perf_counter() - t0
+        self.startup["total_s"] += self.startup["checks_s"]
+        return {"deterministic": self.deterministic}
+
+    # ------------------------------------------------------------ tp hooks
+    def _device_name(self, cfg: dict) -> str:
+        return cfg["device"]
+
+    def _serving_tiers(self, program) -> dict:
+        """{tier: Program the tier serves}; its baseline forward is the Program's graphs."""
+        return build_tiers(program, self.fast_blocks)
+
+    def _reference(self, tier: str) -> dict:
+        """{phase: callable}: what candidates on ``tier`` are validated against (the golden forward)."""
+        return self.programs[tier].graphs
+
+    def _build(self, cand: cands.Candidate, tier: str) -> None:
+        cands.build_for_tier(cand, tier, self.programs, self.work_dir, self.max_bytes)
+
+    def _run_validation(self, prog, reference: dict, forwards: dict, buckets: list, exact: bool, atol: float,
+                        rtol: float, seed: int) -> dict:
+        return validate(prog, reference, forwards, buckets, exact, atol, rtol, seed, (self.program.model, self.weights))
+
+    def _agree(self, res: dict) -> dict:
+        """A validation verdict as every rank sees it (one rank: its own)."""
+        return res
+
+    def _all_ok(self, ok: bool) -> bool:
+        """True only if ``ok`` on every rank (one rank: ``ok``); keeps the ranks' steps paired."""
+        return ok
 
     # ---------------------------------------------------------------- helpers
     def _workload(self, workload):
@@ -197,13 +243,19 @@ class EngineCore:
         }
 
     def op_load(self, spec: dict, tier: str) -> dict:
+        from tkcc.runtime.tp import check_layout_of, exact_at_degree_1
+
         check_tier(tier)
         cid = cands.candidate_id(spec)
         cand = self.candidates.get(cid)
         if cand is None:
-            cand = cands.Candidate(cid, cands.spec_kind(spec), dict(spec))
+            check_layout_of(spec, self.tp)
+            build_spec = dict(spec)
+            if self.tp == 1 and exact_at_degree_1(spec):
+                build_spec["exact"] = True  # sharding at degree 1 returns the Program unchanged: stays exact
+            cand = cands.Candidate(cid, cands.spec_kind(spec), build_spec)
         if tier not in cand.forwards:
-            cands.build_for_tier(cand, tier, self.programs, self.work_dir, self.max_bytes)
+            self._build(cand, tier)
             self.candidates[cid] = cand
         return {"candidate": cid, "tier": tier, "compile_s": cand.compile_s.get(tier, 0.0),
                 "exact": cand.exact, "info": cand.info.get(tier, {})}
@@ -219,12 +271,13 @@ class EngineCore:
         exact, note = self._mode(cand, tier)
         atol, rtol = self._tolerance(cand)
         seed = secrets.randbits(62) if seed is None else int(seed)  # fresh: drawn after the candidate loaded
-        res = validate(prog, prog.graphs, cand.forwards[tier], pick_buckets(w, max_shapes), exact, atol, rtol,
-                       seed, (self.program.model, self.weights))
+        res = self._run_validation(prog, self._reference(tier), cand.forwards[tier], pick_buckets(w, max_shapes),
+                                   exact, atol, rtol, seed)
         tampered = self._canary_ok(tier)
         if tampered:
             res.update(ok=False, fatal=True, reason=f"{tampered}: the candidate changed shared state; the worker "
                                                     "restarts" + (f" (also: {res['reason']})" if res["reason"] else ""))
+        res = self._agree(res)
         res["note"] = note
         res["tier"] = tier
         res["candidate"] = candidate
@@ -232,12 +285,12 @@ class EngineCore:
             self.validated.add((candidate, tier))
         else:
             self.validated.discard((candidate, tier))
-            if res["reason"].startswith(WEIGHTS_CHANGED):
+            if WEIGHTS_CHANGED in (res["reason"] or ""):
                 res["fatal"] = True  # the resident weights are no longer the model's: restart
         self.validations[(candidate, tier)] = res
         return res
 
-    def op_swap(self, candidate: str, tier: str, workload=None, capture: bool = True) -> dict:
+    def op_swap(self, candidate: str, tier: str, workload=None, capture: bool = True, seed: int | None = None) -> dict:
         """Point the tier's forward at ``candidate`` (validated), keep the old one for revert, re-capture graphs."""
         check_tier(tier)
         cand = self._cand(candidate)
@@ -256,7 +309,7 @@ class EngineCore:
         cap = {"capture_s": 0.0, "graphs": 0, "eager": {}}
         if capture:
             try:
-                cap = self._capture(tier, self._workload(workload))
+                cap = self._capture(tier, self._workload(workload), seed)
             except BaseException:
                 self._point(slot, prev)
                 raise
@@ -273,7 +326,7 @@ class EngineCore:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _capture(self, tier: str, w) -> dict:
+    def _capture(self, tier: str, w, seed: int | None = None) -> dict:
         """CUDA graphs of the current forward for each bucket, each checked once against the baseline."""
         slot = self.slots[tier]
         if self.device.type != "cuda":
@@ -285,7 +338,7 @@ class EngineCore:
         fwd = cand.forwards[tier]
         exact, _ = self._mode(cand, tier)
         atol, rtol = self._tolerance(cand)
-        gen = torch.Generator().manual_seed(secrets.randbits(62))
+        gen = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else int(seed))
         graphs, notes, notes_exact = {}, {}, {}
         for b in w.buckets:
             key = b.key()
@@ -294,19 +347,22 @@ class EngineCore:
             inputs = bucket_inputs(prog, b, gen, 1)[0]
             guard = StateGuard(prog.state)
             try:
-                g = CapturedGraph(fwd[b.phase], inputs, self.device)
+                g, why = CapturedGraph(fwd[b.phase], inputs, self.device), ""
             except GraphCaptureError as e:
-                notes[key] = f"CUDA graph capture failed ({e}); timed eagerly"
+                g, why = None, f"CUDA graph capture failed ({e}); timed eagerly"
+            if not self._all_ok(g is not None):
+                notes[key] = why or "CUDA graph capture failed on another rank; timed eagerly"
                 guard.restore()
                 continue
             guard.restore()
             with torch.no_grad():
-                ref = [t.clone() for t in tensors_of(prog.graphs[b.phase](*clone_all(inputs)))]
+                ref = [t.clone() for t in tensors_of(self._reference(tier)[b.phase](*clone_all(inputs)))]
             guard.restore()
             poison(g.static_outputs, self.device, 0)
             outs = g.run(inputs)
             torch.cuda.synchronize(self.device)
             guard.restore()
+            failure = None
             try:
                 compare(ref, outs, exact, atol, rtol, f"CUDA graph of bucket {key}")
             except ValidationFailure as e:
@@ -316,14 +372,18 @@ class EngineCore:
                     err = compare(ref, outs, False, atol, rtol, f"CUDA graph of bucket {key}")
                     notes_exact[key] = f"graph replay differs from the eager reference by {err:.3g} (within tolerance)"
                 except ValidationFailure:
-                    raise EngineError(f"candidate {cand.id} on the {tier} tier: the CUDA graph replay does not match "
-                                      f"the reference: {e}") from None
+                    failure = EngineError(f"candidate {cand.id} on the {tier} tier: the CUDA graph replay does not "
+                                          f"match the reference: {e}")
+            if not self._all_ok(failure is None):
+                raise failure or EngineError(f"candidate {cand.id} on the {tier} tier: the CUDA graph replay of bucket "
+                                             f"{key} does not match the reference on another rank")
             graphs[key] = g
         slot.graphs, slot.graph_notes, slot.graphs_for = graphs, notes, w.fingerprint()
         return {"capture_s": time.perf_counter() - t0, "graphs": len(graphs), "eager": notes,
                 "replay_notes": notes_exact}
 
-    def op_measure(self, tier: str, workload=None, reps: int = 30, warmup: int = 5, rotations: int = 4) -> dict:
+    def op_measure(self, tier: str, workload=None, reps: int = 30, warmup: int = 5, rotations: int = 4,
+                   seed: int | None = None) -> dict:
         check_tier(tier)
         if reps < 1 or warmup < 0 or rotations < 1:
             raise EngineError(f"measure: reps={reps}, warmup={warmup}, rotations={rotations} must be >= 1, >= 0, >= 1")
@@ -334,12 +394,12 @@ class EngineCore:
             reps = MIN_GPU_REPS
         slot = self.slots[tier]
         if self.device.type == "cuda" and slot.graphs_for != w.fingerprint():
-            self._capture(tier, w)
+            self._capture(tier, w, seed)
         prog = self.programs[tier]
         cand = self._cand(slot.current)
         fwd = cand.forwards[tier]
         t0 = time.perf_counter()
-        gen = torch.Generator().manual_seed(secrets.randbits(62))
+        gen = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else int(seed))
         timings, seen = [], {}
         for b in w.buckets:
             key = b.key()
@@ -359,7 +419,7 @@ class EngineCore:
                         env=self.env, wall_s=time.perf_counter() - t0, note=note)
         return m.to_json()
 
-    def op_revert(self, tier: str, workload=None, capture: bool = True) -> dict:
+    def op_revert(self, tier: str, workload=None, capture: bool = True, seed: int | None = None) -> dict:
         check_tier(tier)
         slot = self.slots[tier]
         if not slot.history:
@@ -367,7 +427,7 @@ class EngineCore:
         gone = slot.current
         slot.current = slot.history.pop()
         self._drop_graphs(slot)
-        cap = self._capture(tier, self._workload(workload)) if capture else {}
+        cap = self._capture(tier, self._workload(workload), seed) if capture else {}
         return {"tier": tier, "reverted": gone, "current": slot.current, **cap}
 
     def op_unload(self, candidate: str) -> dict:

@@ -45,9 +45,14 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def _signal_name(code: int | None) -> str:
+RANK_LOST = 72  # tkcc.runtime.worker.RANK_LOST (not imported: the supervisor does not load torch)
+
+
+def _signal_name(code: int | None, tp: int = 1) -> str:
     if code is None:
         return "still running"
+    if code == RANK_LOST and tp > 1:
+        return f"a rank of its tensor-parallel group died, exit code {code}"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -75,6 +80,8 @@ class Supervisor:
         self.max_rss = int(cfg.get("worker_max_rss_bytes", 0) or 0)
         self.stopping = False
         self.trial: tuple[str, str] | None = None  # (tier, candidate) swapped in only to be measured
+        self._watchdog: threading.Thread | None = None
+        self.tp = int(cfg.get("tp") or 1)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> dict:
@@ -93,7 +100,29 @@ class Supervisor:
                               f"{err.get('type')}: {err.get('message')}")
         self.info = reply["result"]
         self.info["worker_start_s"] = time.perf_counter() - t0
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="tkcc-worker-watchdog", daemon=True)
+            self._watchdog.start()
         return self.info
+
+    def _watch(self) -> None:
+        """Replace a worker that died between requests (a killed rank, the OOM killer), before the next one."""
+        while not self.stopping:
+            time.sleep(0.5)
+            proc = self.proc
+            if proc is None or proc.is_alive() or self.stopping:
+                continue
+            if not self.lock.acquire(blocking=False):
+                continue  # a request is running: its own call notices and recovers
+            try:
+                if self.proc is proc and not proc.is_alive() and not self.stopping:
+                    proc.join(5)
+                    self._recover(f"the worker exited between requests ({_signal_name(proc.exitcode, self.tp)})")
+            except Exception as e:  # noqa: BLE001 - the next request retries the start and reports why
+                self.journal.append("recovery_failed", reason=str(e))
+                self._kill()  # no worker: not retried here in a loop; the next request tries again
+            finally:
+                self.lock.release()
 
     def stop(self) -> None:
         self.stopping = True
@@ -127,7 +156,8 @@ class Supervisor:
                 pass  # the worker died mid-reply: handled below
             if not self.proc.is_alive():
                 self.proc.join(5)
-                raise CandidateFailed("crashed", f"the worker died during {what} ({_signal_name(self.proc.exitcode)})")
+                why = _signal_name(self.proc.exitcode, self.tp)
+                raise CandidateFailed("crashed", f"the worker died during {what} ({why})")
             if self.max_rss and _rss(self.proc.pid) > self.max_rss:
                 raise CandidateFailed("memory", f"the worker's memory passed the limit of {self.max_rss} bytes "
                                                 f"during {what}")
@@ -141,6 +171,10 @@ class Supervisor:
         with self.lock:
             if self.proc is None:
                 self._recover("the worker was not running")
+            elif not self.proc.is_alive():
+                self.proc.join(5)
+                why = _signal_name(self.proc.exitcode, self.tp)
+                self._recover(f"the worker exited between requests ({why})")
             timeout = self.default_timeout if timeout is None else float(timeout)
             try:
                 self.conn.send({"op": op, "params": params})
@@ -158,7 +192,7 @@ class Supervisor:
                 self._recover(f"the worker exited after a fatal failure during {op}: {reason}")
                 if reply.get("ok"):
                     return reply["result"]
-                raise CandidateFailed("corrupted", reason, err)
+                raise CandidateFailed(err.get("kind") or "corrupted", reason, err)
             if reply.get("ok"):
                 return reply["result"]
             err = reply.get("error") or {}
@@ -225,7 +259,8 @@ class Supervisor:
                 raise EngineError(f"this engine runs on {self.cfg['device']}, not {dev}")
 
     def status(self) -> dict:
-        out = {"engine": {"model": self.cfg["model"], "device": self.cfg["device"], "pid": os.getpid(),
+        out = {"engine": {"model": self.cfg["model"], "device": self.cfg["device"], "tp": int(self.cfg.get("tp") or 1),
+                          "pid": os.getpid(),
                           "uptime_s": time.time() - self.started, "restarts": self.restarts,
                           "recoveries": self.recoveries[-10:], "journal": self.journal.path,
                           "worker_pid": self.proc.pid if self.proc else None},

@@ -5,7 +5,14 @@ the ``spawn`` method (CUDA-safe), talking over a pipe. A candidate that
 raises costs that request only; one that leaves the device unusable (an
 illegal memory access corrupts the CUDA context) or changes the resident
 weights makes the worker answer with ``fatal`` and exit, and the supervisor
-starts a fresh one. The worker dies with its supervisor (PR_SET_PDEATHSIG).
+starts a fresh one. The worker dies with its supervisor (see _die_with_parent).
+
+With ``tkcc serve --tp N`` (``cfg["tp"] > 1``) the worker is rank 0 of a
+``RankGroup``: ranks 1..N-1 are its children, each with its own
+``TPEngineCore`` (``tkcc.runtime.tp``), and every operation runs on all
+ranks at once (``_Ranks``). A rank that dies, hangs or ends up in another
+state than rank 0 costs the whole group: the worker exits and the
+supervisor starts a fresh one, as after any fatal failure.
 """
 from __future__ import annotations
 
@@ -45,49 +52,218 @@ def worker_main(conn, cfg: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the worker stops
     from tkcc.errors import TkccError
 
+    runner = None
     try:
-        from tkcc.runtime.engine import EngineCore
-
-        core = EngineCore(cfg)
-        conn.send({"ok": True, "result": core.op_status()})
+        runner = _Ranks(cfg) if int(cfg.get("tp") or 1) > 1 else _Single(cfg)
+        conn.send({"ok": True, "result": runner.run("status", {})})
     except BaseException as e:  # noqa: BLE001 - report why the worker could not start, then exit
         conn.send({"ok": False, "error": _error(e, False), "fatal": True})
         conn.close()
+        if runner is not None:
+            runner.close()
         os._exit(3)
 
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
+            runner.close()
             os._exit(0)
         op, params = msg.get("op"), msg.get("params") or {}
         if op == "exit":
+            runner.close()
             conn.send({"ok": True, "result": {}})
             os._exit(0)
-        fn = getattr(core, f"op_{op}", None)
-        if fn is None:
+        if getattr(runner.core, f"op_{op}", None) is None:
             conn.send({"ok": False, "error": {"type": "EngineError", "message": f"unknown operation {op!r}",
                                               "candidate_failure": False}})
             continue
         try:
-            result = fn(**params)
+            result = runner.run(op, params)
             fatal = bool(isinstance(result, dict) and result.get("fatal"))
             conn.send({"ok": True, "result": result, "fatal": fatal})
             if fatal:
+                runner.close(graceful=False)
                 os._exit(71)
+        except GroupLost as e:  # a rank died, hung or diverged: the group is gone, the supervisor starts another
+            err = _error(e, True)
+            err["kind"] = e.kind
+            try:
+                conn.send({"ok": False, "error": err, "fatal": True})
+            finally:
+                runner.close(graceful=False)
+                sys.stdout.flush()
+                os._exit(RANK_LOST)
         except TkccError as e:
             conn.send({"ok": False, "error": _error(e, False), "fatal": False})
         except BaseException as e:  # noqa: BLE001 - a candidate's failure, of any kind
             err = _error(e, True)
-            fatal = _unhealthy(core, e)
+            fatal = runner.unhealthy(e)
             if fatal:
                 err["message"] += f" (device/weights unusable afterwards: {fatal}; the worker restarts)"
             try:
                 conn.send({"ok": False, "error": err, "fatal": bool(fatal)})
             finally:
                 if fatal:
+                    runner.close(graceful=False)
                     sys.stdout.flush()
                     os._exit(70)
+
+
+RANK_LOST = 72  # exit status of a worker whose rank group lost a rank (the supervisor names it)
+SEEDED = ("validate", "swap", "revert", "measure")  # ops that draw random inputs: one seed for every rank
+
+
+class GroupLost(Exception):
+    """The rank group cannot go on (a rank died, timed out, or the ranks' states diverged); ``kind``: crashed|..."""
+
+    def __init__(self, message: str, kind: str = "crashed"):
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Single:
+    """One process, one EngineCore: ``run`` calls the op directly."""
+
+    def __init__(self, cfg: dict):
+        from tkcc.runtime.engine import EngineCore
+
+        self.core = EngineCore(cfg)
+
+    def run(self, op: str, params: dict):
+        return getattr(self.core, f"op_{op}")(**params)
+
+    def unhealthy(self, exc: BaseException) -> str:
+        return _unhealthy(self.core, exc)
+
+    def close(self, graceful: bool = True) -> None:
+        pass
+
+
+def make_core(cfg: dict, rank: int, world: int):
+    """Rank ``rank``'s engine core (module level: ``spawn`` pickles it by name for the follower ranks)."""
+    from tkcc.runtime.tp import TPEngineCore
+
+    return TPEngineCore(cfg, rank, world)
+
+
+class _Ranks:
+    """``tkcc serve --tp N``: this process is rank 0 of a RankGroup; every op runs on every rank.
+
+    Outcomes are merged (``_merge``). Every rank refusing or failing alike is
+    handled as one process would; ranks that disagree (one loaded a
+    candidate, another did not), a dead rank or a silent one end the worker
+    (``GroupLost``), and the supervisor starts a fresh group.
+    """
+
+    def __init__(self, cfg: dict):
+        import functools
+        import multiprocessing as mp
+
+        from tkcc.errors import EngineError
+        from tkcc.parallel.group import RankGroup
+
+        # The supervisor starts this worker as a daemon (so it never waits for it); multiprocessing forbids a
+        # daemon children, but the ranks are this worker's to reap (RankGroup.close) and die with it (PDEATHSIG).
+        mp.current_process().daemon = False
+        self.tp = int(cfg["tp"])
+        backend = "nccl" if str(cfg["device"]).startswith("cuda") else "gloo"
+        timeout = max(60.0, float(cfg.get("timeout_s") or 600.0))
+        self.group = RankGroup(self.tp, functools.partial(make_core, cfg), backend=backend, timeout_s=timeout)
+        self.core = self.group.worker
+        self._closing = False
+        try:
+            outs = self.group.call_all("weights_digest")
+            for r, o in enumerate(outs):
+                if not o["ok"]:
+                    raise EngineError(f"rank {r} of {self.tp} could not start: {o['error']['message']}")
+            digests = [o["result"] for o in outs]
+            if len(set(digests)) != 1:
+                odd = [r for r, d in enumerate(digests) if d != digests[0]]
+                raise EngineError(f"ranks {odd} built different weights than rank 0; every rank must build the same "
+                                  f"model (a model factory must not draw unseeded random weights)")
+            self._all("startup", {})
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        threading.Thread(target=self._watch, name="tkcc-rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A follower that exits on its own means the group is lost; end this worker so it is replaced.
+
+        Grace first: the main thread may be about to report it itself (and
+        an idle worker is ended here, so the supervisor can restart it before
+        the next request).
+        """
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in self.group.procs])
+        time.sleep(2.0)
+        if self._closing or self.group.closed:
+            return
+        dead = [r for r, p in enumerate(self.group.procs, start=1) if p.exitcode is not None]
+        print(f"tkcc worker: rank(s) {dead} of the tensor-parallel group died; the worker exits to be replaced",
+              file=sys.stderr, flush=True)
+        os._exit(RANK_LOST)
+
+    def _all(self, op: str, params: dict) -> list:
+        from tkcc.parallel.launch import RankError
+
+        try:
+            outs = self.group.call_all(op, **params)
+        except RankError as e:
+            raise GroupLost(f"{e}", "timeout" if e.kind == "timeout" else "crashed") from None
+        failed = [r for r, o in enumerate(outs) if not o["ok"]]
+        if failed and len(failed) < len(outs):
+            r = failed[0]
+            err = outs[r]["error"]
+            ok = [i for i in range(len(outs)) if i not in failed]
+            raise GroupLost(f"the ranks disagree on {op!r}: rank {r} failed ({err['type']}: "
+                            f"{err['message'].splitlines()[0]}) while rank(s) {ok} succeeded; the worker restarts so "
+                            "that every rank holds the same state")
+        if failed:
+            raise outs[0]["error"]["exception"]  # every rank failed: as one process would
+        return [o["result"] for o in outs]
+
+    def run(self, op: str, params: dict):
+        import secrets
+
+        if op in SEEDED and params.get("seed") is None:
+            params = {**params, "seed": secrets.randbits(62)}  # drawn here, after the candidate loaded
+        return _merge(op, self._all(op, params))
+
+    def unhealthy(self, exc: BaseException) -> str:
+        try:
+            self._all("check_health", {})
+        except BaseException as e:  # noqa: BLE001 - GroupLost included: restart either way
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return ""
+
+    def close(self, graceful: bool = True) -> None:
+        self._closing = True
+        self.group.close(graceful=graceful)
+
+
+def _merge(op: str, results: list):
+    """Rank 0's result, with what the other ranks add to it."""
+    first = results[0]
+    if not isinstance(first, dict):
+        return first
+    first = dict(first)
+    if op == "status":
+        first["ranks"] = [{"rank": r, "pid": res.get("pid"), "device": res.get("device"),
+                           "memory": res.get("memory")} for r, res in enumerate(results)]
+    elif op == "measure":  # a Measurement's fields are fixed: the other ranks' numbers go with its provenance
+        first["env"] = dict(first.get("env") or {})
+        first["env"]["tp_ranks"] = [{"rank": r, "objective": res.get("objective"),
+                                     "median_s": {b["key"]: b.get("median_s") for b in res.get("buckets", [])}}
+                                    for r, res in enumerate(results)]
+        why = f"tensor parallel x{len(results)}: rank 0's clock (every rank's medians in env.tp_ranks)"
+        first["note"] = "; ".join(x for x in (first.get("note"), why) if x)
+    elif op == "generate":
+        toks = [res.get("tokens") for res in results]
+        first["ranks_agree"] = all(t == toks[0] for t in toks)
+    return first
 
 
 def _unhealthy(core, exc: BaseException) -> str:
