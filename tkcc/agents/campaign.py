@@ -88,7 +88,9 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
         baseline = Candidate("baseline", PassPlan())
         base_obj = _evaluate(store, state, evaluator, baseline, "slow", wfp, bar)
         if base_obj is None:
-            raise TkccError("the baseline (empty plan) failed validation or measurement; nothing to compare against")
+            last = store.experiments(cid)[-1]
+            raise TkccError(f"the baseline (empty plan) failed ({last.verdict}: {last.reason}); nothing to compare "
+                            f"against")
         if state.shipped is None:
             state.shipped = (baseline.key, base_obj)
             store.record_ship(cid, baseline.key, [], base_obj, "ship", "baseline")
