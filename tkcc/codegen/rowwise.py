@@ -11,10 +11,6 @@ ships.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
-import sys
-import tempfile
 from pathlib import Path
 
 import jinja2
@@ -27,35 +23,13 @@ from tkcc.codegen.triton_ops import FLOATS, RULES, TL_DTYPE, op_name
 TEMPLATES = Path(__file__).parent / "templates"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                           trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-_MODULES: dict[str, object] = {}
-
-
-def cache_dir() -> Path:
-    """Where rendered kernel modules live (Triton's @jit needs a real file to read source from)."""
-    d = Path(os.environ.get("TKCC_CODEGEN_CACHE", Path(tempfile.gettempdir()) / f"tkcc-codegen-{os.getuid()}"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def load_source(name: str, src: str):
     """Import generated module text once per process (file named by its content hash)."""
-    digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-    key = f"{name}_{digest}"
-    mod = _MODULES.get(key)
-    if mod is not None:
-        return mod
-    path = cache_dir() / f"{key}.py"
-    if not path.exists() or path.read_text() != src:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(src)
-        os.replace(tmp, path)
-    modname = f"tkcc_gen_{key}"
-    spec = importlib.util.spec_from_file_location(modname, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = mod
-    spec.loader.exec_module(mod)
-    _MODULES[key] = mod
-    return mod
+    from tkcc.kernels.render import import_source
+
+    return import_source(f"tkcc_gen_{name}", src)
 
 
 class FusedKernel:

@@ -33,15 +33,14 @@ def render_source(template: str, **hooks) -> str:
     return _ENV.get_template(template).render(**hooks)
 
 
-def load(template: str, **hooks):
-    """Render ``template`` with ``hooks`` and return the imported module (cached per process)."""
-    src = render_source(template, **hooks)
+def import_source(prefix: str, src: str):
+    """Import generated module text once per process. Triton's @jit reads its source from a file, so the
+    text goes to a file named by its content hash in the cache folder (written atomically)."""
     digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-    mod = _MODULES.get(digest)
+    name = f"{prefix}_{digest}"
+    mod = _MODULES.get(name)
     if mod is not None:
         return mod
-    stem = template.split(".")[0]
-    name = f"tkcc_kernel_{stem}_{digest}"
     path = cache_dir() / f"{name}.py"
     if not path.exists() or path.read_text() != src:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -52,5 +51,10 @@ def load(template: str, **hooks):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     mod.TKCC_SOURCE = src
-    _MODULES[digest] = mod
+    _MODULES[name] = mod
     return mod
+
+
+def load(template: str, **hooks):
+    """Render ``template`` with ``hooks`` and return the imported module (cached per process)."""
+    return import_source(f"tkcc_kernel_{template.split('.')[0]}", render_source(template, **hooks))
