@@ -54,7 +54,7 @@ def default_plan(mode: str = "exact") -> PassPlan:
     return PassPlan.of(*steps)
 
 
-def resolve_trace(trace):
+def resolve_trace(trace, format: str | None = None):  # noqa: A002 - the trace format's name, as on the CLI
     """None -> the bundled Azure conversation trace; a bundled name or a path -> a loaded Trace."""
     from tkcc.traffic.trace import Trace
 
@@ -65,10 +65,10 @@ def resolve_trace(trace):
     if trace is None:
         trace = "azure-conv"
     if isinstance(trace, str) and trace in BUNDLED:
-        return load_trace(bundled_trace(trace))
+        return load_trace(bundled_trace(trace), format=format)
     if not isinstance(trace, (str, Path)):
         raise TkccError(f"trace must be a path, a bundled trace name or a Trace, got {type(trace).__name__}")
-    return load_trace(trace)
+    return load_trace(trace, format=format)
 
 
 def resolve_plan(plan, mode: str) -> PassPlan:

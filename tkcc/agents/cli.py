@@ -108,13 +108,6 @@ class _Engine:
         return False
 
 
-def _resolve_trace(text: str):
-    """A path, or the name of a trace bundled with tkcc."""
-    from tkcc.traffic.loaders import bundled_trace
-
-    return text if os.path.exists(text) else bundled_trace(text)
-
-
 def _workload_for(client, trace):
     from tkcc.traffic.buckets import workload_from_trace
 
@@ -150,10 +143,10 @@ def cmd_campaign(args):
     from tkcc.agents.campaign import CampaignConfig, run_campaign
     from tkcc.agents.engine_eval import EngineEvaluator
     from tkcc.agents.store import ExperimentStore
-    from tkcc.traffic.loaders import load_trace
+    from tkcc.compiler import resolve_trace
 
     budget = _seconds(args.budget, "--budget")
-    trace = load_trace(_resolve_trace(args.trace), format=args.format)
+    trace = resolve_trace(args.trace, format=args.format)
     t0 = time.time()
     with _Engine(args) as client:
         workload = _workload_for(client, trace)
