@@ -61,12 +61,21 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     err = open(os.path.join(tmp, "engine.stderr"), "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
-    line = proc.stdout.readline()
-    if not line:
+    ready, stray = None, []
+    for line in proc.stdout:  # the ready line; ranks' libraries (NCCL) may print to the same stdout first
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and obj.get("ready"):
+            ready = obj
+            break
+        stray.append(line.rstrip()[:500])
+    doc["stdout_before_ready"] = stray[-50:]
+    if ready is None:
         proc.wait(60)
-        print(open(os.path.join(tmp, "engine.stderr")).read()[-4000:], file=sys.stderr)
+        print("\n".join(stray[-20:]), open(os.path.join(tmp, "engine.stderr")).read()[-4000:], file=sys.stderr)
         return 1
-    ready = json.loads(line)
     doc["start_s"] = round(time.perf_counter() - t0, 2)
     doc["ready"] = ready
     print(f"engine up in {doc['start_s']} s: ranks {ready.get('rank_pids')}", flush=True)

@@ -126,7 +126,8 @@ def _profile_on_ranks(rank, world, dev):
     prof = mach.MachineProfile(device=name, count=count, mem_bw_gbs=mach.measure_bandwidth(dev),
                                dispatch_us=dispatch, kernel_us=kernel,
                                torch_version=torch.__version__,
-                               measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                               measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               **mach.measure_op_costs(dev))
     fits = {}
     for mode in [m for m in raw if not m.endswith("_error") and all(m in r for r in gathered)]:
         samples = [(n, max(r[mode][i][1] for r in gathered)) for i, (n, _) in enumerate(raw[mode])]
@@ -288,6 +289,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=540.0)
     ap.add_argument("--assemble", metavar="PARTIAL_JSONL",
                     help="no measuring: add predictions to the rows of an earlier run's partial log")
+    ap.add_argument("--op-costs", metavar="JSON",
+                    help="with --assemble: per-op machine numbers (tkcc.parallel.machine.measure_op_costs, "
+                         "measured on the same kind of machine) for a profile recorded without them")
     args = ap.parse_args(argv)
     cfg = dict(QUICK if args.quick else FULL)
     for k in ("models", "batches", "contexts"):
@@ -304,6 +308,13 @@ def main(argv=None) -> int:
         recs = [json.loads(line) for line in open(args.assemble)]
         raw = {"profile": next(r["data"] for r in recs if r["kind"] == "profile"),
                "rows": [r["data"] for r in recs if r["kind"] == "row"]}
+        if args.op_costs:
+            with open(args.op_costs) as f:
+                costs = json.load(f)
+            raw["profile"].update({k: costs[k] for k in ("stream_bw_gbs", "gemv_us", "attn_floor_us",
+                                                         "expand_copy_gbs", "topk_us")})
+            raw["profile"]["derived_from"] = f"per-op numbers from {os.path.basename(args.op_costs)}: " + \
+                str(costs.get("note", ""))
     else:
         if os.path.exists(cfg["partial"]):
             os.remove(cfg["partial"])

@@ -7,7 +7,8 @@ The model adds those costs up, per rank, from the model's shapes and the
 machine's measured numbers (``machine.py``):
 
   weights_ms    dense weight bytes on the rank (attention, dense MLP, router,
-                lm_head) / measured matvec bandwidth;
+                lm_head) / measured stream bandwidth (a large copy; the
+                matvec bandwidth when that was not measured);
   experts_ms    MoE expert bytes the rank moves: the captured graph gathers
                 one expert copy per (token, expert) pair (``index``) and
                 multiplies it (``bmm``), so each pair costs 3x its bytes (read
@@ -17,16 +18,25 @@ machine's measured numbers (``machine.py``):
                 full size and masks those whose expert it does not own (the
                 busiest rank's share under the routing distribution, what a
                 compacting kernel would move, is reported in the notes);
-  kv_ms         KV bytes the rank reads: 2 * layers * kv_heads/degree *
-                head_dim * cache_len * batch * dtype bytes, times (1 + 2*n_rep)
-                when GQA heads are repeated by a copy before attention;
+  kv_ms         attention over the KV cache: per layer the larger of the
+                bytes it reads (2 * kv_heads/degree * head_dim * cache_len *
+                batch * dtype bytes, n_rep times for GQA, whose K/V reach
+                attention repeated) over the stream bandwidth and the measured
+                per-call floor (``attn_floor_us``); for GQA, plus materialising
+                the repeated K/V (HF passes expanded views; the attention
+                backend copies them: read and write n_rep times the cache) at
+                the measured ``expand_copy_gbs``. Without those two numbers:
+                the cache bytes times (1 + 2*n_rep) at the stream bandwidth;
+  weights_ms    also counts ``gemv_us`` - ``kernel_us`` per GEMV (a weight-
+                streaming kernel's ramp and tail beyond the small-kernel floor);
+  topk_ms       MoE router top-k calls x (``topk_us`` - ``kernel_us``);
   all_reduce_ms collectives per token x the measured all-reduce fit at that
                 degree, t = lat + bytes * 2(d-1)/d / busbw;
   all_gather_ms the vocabulary-parallel logits gathered once per token;
   kernels_ms    kernels x the per-kernel floor (``kernel_us``);
   host_ms       graph ops x host dispatch cost (``dispatch_us``), eager only.
 
-Device time is the sum of the first six; eager execution overlaps host and
+Device time is the sum of all but host_ms; eager execution overlaps host and
 device, so the prediction is max(host_ms, device_ms) in eager mode and
 device_ms under CUDA graphs. Every prediction carries the terms, the bytes
 behind them, and which numbers were extrapolated (degrees above the devices
@@ -83,14 +93,18 @@ class Prediction:
         return "\n".join(rows)
 
 
+GEMV_OPS = {"linear", "mm", "addmm"}  # weight GEMVs (the rotary matmul is tiny)
+
+
 def count_ops(gm) -> dict:
-    """Host ops and kernel-launching ops of a GraphModule (call_function nodes)."""
-    host = kernels = 0
+    """Host ops, kernel-launching ops and GEMVs of a GraphModule (call_function nodes)."""
+    host = kernels = gemv = 0
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
         host += 1
+        gemv += name in GEMV_OPS
         if name in NO_KERNEL:
             continue
         if name in ("to", "_to_copy", "contiguous", "clone") and n.args:
@@ -100,12 +114,19 @@ def count_ops(gm) -> dict:
                     and name != "clone":
                 continue
         kernels += 1
-    return {"host_ops": host, "kernels": kernels}
+    return {"host_ops": host, "kernels": kernels, "gemv": gemv}
+
+
+def estimate_gemv(dims: ModelDims) -> int:
+    """GEMVs per decode step as HF's modules issue them: q, k, v, o (+ router, or gate, up, down), lm_head."""
+    per_layer = 4 + (1 if dims.is_moe else 3)
+    return per_layer * dims.layers + 1
 
 
 def estimate_ops(dims: ModelDims) -> dict:
     per_host, per_k, fix_host, fix_k = OPS_PER_FAMILY.get(dims.family, OPS_PER_FAMILY["llama"])
-    return {"host_ops": per_host * dims.layers + fix_host, "kernels": per_k * dims.layers + fix_k}
+    return {"host_ops": per_host * dims.layers + fix_host, "kernels": per_k * dims.layers + fix_k,
+            "gemv": estimate_gemv(dims)}
 
 
 def collectives_per_token(dims: ModelDims, degree: int, strategy: str) -> dict:
@@ -199,10 +220,30 @@ def predict(dims: ModelDims, degree: int, strategy: str, machine: MachineProfile
         else:
             experts = L * pairs_total * one / d * EXPERT_PAIR_TRAFFIC
     n_rep = max(1, dims.heads // dims.kv_heads)
-    kv_factor = 1 + 2 * n_rep if n_rep > 1 else 1
-    kv = 2 * L * (dims.kv_heads / d) * hd * cache_len * batch * dtype_bytes * kv_factor
-    bw = machine.mem_bw_gbs * 1e9
-    terms = {"weights_ms": dense / bw * 1e3, "experts_ms": experts / bw * 1e3, "kv_ms": kv / bw * 1e3}
+    cache = 2 * L * (dims.kv_heads / d) * hd * cache_len * batch * dtype_bytes  # K and V of every layer
+    bw = (machine.stream_bw_gbs or machine.mem_bw_gbs) * 1e9
+    base = dict(ops) if ops else estimate_ops(dims)
+    n_gemv = base.get("gemv") or estimate_gemv(dims)
+    gemv_extra_us = max(0.0, (machine.gemv_us or 0.0) - machine.kernel_us) if machine.gemv_us else 0.0
+    weights_ms = dense / bw * 1e3 + n_gemv * gemv_extra_us / 1e3
+    if machine.expand_copy_gbs and machine.attn_floor_us is not None:
+        read = cache * n_rep
+        per_layer_us = max(read / L / bw * 1e6, machine.attn_floor_us)
+        kv_ms = L * per_layer_us / 1e3
+        kv = read
+        if n_rep > 1:
+            copy = 2 * cache * n_rep
+            kv_ms += copy / (machine.expand_copy_gbs * 1e9) * 1e3
+            kv += copy
+            notes.append(f"GQA: K/V reach attention repeated {n_rep}x and are materialised first "
+                         f"({copy / 1e6:.1f} MB copied per token at {machine.expand_copy_gbs:.0f} GB/s)")
+    else:
+        kv = cache * (1 + 2 * n_rep if n_rep > 1 else 1)
+        kv_ms = kv / bw * 1e3
+    topk_ms = 0.0
+    if dims.is_moe and machine.topk_us:
+        topk_ms = L * max(0.0, machine.topk_us - machine.kernel_us) / 1e3
+    terms = {"weights_ms": weights_ms, "experts_ms": experts / bw * 1e3, "kv_ms": kv_ms, "topk_ms": topk_ms}
 
     coll = collectives_per_token(dims, d, strategy)
     ar_ms = ag_ms = 0.0
@@ -218,7 +259,6 @@ def predict(dims: ModelDims, degree: int, strategy: str, machine: MachineProfile
                                       / (fit.busbw_gbs * 1e3)) / 1e3
     terms["all_reduce_ms"] = ar_ms
     terms["all_gather_ms"] = ag_ms
-    base = dict(ops) if ops else estimate_ops(dims)
     if not ops:
         notes.append("op counts estimated from the family's per-layer counts")
     extra = extra_ops(dims, d, strategy) if not (ops and ops.get("sharded")) else {"host_ops": 0, "kernels": 0}

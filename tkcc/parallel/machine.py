@@ -1,6 +1,6 @@
 """What one machine can do, measured once and cached: memory bandwidth, op overhead, collectives.
 
-The cost model needs four numbers per machine and degree; they are measured,
+The cost model needs these numbers per machine and degree; they are measured,
 never looked up in a datasheet:
 
 - ``mem_bw_gbs``: bytes/s a matrix-vector product reads from device memory
@@ -10,6 +10,12 @@ never looked up in a datasheet:
   this at batch 1);
 - ``kernel_us``: device time per kernel of the same graph replayed in a CUDA
   graph (the floor per kernel when the host is out of the way);
+- per-op costs of the big kernels a captured decode graph runs, each timed in
+  a CUDA graph: ``stream_bw_gbs`` (a large device copy), ``gemv_us`` (the
+  fixed part of a weight-streaming GEMV, fitted over weights of 8-64 MiB),
+  ``attn_floor_us`` (a decode attention call over a short cache),
+  ``expand_copy_gbs`` (materialising GQA-repeated K/V, what the attention
+  backend does with HF's expanded K/V views) and ``topk_us`` (a router top-k);
 - per degree, ``all_reduce`` latency (us) and bus bandwidth (GB/s), fitted
   as ``t(n) = lat + n * 2(d-1)/d / busbw`` to timed all-reduces of 4 KiB to
   16 MiB, eager and (on GPUs) inside a CUDA graph.
@@ -55,6 +61,13 @@ class MachineProfile:
     all_reduce: dict = field(default_factory=dict)  # str(degree) -> {mode: CollectiveFit as dict}
     torch_version: str = ""
     measured_at: str = ""
+    # per-op costs of a real decode graph's big kernels (None: not measured, the model leaves the term out)
+    stream_bw_gbs: float | None = None    # large device copy, bytes read + written per second
+    gemv_us: float | None = None          # fixed cost of one weight-streaming GEMV: t = gemv_us + bytes / stream bw
+    attn_floor_us: float | None = None    # one decode attention call over a short cache
+    expand_copy_gbs: float | None = None  # materialising GQA-repeated K/V (broadcast read + write) per second
+    topk_us: float | None = None          # one router top-k
+    derived_from: str = ""                # where these per-op numbers came from, if not measured here
 
     @property
     def key(self) -> str:
@@ -304,13 +317,77 @@ def measure_floor(dev: torch.device) -> tuple[float, float]:
         return measure_dispatch(dev), measure_kernel_in_graph(dev)
 
 
+def _graph_us(fn, dev, reps: int = 20) -> float:
+    """Device microseconds of ``fn`` replayed in a CUDA graph (median)."""
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def measure_op_costs(dev: torch.device) -> dict:
+    """The per-op numbers of :class:`MachineProfile` (CUDA only: on CPU every op is dispatch-bound)."""
+    if dev.type != "cuda":
+        return {}
+    bf = torch.bfloat16
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    stream = 2 * n / _graph_us(lambda: b.copy_(a), dev) / 1e3
+    del a, b
+    # GEMVs over 8 distinct weights per size (more than L2 holds), fitted t = c + bytes / bw
+    pts = []
+    for mib in (8, 16, 32, 64):
+        ws = [torch.randn(mib * 2**20 // (2048 * 2), 2048, device=dev, dtype=bf) for _ in range(8)]
+        x = torch.randn(1, 2048, device=dev, dtype=bf)
+        us = _graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws], dev) / len(ws)
+        pts.append((mib * 2**20, us))
+        del ws
+    xs = [p[0] for p in pts]
+    ys = [p[1] for p in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
+    gemv = max(0.0, my - slope * mx)
+    # decode attention over a short cache (16 heads x 128, 2k positions): the per-call floor
+    q = torch.randn(1, 16, 1, 128, device=dev, dtype=bf)
+    kv = torch.randn(1, 16, 2048, 128, device=dev, dtype=bf)
+    attn = _graph_us(lambda: [torch.nn.functional.scaled_dot_product_attention(q, kv, kv) for _ in range(8)],
+                     dev) / 8
+    # GQA K/V repeated 4x as HF's expand views, materialised (what the attention backend does with them)
+    k = torch.randn(1, 8, 1, 32768, 64, device=dev, dtype=bf)
+    out = torch.empty(1, 32, 32768, 64, device=dev, dtype=bf)
+    ex = k.expand(1, 8, 4, 32768, 64)
+    copy_bytes = 2 * out.numel() * 2
+    expand = copy_bytes / _graph_us(lambda: out.view(1, 8, 4, 32768, 64).copy_(ex), dev) / 1e3
+    logits = torch.randn(1, 64, device=dev, dtype=bf)
+    topk = _graph_us(lambda: [torch.topk(logits, 8, dim=-1) for _ in range(8)], dev) / 8
+    return dict(stream_bw_gbs=stream, gemv_us=gemv, attn_floor_us=attn, expand_copy_gbs=expand, topk_us=topk)
+
+
 def measure_profile(degrees=None, measure_collectives_too: bool = True) -> MachineProfile:
     name, count = current_device()
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dispatch, kernel = measure_floor(dev)
     prof = MachineProfile(device=name, count=count, mem_bw_gbs=measure_bandwidth(dev),
                           dispatch_us=dispatch, kernel_us=kernel, torch_version=torch.__version__,
-                          measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                          measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                          **measure_op_costs(dev))
     if measure_collectives_too:
         if degrees is None:
             degrees = [d for d in (2, 4, 8) if d <= max(count, 2 if dev.type == "cpu" else count)]
