@@ -147,3 +147,39 @@ def test_workload_prediction_weights_decode_buckets():
     assert got.ms_per_token == pytest.approx(0.75 * a.ms_per_token + 0.25 * b.ms_per_token)
     # 40 KV bytes per cached position on each rank (see test_dense_terms_by_hand), weights 0.3:0.1 -> 0.75:0.25
     assert got.bytes["kv"] == pytest.approx(0.75 * 4000 + 0.25 * 40000)
+
+
+def test_per_op_terms_by_hand():
+    """With the per-op numbers measured: GEMV fixed cost, attention floor, GQA K/V materialisation, top-k."""
+    m = dataclasses.replace(machine(bw=1.0, kernel=1.0), stream_bw_gbs=2.0, gemv_us=4.0, attn_floor_us=3.0,
+                            expand_copy_gbs=0.5, topk_us=5.0)
+    ops = {"host_ops": 100, "kernels": 50, "gemv": 10}
+    p = predict(DENSE, 1, "tp", m, batch=1, context=10, ops=ops, mode="cuda_graph")
+    # weights 544 B at 2 GB/s = 272 ns, + 10 GEMVs x (4 - 1) us
+    assert p.terms["weights_ms"] == pytest.approx(272e-6 + 30e-3)
+    # cache: 2 x 2 layers x 2 kv heads x 1 x 10 x 2 B = 160 B; attention reads it x2 (n_rep) = 320 B: 80 ns per
+    # layer at 2 GB/s, under the 3 us floor -> 2 x 3 us; the copy reads + writes 2 x 160 x 2 = 640 B at 0.5 GB/s
+    assert p.terms["kv_ms"] == pytest.approx(6e-3 + 640 / 0.5e9 * 1e3)
+    assert p.terms["topk_ms"] == 0  # dense: no router
+    assert any("GQA" in n for n in p.notes)
+    long = predict(DENSE, 1, "tp", m, batch=1, context=100_000, ops=ops, mode="cuda_graph")
+    read = 2 * 2 * 2 * 100_000 * 2 * 2  # bandwidth-bound now: 1.6 MB per layer pair
+    assert long.terms["kv_ms"] == pytest.approx(read / 2e9 * 1e3 + 2 * read / 0.5e9 * 1e3)
+    moe = predict(MOE, 1, "tp", m, batch=1, context=10, ops=ops, mode="cuda_graph")
+    assert moe.terms["topk_ms"] == pytest.approx(2 * (5.0 - 1.0) / 1e3)
+
+
+def test_op_costs_need_a_gpu():
+    from tkcc.parallel.machine import measure_op_costs
+
+    assert measure_op_costs(torch.device("cpu")) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_op_costs_on_a_gpu_are_plausible():
+    from tkcc.parallel.machine import measure_op_costs
+
+    c = measure_op_costs(torch.device("cuda", 0))
+    assert c["stream_bw_gbs"] > 100 and 0 < c["expand_copy_gbs"] < 2 * c["stream_bw_gbs"]
+    assert c["gemv_us"] >= 0 and c["attn_floor_us"] > 0 and c["topk_us"] > 0
