@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -78,29 +77,6 @@ def profile_ops(gm, ids, pos) -> dict:
     return {"ops": out, "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["device_us"])[:40])}
 
 
-def graph_replay_ms(gm, ids, pos, reps=30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            gm(ids, pos)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gm(ids, pos)
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=["olmoe-16l", "llama-1b-16l"])
@@ -110,6 +86,7 @@ def main(argv=None) -> int:
     from tkcc.frontend.hf import capture_hf
     from tkcc.frontend.models import build_model
     from tkcc.parallel.cost import count_ops
+    from tkcc.parallel.machine import graph_replay_us
 
     dev = torch.device("cuda", 0)
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results")
@@ -126,7 +103,7 @@ def main(argv=None) -> int:
                 ids = torch.randint(0, 1000, (batch, 1), device=dev)
                 pos = torch.tensor([ctx], device=dev)
                 with torch.no_grad():
-                    replay = graph_replay_ms(gm, ids, pos)
+                    replay = graph_replay_us(lambda: gm(ids, pos), dev, reps=30) / 1e3
                     prof = profile_ops(gm, ids, pos)
                 row = dict(model=name, batch=batch, context=ctx, graph_replay_ms=replay, ops=count_ops(gm),
                            bytes=graph_bytes(gm), profile=prof)

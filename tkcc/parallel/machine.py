@@ -317,7 +317,7 @@ def measure_floor(dev: torch.device) -> tuple[float, float]:
         return measure_dispatch(dev), measure_kernel_in_graph(dev)
 
 
-def _graph_us(fn, dev, reps: int = 20) -> float:
+def graph_replay_us(fn, dev, reps: int = 20) -> float:
     """Device microseconds of ``fn`` replayed in a CUDA graph (median)."""
     s = torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))
@@ -349,14 +349,14 @@ def measure_op_costs(dev: torch.device) -> dict:
     n = 1 << 30
     a = torch.empty(n, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    stream = 2 * n / _graph_us(lambda: b.copy_(a), dev) / 1e3
+    stream = 2 * n / graph_replay_us(lambda: b.copy_(a), dev) / 1e3
     del a, b
     # GEMVs over 8 distinct weights per size (more than L2 holds), fitted t = c + bytes / bw
     pts = []
     for mib in (8, 16, 32, 64):
         ws = [torch.randn(mib * 2**20 // (2048 * 2), 2048, device=dev, dtype=bf) for _ in range(8)]
         x = torch.randn(1, 2048, device=dev, dtype=bf)
-        us = _graph_us(lambda: [torch.nn.functional.linear(x, w) for w in ws], dev) / len(ws)
+        us = graph_replay_us(lambda: [torch.nn.functional.linear(x, w) for w in ws], dev) / len(ws)
         pts.append((mib * 2**20, us))
         del ws
     xs = [p[0] for p in pts]
@@ -367,16 +367,16 @@ def measure_op_costs(dev: torch.device) -> dict:
     # decode attention over a short cache (16 heads x 128, 2k positions): the per-call floor
     q = torch.randn(1, 16, 1, 128, device=dev, dtype=bf)
     kv = torch.randn(1, 16, 2048, 128, device=dev, dtype=bf)
-    attn = _graph_us(lambda: [torch.nn.functional.scaled_dot_product_attention(q, kv, kv) for _ in range(8)],
+    attn = graph_replay_us(lambda: [torch.nn.functional.scaled_dot_product_attention(q, kv, kv) for _ in range(8)],
                      dev) / 8
     # GQA K/V repeated 4x as HF's expand views, materialised (what the attention backend does with them)
     k = torch.randn(1, 8, 1, 32768, 64, device=dev, dtype=bf)
     out = torch.empty(1, 32, 32768, 64, device=dev, dtype=bf)
     ex = k.expand(1, 8, 4, 32768, 64)
     copy_bytes = 2 * out.numel() * 2
-    expand = copy_bytes / _graph_us(lambda: out.view(1, 8, 4, 32768, 64).copy_(ex), dev) / 1e3
+    expand = copy_bytes / graph_replay_us(lambda: out.view(1, 8, 4, 32768, 64).copy_(ex), dev) / 1e3
     logits = torch.randn(1, 64, device=dev, dtype=bf)
-    topk = _graph_us(lambda: [torch.topk(logits, 8, dim=-1) for _ in range(8)], dev) / 8
+    topk = graph_replay_us(lambda: [torch.topk(logits, 8, dim=-1) for _ in range(8)], dev) / 8
     return dict(stream_bw_gbs=stream, gemv_us=gemv, attn_floor_us=attn, expand_copy_gbs=expand, topk_us=topk)
 
 
