@@ -11,6 +11,12 @@ The workload is the trace's decode buckets (objective: P90 per-user decode token
 decode steps only): eager prefill of the captured baseline cannot run at these prompt lengths on
 olmoe-16l (transformers' batched_mm gathers every (token, expert) pair's weights).
 
+The engine validates in exact mode where the model's reference forward reproduces itself bit for bit and
+switches a tier to tolerance mode where it does not (olmoe-16l bf16 on an H200: see docs/engine.md,
+"Determinism probe"); ``validation`` in the JSON says which mode each tier used and the measured
+self-disagreement. ``--wall-limit`` keeps the whole run inside one device call: later stages shrink to the
+time left (A/A stops early, the drift campaigns get what remains) and every stage is saved as it finishes.
+
     PYTHONPATH=. python benchmarks/campaign.py --model olmoe-16l --device cuda         # one H200
     PYTHONPATH=. python benchmarks/campaign.py --model olmoe-tiny --device cpu --budget 20 --aa 8  # smoke
 """
@@ -43,6 +49,10 @@ def main() -> int:
     ap.add_argument("--trace", default="azure-conv")
     ap.add_argument("--drift-trace", default="servegen-m-mid-81", help="bundled name or path (long contexts)")
     ap.add_argument("--tolerance", action="store_true", default=True)
+    ap.add_argument("--validation", default="auto", choices=["auto", "exact", "tolerance"],
+                    help="the engine's validation mode (tkcc serve --validation; default auto)")
+    ap.add_argument("--wall-limit", type=float, default=0.0,
+                    help="seconds for the whole run (0: none); later stages shrink to fit")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "campaign.json"))
     args = ap.parse_args()
 
@@ -68,6 +78,9 @@ def main() -> int:
     out: dict = {"model": args.model, "device": args.device, "budget_s": args.budget}
     t_start = time.time()
 
+    def left() -> float:
+        return args.wall_limit - (time.time() - t_start) if args.wall_limit > 0 else float("inf")
+
     def trace_path(name):
         return name if os.path.exists(name) else bundled_trace(name)
 
@@ -79,11 +92,21 @@ def main() -> int:
     def space():
         return SearchSpace.from_registry(exact_only=not args.tolerance, device=args.device)
 
-    extra = ("--max-cache-len", str(cap), "--timeout", "300")
+    extra = ("--max-cache-len", str(cap), "--timeout", "300", "--validation", args.validation)
     if args.device == "cpu":
         extra += ("--threads", "1")
     with spawned_engine(args.model, args.device, str(tmp / "engine"), extra=extra) as client:
         out["engine_start_s"] = round(time.time() - t_start, 1)
+        tiers_st = (client.status().get("worker") or {}).get("tiers") or {}
+        out["validation_requested"] = args.validation
+        out["validation"] = {t: v.get("validation") for t, v in tiers_st.items()}
+        out["probe"] = {t: {k: v.get("deterministic", {}).get(k) for k in ("deterministic", "max_abs_diff",
+                                                                           "max_norm_diff", "eager_vs_graph_abs",
+                                                                           "worst", "buckets", "seconds")}
+                        for t, v in tiers_st.items()}
+        for t, v in out["validation"].items():
+            print(f"{t} tier validation: {(v or {}).get('why')}", flush=True)
+        save()
         w1 = workload(args.trace)
         out["workload"] = {"trace": args.trace, "fingerprint": w1.fingerprint(),
                            "buckets": [b.key() for b in w1.buckets]}
@@ -101,7 +124,8 @@ def main() -> int:
                           "objective": st.shipped[1], "shipped": st.shipped[0], "wall_s": round(time.time() - t0, 1),
                           "baseline_objective": next((s["objective"] for s in store.ships(st.campaign_id)
                                                       if s["reason"] == "baseline"), None),
-                          "failed": sum(1 for e in exps if e.verdict != "measured")}
+                          "failed": sum(1 for e in exps if e.verdict != "measured"),
+                          "validation": {t: v.get("mode") for t, v in st.validation.items()}}
             print(label, res[label], flush=True)
         out.update(two_tier_candidates=res["two_tier"]["candidates"], slow_only_candidates=res["slow_only"]["candidates"],
                    two_tier_objective=res["two_tier"]["objective"], slow_only_objective=res["slow_only"]["objective"],
@@ -112,32 +136,40 @@ def main() -> int:
         wl = EngineEvaluator(client, w1).workload
         vals = []
         t0 = time.time()
-        for _ in range(2 * (3 + args.aa)):
+        aa_budget = left() - (args.budget + 60)  # keep enough for the drift run
+        for i in range(2 * (3 + args.aa)):
+            if i >= 8 and i % 2 == 0 and time.time() - t0 > aa_budget:
+                break  # out of wall time: judge the pairs measured so far (says how many below)
             m = client.measure(tier=args.aa_tier, workload=wl, reps=args.reps)
             vals.append(float(m["objective"]))
+        n_aa = len(vals) // 2 - 3
         calib, judged = NoiseModel(), []
         for i in range(3):
             calib.add_pair(vals[2 * i], vals[2 * i + 1])
-        for i in range(3, 3 + args.aa):
+        for i in range(3, 3 + n_aa):
             judged.append(calib.decide(vals[2 * i + 1], vals[2 * i])[0])
         out.update(aa_comparisons=len(judged), aa_false_ships=int(sum(judged)), aa_tier=args.aa_tier,
                    aa_threshold=calib.threshold(), aa_wall_s=round(time.time() - t0, 1),
-                   aa_relative_diffs=[vals[2 * i + 1] / vals[2 * i] - 1 for i in range(3 + args.aa)])
+                   aa_relative_diffs=[vals[2 * i + 1] / vals[2 * i] - 1 for i in range(3 + n_aa)],
+                   aa_validation=m["validation"].get("policy", {}).get("mode"))
         print("A/A", out["aa_comparisons"], "comparisons,", out["aa_false_ships"], "false ships; threshold",
               f"{calib.threshold() * 100:.2f}%", flush=True)
         save()
 
         # 3. drift: optimise on trace 1, switch to trace 2, re-check and re-optimise
         w2 = workload(args.drift_trace)
-        st1 = run_campaign(CampaignConfig(name="drift-before", model=args.model, budget_s=args.budget / 2),
+        drift_budget = max(10.0, min(args.budget, left() - 45))  # both halves, within the wall time left
+        out["drift_budget_s"] = round(drift_budget, 1)
+        st1 = run_campaign(CampaignConfig(name="drift-before", model=args.model, budget_s=drift_budget / 2),
                            store, BayesianSearch(space(), seed=2), EngineEvaluator(client, w1, reps=args.reps),
                            progress=False)
         ev2 = EngineEvaluator(client, w2, reps=args.reps)
         rc = recheck_and_revert(store, st1.campaign_id, ev2, st1.noise)
-        st2 = run_campaign(CampaignConfig(name="drift-after", model=args.model, budget_s=args.budget / 2),
+        st2 = run_campaign(CampaignConfig(name="drift-after", model=args.model, budget_s=drift_budget / 2),
                            store, BayesianSearch(space(), seed=3), ev2, progress=False)
         base2 = next((s["objective"] for s in store.ships(st2.campaign_id) if s["reason"] == "baseline"), None)
-        out["drift"] = {"before": {"trace": args.trace, "shipped": st1.shipped[0], "objective": st1.shipped[1]},
+        out["drift"] = {"validation": {t: v.get("mode") for t, v in st2.validation.items()},
+                        "before": {"trace": args.trace, "shipped": st1.shipped[0], "objective": st1.shipped[1]},
                         "new_traffic": {"trace": args.drift_trace, "fingerprint": w2.fingerprint(),
                                         "buckets": [b.key() for b in w2.buckets]},
                         "recheck": {"reverted": rc.reverted, "reason": rc.reason, "objectives": rc.objectives},

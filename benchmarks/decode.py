@@ -9,9 +9,11 @@ and under real OLMoE routing replayed into the expert kernels (forced ids
 sampled from ``tkcc.traffic.routing.Routing``). Then the trace-weighted
 objective (P90 per-user decode tokens/s) from the measured curve.
 
-  python benchmarks/decode.py --checks        # full run: ~2.5 min on an H200 (kernel checks, 2 models, 4 contexts)
+  python benchmarks/decode.py --checks        # full run (kernel checks, 2 models, 4 contexts, every tkcc variant)
   python benchmarks/decode.py --quick         # 2 contexts, fewer tokens
-  python benchmarks/decode.py --compile       # add HF static cache + torch.compile (slow to compile)
+  python benchmarks/decode.py --compile       # add HF static cache + torch.compile (slow to compile; per-model
+                                              # budget --compile-budget-s, shortest and longest context first)
+  python benchmarks/decode.py --variants tkcc tkcc_v2   # a subset of the tkcc variants (VARIANTS below)
   TRITON_INTERPRET=1 python benchmarks/decode.py --smoke   # CPU: llama-tiny through every code path, ~1 min
 Rows go to benchmarks/results/decode.json (and $OUT/decode.json when $OUT is set).
 """
@@ -38,6 +40,7 @@ from tkcc.frontend.models import build_model, get_spec  # noqa: E402
 from tkcc.kernels.decoder import FusedDecoder  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+T_START = time.time()
 
 
 def log(*a):
@@ -145,9 +148,20 @@ def hf_decode_timer(model, context: int, tokens: int, fwd):
     return run, cache
 
 
-def hf_rows(model, name, contexts, tokens, reps, variant, fwd, compile_cap_s=None):
+def ends_first(contexts):
+    """Shortest and longest context first, then the rest: a time budget that stops early still leaves the
+    two points the trace-weighted objective interpolates between."""
+    cs = sorted(set(contexts))
+    return cs[:1] + cs[-1:] + cs[1:-1] if len(cs) > 2 else cs
+
+
+def hf_rows(model, name, contexts, tokens, reps, variant, fwd, compile_cap_s=None, budget_s=None):
     rows = []
+    t_start = time.time()
     for c in contexts:
+        if budget_s and rows and time.time() - t_start > budget_s:
+            log(f"{variant}: {time.time() - t_start:.0f}s spent (budget {budget_s:.0f}s); skipping ctx {c}")
+            continue
         peak_reset()
         run, cache = hf_decode_timer(model, c, tokens, fwd)
         t0 = time.time()
@@ -220,9 +234,38 @@ def greedy_check(model, dec_factory, prompts, new_tokens, fp32_reference=True):
     return res
 
 
-def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=True):
+# tkcc variants run side by side: (variant, decoder options). "configs" = "step" takes the configs that
+# FusedDecoder.tune_step picked for that option set (whole step timed from a CUDA graph).
+VARIANTS = [
+    ("tkcc", {}),
+    ("tkcc_nopdl", {"pdl": False}),
+    ("tkcc_steptuned", {"configs": "step"}),
+    ("tkcc_fattn", {"fused_attention": True}),
+    ("tkcc_routed", {"routed_moe": True}),
+    ("tkcc_v2", {"fused_attention": True, "routed_moe": True, "configs": "step"}),
+]
+# variants also timed under the real OLMoE routing (MoE models); variants for MoE models only; variants that
+# differ from tkcc only on a GPU (PDL, tuning)
+REAL_ROUTING = ("tkcc", "tkcc_v2")
+MOE_ONLY = ("tkcc_routed",)
+VARIANT_TOL = 0.1  # first-step logits, rel. err. vs the tkcc baseline, above which a variant is dropped
+GPU_ONLY = ("tkcc_nopdl", "tkcc_steptuned")
+
+
+def _opts_key(opts):
+    return tuple(sorted((k, v) for k, v in opts.items() if k not in ("configs", "pdl")))
+
+
+def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=True, variants=None,
+              step_tune=True, on_rows=None):
+    """Rows for every tkcc variant at every context. A variant that fails on the device (an exception, a
+    first step whose logits are off the baseline's, or graph replays that differ from eager steps) is
+    dropped for the rest of the run with its reason in notes["variant_fallbacks"]: the baseline rows stand."""
     rows, notes = [], {}
     chunk = None
+    pdl_ok = CUDA and torch.cuda.get_device_capability()[0] >= 9
+    want = [v for v in VARIANTS if variants is None or v[0] in variants]
+    want = [(v, o) for v, o in want if (is_moe or v not in MOE_ONLY) and (CUDA or v not in GPU_ONLY)]
     if CUDA and tune:
         dec = FusedDecoder(model, max_cache_len=4096)
         t0 = time.time()
@@ -230,61 +273,139 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
                                          for k, v in dec.tune(log=log).items()}
         notes["tune_s"] = round(time.time() - t0, 1)
         del dec
-    variants = [("tkcc", "router", True)] + ([("tkcc", "real", True)] if is_moe else []) + \
-        ([("tkcc_nopdl", "router", False)] if CUDA else [])
+    step_configs = {}
+    failed = notes.setdefault("variant_fallbacks", {})
+    routed_tuned = [False]
+
+    def prepare(variant, opts):
+        """Tuning a variant needs, done just before its first rows (after the baseline's rows are saved):
+        the routed-MoE kernels' configs, then the whole-step configs (tune_step) of its option set."""
+        kw = {k: v for k, v in opts.items() if k != "configs"}
+        if CUDA and tune and is_moe and opts.get("routed_moe") and not routed_tuned[0]:
+            routed_tuned[0] = True
+            t0 = time.time()
+            dec = FusedDecoder(model, max_cache_len=4096, routed_moe=True)
+            notes.setdefault("tuning_us_per_layer", {}).update(
+                {k: [list(v[0]), round(v[1], 2)] for k, v in dec.tune_routed(log=log).items()})
+            notes["tune_routed_s"] = round(time.time() - t0, 1)
+            del dec
+        if CUDA and step_tune and opts.get("configs") == "step" and _opts_key(opts) not in step_configs:
+            t0 = time.time()
+            dec = FusedDecoder(model, max_cache_len=4096, **kw)
+            dec.reset(11, 128)
+            got = dec.tune_step(log=log)
+            step_configs[_opts_key(opts)] = dict(dec.configs)
+            notes.setdefault("step_tuning", {})[variant] = dict(
+                configs={k: [list(c), t] for k, (c, t) in got.items()}, seconds=round(time.time() - t0, 1))
+            del dec
+
+    plan = []
+    for variant, opts in want:
+        plan.append((variant, "router", opts))
+        if is_moe and variant in REAL_ROUTING:
+            plan.append((variant, "real", opts))
+    plan.sort(key=lambda p: p[0] != "tkcc")  # the baseline first: the others are checked against it
     forced = imb = None
     if is_moe:
         forced, imb = real_routing_ids(model, 256)
         notes["real_routing_max_over_mean"] = imb
-    for c in contexts:
-        for variant, routing, pdl in variants:
+    base_logits = {}
+    # variant-major: the baseline's rows for every context are taken (and handed to on_rows, which saves them)
+    # before any other variant's kernels run
+    for variant, routing, opts in plan:
+        tag = f"{variant}/{routing}"
+        try:
+            prepare(variant, opts)
+        except Exception as e:  # the variant runs with the configs tuned so far
+            failed[f"{variant} tuning"] = f"{type(e).__name__}: {e}"
+            log(f"{variant}: tuning failed ({type(e).__name__}: {e}); using the configs tuned so far")
+        for c in contexts:
+            if tag in failed:
+                break
+            kw = {k: v for k, v in opts.items() if k != "configs"}
+            kw["pdl"] = kw.get("pdl", True) if pdl_ok else False
+            if opts.get("configs") == "step":
+                kw["configs"] = step_configs.get(_opts_key(opts), {})
             peak_reset()
-            dec = FusedDecoder(model, max_cache_len=c + tokens + 8, attn_chunk=chunk, forced_routing=routing == "real",
-                               pdl=pdl if CUDA else False)
-            g = torch.Generator(device=dec.device).manual_seed(c)
-            dec.k_cache.normal_(generator=g)
-            dec.v_cache.normal_(generator=g)
-            if routing == "real":
-                dec.set_forced_routing(forced)
-            dec.reset(11, c)
-            start = (dec.token.clone(), dec.pos.clone(), dec.seqlen.clone())
-            if CUDA and c == contexts[0]:
-                # the captured graph must produce the same tokens as eager steps from the same state
-                seq = []
-                for i in range(6):
-                    dec.step()
-                    seq.append(int(dec.token))
-                dec.token.copy_(start[0]), dec.pos.copy_(start[1]), dec.seqlen.copy_(start[2])
-                dec.forced_step.zero_() if is_moe else None
-            if CUDA:
-                dec.capture()
-            if CUDA and c == contexts[0]:
-                rseq = []
-                for i in range(6):
-                    dec.run(1)
-                    rseq.append(int(dec.token))
-                notes.setdefault("graph_replay_matches_eager", {})[f"{variant}/{routing}"] = rseq == seq
-                log(f"{name} {variant}/{routing}: graph replay tokens == eager step tokens: {rseq == seq}")
+            try:
+                dec = FusedDecoder(model, max_cache_len=c + tokens + 8, attn_chunk=chunk,
+                                   forced_routing=routing == "real", **kw)
+                g = torch.Generator(device=dec.device).manual_seed(c)
+                for kc, vc in zip(dec.k_layers, dec.v_layers):
+                    kc.normal_(generator=g)
+                    vc.normal_(generator=g)
+                if routing == "real":
+                    dec.set_forced_routing(forced)
+                dec.reset(11, c)
+                start = (dec.token.clone(), dec.pos.clone(), dec.seqlen.clone())
+                if CUDA and c == contexts[0]:
+                    # the first eager step must match the baseline's logits; the captured graph must produce the
+                    # same tokens as eager steps from the same state
+                    seq = []
+                    for i in range(6):
+                        dec.step()
+                        if i == 0:
+                            lg = dec.logits.float().clone()
+                        seq.append(int(dec.token))
+                    dec.token.copy_(start[0]), dec.pos.copy_(start[1]), dec.seqlen.copy_(start[2])
+                    dec.forced_step.zero_() if is_moe else None
+                    if variant == "tkcc":
+                        base_logits[routing] = lg
+                    elif routing in base_logits:
+                        ref = base_logits[routing]
+                        err = float((lg - ref).norm() / ref.norm())
+                        notes.setdefault("first_step_logits_rel_err_vs_tkcc", {})[tag] = err
+                        # two bf16 paths that sum in different orders differ by ~1e-2 after 16 layers; a wrong
+                        # kernel (wrong expert, stale cache/routing read) by far more
+                        if not (err < VARIANT_TOL):
+                            raise RuntimeError(f"first-step logits differ from the tkcc baseline (rel err {err:.3g} "
+                                               f">= {VARIANT_TOL})")
+                if CUDA:
+                    dec.capture()
+                if CUDA and c == contexts[0]:
+                    rseq = []
+                    for i in range(6):
+                        dec.run(1)
+                        rseq.append(int(dec.token))
+                    notes.setdefault("graph_replay_matches_eager", {})[tag] = rseq == seq
+                    log(f"{name} {tag}: graph replay tokens == eager step tokens: {rseq == seq}")
+                    if rseq != seq and variant != "tkcc":
+                        raise RuntimeError(f"graph replay tokens {rseq} != eager step tokens {seq}")
 
-            def run(n, dec=dec, start=start):
-                dec.token.copy_(start[0])
-                dec.pos.copy_(start[1])
-                dec.seqlen.copy_(start[2])
-                dec.run(n)
-            run(2)
-            ms = time_steps(run, tokens, reps)
+                def run(n, dec=dec, start=start):
+                    dec.token.copy_(start[0])
+                    dec.pos.copy_(start[1])
+                    dec.seqlen.copy_(start[2])
+                    dec.run(n)
+                run(2)
+                ms = time_steps(run, tokens, reps)
+            except Exception as e:
+                if variant == "tkcc":
+                    raise
+                failed[tag] = f"ctx {c}: {type(e).__name__}: {e}"
+                log(f"{name} {tag}: FAILED ({type(e).__name__}: {e}); dropped from this run, baseline stands")
+                dec = run = None
+                peak_reset()
+                continue
             rows.append(dict(model=name, context=c, routing=routing, variant=variant, ms_per_token=ms,
-                             peak_mem_bytes=peak(), attn_splits=dec.splits, attn_chunk=dec.chunk, pdl=dec.pdl))
-            if CUDA and variant == "tkcc" and routing == "router" and profile:
+                             peak_mem_bytes=peak(), attn_splits=dec.splits, attn_chunk=dec.chunk, pdl=dec.pdl,
+                             options={k: v for k, v in kw.items() if k != "configs"},
+                             configs={k: list(v) for k, v in dec.configs.items()} or None))
+            if CUDA and routing == "router" and profile and variant in ("tkcc", "tkcc_v2"):
                 try:
-                    notes.setdefault("profile_us_per_token", {})[str(c)] = prof = dec.profile()
-                    log(f"  profile ctx={c}: " + ", ".join(f"{k} {v['us']}us" + (f" ({v['GBps']} GB/s)"
-                                                             if v.get("GBps") else "")
-                                                             for k, v in prof.items() if isinstance(v, dict)))
+                    key = "profile_us_per_token" if variant == "tkcc" else f"profile_us_per_token[{variant}]"
+                    notes.setdefault(key, {})[str(c)] = prof = dec.profile()
+                    log(f"  profile {variant} ctx={c}: " + ", ".join(
+                        f"{k} {v['us']}us" + (f" ({v['GBps']} GB/s)" if v.get("GBps") else "")
+                        for k, v in prof.items() if isinstance(v, dict)))
                 except Exception as e:  # the timing row stands; say why the breakdown is missing
-                    notes.setdefault("profile_errors", []).append(f"ctx {c}: {type(e).__name__}: {e}")
+                    notes.setdefault("profile_errors", []).append(f"{variant} ctx {c}: {type(e).__name__}: {e}")
             log(f"{name} {variant} ctx={c} routing={routing}: {ms:.3f} ms/token (splits {dec.splits})")
             del dec, run
+        if on_rows is not None:
+            on_rows(rows, notes)
+    if not failed:
+        notes.pop("variant_fallbacks")
     return rows, notes
 
 
@@ -341,7 +462,16 @@ def main(argv=None):
     ap.add_argument("--compile-cap-s", type=float, default=150.0,
                     help="stop compiling further contexts once one context's warm-up took longer than this")
     ap.add_argument("--compile-contexts", nargs="+", type=int, default=None,
-                    help="contexts for the torch.compile variant (each cache size compiles anew)")
+                    help="contexts for the torch.compile variant (each cache size compiles anew); measured "
+                         "shortest and longest first")
+    ap.add_argument("--compile-budget-s", type=float, default=200.0,
+                    help="per model: start no further torch.compile context after this many seconds")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="whole run: torch.compile (run last) shares what is left of this many seconds between "
+                         "the models, and is skipped past it (0: no deadline)")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="tkcc variants to run (default: all of " + ", ".join(v for v, _ in VARIANTS) + ")")
+    ap.add_argument("--no-step-tune", action="store_true", help="skip FusedDecoder.tune_step (whole-step tuning)")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel-kind breakdown")
     ap.add_argument("--checks", action="store_true", help="also run every kernel's bf16 correctness check first")
@@ -389,6 +519,21 @@ def main(argv=None):
                                        for r in chk}, seconds=round(time.time() - t0, 1))
         log(f"kernel checks: {len(chk)} cases, {len(result['checks']['failed'])} failed")
         save()
+    models, floors = {}, {}
+
+    def finish(rows, name):
+        for r in rows:
+            r["floor_ms_per_token"] = floors[name].get(r["context"])
+            r.update(device=meta["device"], dtype=meta["dtype"], batch=1, phase="decode")
+
+    def objective():
+        try:
+            result["objective"] = objective_rows(result["rows"], a.models)
+        except Exception as e:  # the timing rows stand on their own; say why the objective is missing
+            result["notes"]["objective_error"] = f"{type(e).__name__}: {e}"
+        save()
+
+    # phase 1, every model: HF eager, greedy check, every tkcc variant, floors (saved after each model)
     for name in a.models:
         spec = get_spec(name)
         mpe = max(spec.config.get("max_position_embeddings", 4096), max(contexts) + tokens + 64)
@@ -397,15 +542,10 @@ def main(argv=None):
         log(f"built {name} in {time.time() - t0:.1f}s")
         wb = weight_bytes_per_token(model)
         bw = meta.get("copy_bandwidth_GBps", 0) * 1e9
+        floors[name] = {c: (wb + kv_bytes(model, c)) / bw * 1e3 if bw else None for c in contexts}
         rows = []
         if not a.no_eager:
             rows += hf_rows(model, name, contexts, tokens if CUDA else 2, a.reps, "hf_eager", model.forward)
-        if a.compile and CUDA:
-            cf = torch.compile(model.forward, mode=a.compile_mode, fullgraph=True)
-            rows += hf_rows(model, name, a.compile_contexts or contexts, tokens, a.reps,
-                            f"hf_compile[{a.compile_mode}]", cf, compile_cap_s=a.compile_cap_s)
-            del cf
-            torch._dynamo.reset()
         prompts = [[int(x) for x in torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator()
                                                    .manual_seed(n))] for n in ((3,) if a.smoke else (16, 40))]
         result["greedy"][name] = greedy_check(model, lambda S: FusedDecoder(model, max_cache_len=S), prompts,
@@ -414,31 +554,64 @@ def main(argv=None):
             log(f"{name} greedy, prompt {g['prompt_len']}: " + "; ".join(
                 f"{k}: same={v['identical']} first_diff={v['first_divergence']} logits_err={v['logits_rel_err']:.4f}"
                 for k, v in g.items() if isinstance(v, dict)))
-        r2, notes = tkcc_rows(model, name, contexts, tokens, a.reps, spec.is_moe, tune=CUDA, profile=not a.no_profile)
+        def partial(r2, notes, rows=rows, name=name):
+            """Save what is measured so far (a device fault in a later variant cannot lose it)."""
+            result["notes"][name] = notes
+            result["partial_rows"] = rows + r2
+            save()
+
+        r2, notes = tkcc_rows(model, name, contexts, tokens, a.reps, spec.is_moe, tune=CUDA, profile=not a.no_profile,
+                              variants=a.variants, step_tune=not a.no_step_tune, on_rows=partial)
+        result.pop("partial_rows", None)
         rows += r2
         result["notes"][name] = notes
+        rows.sort(key=lambda r: (r["variant"], r["routing"], r["context"]))
         for c in contexts:
-            fl = (wb + kv_bytes(model, c)) / bw * 1e3 if bw else None
-            for r in rows:
-                if r["context"] == c:
-                    r["floor_ms_per_token"] = fl
+            fl = floors[name][c]
             rows.append(dict(model=name, context=c, routing="-", variant="floor", ms_per_token=fl or float("nan"),
-                             floor_ms_per_token=fl, peak_mem_bytes=0, weight_bytes=wb, kv_bytes=kv_bytes(model, c)))
-        for r in rows:
-            r.update(device=meta["device"], dtype=meta["dtype"], batch=1, phase="decode")
+                             peak_mem_bytes=0, weight_bytes=wb, kv_bytes=kv_bytes(model, c)))
+        finish(rows, name)
         result["rows"] += rows
         save()
-        del model
+        models[name] = model
         peak_reset()
-    try:
-        result["objective"] = objective_rows(result["rows"], a.models)
-    except Exception as e:  # the timing rows stand on their own; say why the objective is missing
-        result["notes"]["objective_error"] = f"{type(e).__name__}: {e}"
-    save()
+    objective()
+    # phase 2: HF static cache + torch.compile, last (minutes of compiling), within the deadline if one is set
+    if a.compile:
+        for i, name in enumerate(a.models):
+            budget = a.compile_budget_s
+            if a.deadline_s:
+                left = a.deadline_s - (time.time() - T_START)
+                budget = min(budget, left / (len(a.models) - i))
+                if left <= 0:
+                    result["notes"].setdefault("compile_skipped", {})[name] = "past --deadline-s"
+                    log(f"{name}: past --deadline-s; torch.compile not run")
+                    continue
+            model = models[name]
+            t0 = time.time()
+            rows = []
+            try:
+                cf = torch.compile(model.forward, mode=a.compile_mode, fullgraph=True)
+                rows = hf_rows(model, name, ends_first(a.compile_contexts or contexts), tokens if CUDA else 2, a.reps,
+                               f"hf_compile[{a.compile_mode}]", cf, compile_cap_s=a.compile_cap_s, budget_s=budget)
+            except Exception as e:  # the other variants stand; say why this one is missing
+                result["notes"].setdefault("compile_errors", {})[name] = f"{type(e).__name__}: {e}"
+                log(f"{name} torch.compile failed: {type(e).__name__}: {e}")
+            result["notes"].setdefault("compile_s", {})[name] = round(time.time() - t0, 1)
+            cf = None
+            torch._dynamo.reset()
+            rows.sort(key=lambda r: r["context"])
+            finish(rows, name)
+            result["rows"] += rows
+            save()
+            peak_reset()
+        objective()
+    del models
     print_table(result["rows"])
     for o in result["objective"]:
+        p90 = o["p90_decode_tokens_per_s"]
         print(f"objective {o['model']} {o['trace']} {o['variant']}/{o['routing']}: "
-              f"P90 decode {o['p90_decode_tokens_per_s']:.0f} tok/s")
+              + (f"P90 decode {p90:.0f} tok/s" if p90 is not None else "no requests fit the contexts measured"))
     return result
 
 

@@ -7,16 +7,20 @@ What it does, all in one run:
 1. starts ``tkcc serve`` (a real engine process) and submits the same N
    candidate plans on the slow tier and on the fast tier through
    ``EngineClient``: each experiment compiles the plan for the tier (passes +
-   codegen), validates it on fresh inputs, swaps it in, re-captures CUDA
-   graphs for the workload's shapes, measures every bucket (>= 30 reps) and
-   swaps it back out. Per-tier time per experiment is the wall time of that
-   whole sequence;
+   codegen + load), validates it on fresh inputs, swaps it in, re-captures
+   CUDA graphs for the workload's shapes, measures every bucket (warm-up,
+   then 10..30 reps: adaptive, until the median's 95 % interval is within
+   +-0.5 %) and swaps it back out. Per-tier time per experiment is the wall
+   time of that whole sequence; ``breakdown_s`` splits it per phase (median
+   over the candidates; ``other_s`` is revert, RPC and journaling);
 2. submits one candidate that kills its worker (``os._exit``) and records
    how long the engine takes to recover;
 3. stops the engine and, per candidate for the first few, starts a fresh
    process that imports, builds the model, captures, compiles the same plan
-   and validates + measures it the same way (``--restart-one``): the restart
-   baseline, timed for real, not assumed;
+   and validates + measures it the same way (``--restart-one``: the same
+   EngineCore operations, the same measurement rules): the restart baseline,
+   timed for real, not assumed. ``speedup_same_candidates`` compares it with
+   the engine's slow-tier experiments on those same plans;
 4. writes raw JSON to ``benchmarks/results/engine.json`` (and ``$OUT`` if set).
 
 Workload: by default the engine's own (a 32-token prompt, 32 new tokens:
@@ -105,15 +109,56 @@ def restart_one(args) -> None:
     t_validate = time.perf_counter() - s
     s = time.perf_counter()
     sw = core.op_swap(cid, tier, workload) if v["ok"] else {}
+    t_swap = time.perf_counter() - s
+    s = time.perf_counter()
     m = core.op_measure(tier, workload, reps=cfg["reps"]) if v["ok"] else None
     t_measure = time.perf_counter() - s
     print(json.dumps({"ok": v["ok"], "import_s": t_import, "build_and_capture_s": t_build, "compile_s": t_compile,
-                      "validate_s": t_validate, "swap_capture_and_measure_s": t_measure,
+                      "validate_s": t_validate, "swap_and_capture_s": t_swap, "measure_s": t_measure,
+                      "swap_capture_and_measure_s": t_swap + t_measure,
                       "capture_s": sw.get("capture_s"), "objective": m and m["objective"],
-                      "startup": core.startup}))
+                      "reps": [b["reps"] for b in (m or {}).get("buckets", [])], "startup": core.startup}))
 
 
 # --------------------------------------------------------------------- main
+PHASES = ("compile_s", "validate_s", "swap_s", "capture_s", "measure_wall_s", "other_s")
+COMPILE_PHASES = ("passes_s", "codegen_s", "load_s")
+
+
+def experiment_record(res: dict, tier: str, plan, wall: float) -> dict:
+    """One experiment's time per phase, from the engine's own record of it."""
+    rec = res["tiers"][tier]
+    load, val = rec.get("load") or {}, rec.get("validation") or {}
+    swap, meas = rec.get("swap") or {}, rec.get("measurement") or {}
+    out = {"plan": plan, "ok": res["ok"], "reason": res.get("reason"), "client_wall_s": wall,
+           "seconds": rec["seconds"], "compile_s": load.get("compile_s"),
+           "compile_phases_s": (load.get("info") or {}).get("phases_s"),
+           "validate_s": val.get("seconds"), "validation_mode": val.get("mode"),
+           "swap_s": swap.get("swap_s"), "capture_s": swap.get("capture_s"), "graphs": swap.get("graphs"),
+           "eager": swap.get("eager"), "measure_wall_s": meas.get("supervisor_wall_s"),
+           "objective": meas.get("objective"),
+           "buckets": [{k: b.get(k) for k in ("key", "median_s", "iqr_s", "ci_low_s", "ci_high_s", "reps", "stop",
+                                             "warmup", "cuda_graph")} for b in meas.get("buckets", [])]}
+    out["other_s"] = rec["seconds"] - sum(out[k] or 0.0 for k in PHASES[:-1])
+    return out
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def breakdown(records: list[dict]) -> dict:
+    """Median seconds per phase (and per compile phase) over a tier's experiments."""
+    out = {k: med([r[k] for r in records]) for k in PHASES}
+    out["total_s"] = med([r["seconds"] for r in records])
+    out["compile_phases_s"] = {k: med([(r["compile_phases_s"] or {}).get(k) for r in records])
+                               for k in COMPILE_PHASES}
+    reps = [b["reps"] for r in records for b in r["buckets"]]
+    out["reps_per_bucket"] = {"median": med(reps), "min": min(reps, default=None), "max": max(reps, default=None)}
+    return out
+
+
 def _serve(args, sock: str, workdir: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tkcc.cli", "serve", "--model", args.model, "--device", args.device, "--dtype",
            args.dtype, "--socket", sock, "--json", "--max-cache-len", str(args.max_cache_len),
@@ -180,21 +225,11 @@ def main(argv=None) -> int:
                     s = time.perf_counter()
                     res = c.experiment({"plan": plan}, tiers=tier, workload=workload, reps=args.reps)
                     wall = time.perf_counter() - s
-                    rec = res["tiers"][tier]
-                    results[tier].append({
-                        "plan": plan, "ok": res["ok"], "reason": res.get("reason"), "client_wall_s": wall,
-                        "seconds": rec["seconds"], "compile_s": (rec.get("load") or {}).get("compile_s"),
-                        "validate_s": (rec.get("validation") or {}).get("seconds"),
-                        "swap_s": (rec.get("swap") or {}).get("swap_s"),
-                        "capture_s": (rec.get("swap") or {}).get("capture_s"),
-                        "graphs": (rec.get("swap") or {}).get("graphs"),
-                        "eager": (rec.get("swap") or {}).get("eager"),
-                        "measure_wall_s": (rec.get("measurement") or {}).get("supervisor_wall_s"),
-                        "objective": (rec.get("measurement") or {}).get("objective"),
-                        "buckets": [{k: b[k] for k in ("key", "median_s", "iqr_s", "reps", "cuda_graph")}
-                                    for b in (rec.get("measurement") or {}).get("buckets", [])]})
+                    rec = experiment_record(res, tier, plan, wall)
+                    results[tier].append(rec)
                     log(f"{tier} #{i}: {'ok' if res['ok'] else 'FAILED ' + str(res.get('reason'))[:120]} "
-                        f"in {wall:.2f} s")
+                        f"in {wall:.2f} s ({', '.join(f'{k[:-2]} {rec[k]:.2f}' for k in PHASES if rec[k] is not None)}"
+                        f"; reps {[b['reps'] for b in rec['buckets']]})")
             baseline = c.experiment({"baseline": True}, tiers="both", workload=workload, reps=args.reps)
             status1 = c.status()
             recovery = None
@@ -235,18 +270,16 @@ def main(argv=None) -> int:
         restarts.append(rec)
         log(f"restart #{i}: {wall:.1f} s (import {rec['import_s']:.1f}, build+capture {rec['build_and_capture_s']:.1f},"
             f" compile {rec['compile_s']:.2f}, validate {rec['validate_s']:.2f}, "
-            f"swap+capture+measure {rec['swap_capture_and_measure_s']:.2f})")
+            f"swap+capture {rec['swap_and_capture_s']:.2f}, measure {rec['measure_s']:.2f}; reps {rec['reps']})")
 
     # ------------------------------------------------------------ summary
-    def med(xs):
-        xs = [x for x in xs if x is not None]
-        return statistics.median(xs) if xs else None
-
     slow_s = [r["seconds"] for r in results["slow"]]
     fast_s = [r["seconds"] for r in results["fast"]]
     restart_s = [r["wall_s"] for r in restarts]
     persistent_per_h = 3600.0 / statistics.mean(slow_s) if slow_s else None
     restart_per_h = 3600.0 / statistics.mean(restart_s) if restart_s else None
+    same = slow_s[:len(restart_s)]  # the engine's slow-tier experiments on the plans the restarts ran
+    speedup_same = (statistics.mean(restart_s) / statistics.mean(same)) if same and restart_s else None
     mem = (status1.get("worker") or {}).get("memory", {})
     mem0 = (status0.get("worker") or {}).get("memory", {})
     model_bytes = mem.get("model_bytes", 0)
@@ -263,12 +296,15 @@ def main(argv=None) -> int:
         "persistent_experiments_per_hour": persistent_per_h,
         "restart_experiments_per_hour": restart_per_h,
         "speedup": (persistent_per_h / restart_per_h) if persistent_per_h and restart_per_h else None,
+        "speedup_same_candidates": speedup_same,
         "fast_experiments_per_hour": 3600.0 / statistics.mean(fast_s) if fast_s else None,
         "swap_and_capture_s": med([(r["swap_s"] or 0) + (r["capture_s"] or 0) for r in results["slow"]
                                    if r["swap_s"] is not None]),
         "fast_tier_s": med(fast_s), "slow_tier_s": med(slow_s),
-        "breakdown_s": {t: {k: med([r[k] for r in results[t]]) for k in ("compile_s", "validate_s", "capture_s",
-                                                                         "measure_wall_s")} for t in results},
+        "breakdown_s": {t: breakdown(results[t]) for t in results},
+        "restart_breakdown_s": {k: med([r.get(k) for r in restarts]) for k in
+                                ("import_s", "build_and_capture_s", "compile_s", "validate_s", "swap_and_capture_s",
+                                 "measure_s", "wall_s")},
         "candidates_ok": {t: sum(r["ok"] for r in results[t]) for t in results},
         "restart_s": restart_s, "engine_start_s": engine_start_s,
         "recovery_s": (recovery or {}).get("recovery_s"), "recovery": recovery,
@@ -291,7 +327,8 @@ def main(argv=None) -> int:
         "notes": "persistent_experiments_per_hour = 3600 / mean slow-tier experiment time in the engine "
                  "(compile + validate + swap + graph capture + measure + swap back); restart_experiments_per_hour = "
                  "3600 / mean wall time of a fresh process doing the same on the slow tier (import, build, capture, "
-                 "compile, validate, measure), timed for real.",
+                 "compile, validate, measure), timed for real. Both measure adaptively: warm-up, then 10 to --reps "
+                 "repetitions per bucket, stopping once the median's 95% confidence interval is within +-0.5%.",
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -301,8 +338,9 @@ def main(argv=None) -> int:
         shutil.copy(args.out, copy)
     shutil.rmtree(workdir, ignore_errors=True)
     summary = {k: out[k] for k in ("persistent_experiments_per_hour", "restart_experiments_per_hour", "speedup",
-                                   "swap_and_capture_s", "fast_tier_s", "slow_tier_s", "engine_start_s",
-                                   "recovery_s", "breakdown_s", "candidates_ok")}
+                                   "speedup_same_candidates", "swap_and_capture_s", "fast_tier_s", "slow_tier_s",
+                                   "engine_start_s", "recovery_s", "breakdown_s", "restart_breakdown_s",
+                                   "candidates_ok")}
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -1,5 +1,8 @@
 """Run under TRITON_INTERPRET=1 (by test_decode_decoder.py): the fused decoder's greedy tokens and logits
-against the HF model on tiny models, fp32 on CPU. Prints one JSON line per model."""
+against the HF model on tiny models, fp32 on CPU. Prints one JSON line per model.
+
+An argument ``name:opt+opt`` turns decoder options on (``fused_attention``, ``routed_moe``; ``chunk4``: split-KV
+chunks of 4 positions, so the split/combine paths run on these short prompts)."""
 import json
 import sys
 
@@ -9,7 +12,12 @@ from tkcc.frontend.models import build_model
 from tkcc.kernels.common import fallbacks
 from tkcc.kernels.decoder import FusedDecoder
 
-for name in sys.argv[1:]:
+for arg in sys.argv[1:]:
+    name, _, opts = arg.partition(":")
+    opts = [o for o in opts.split("+") if o]
+    kw = {o: True for o in opts if o != "chunk4"}
+    if "chunk4" in opts:
+        kw["attn_chunk"] = 4
     m = build_model(name, torch.float32, "cpu", seed=int(torch.randint(0, 1000, (1,))))
     prompt = torch.randint(0, m.config.vocab_size, (3,)).tolist()
     new = 2
@@ -17,9 +25,10 @@ for name in sys.argv[1:]:
         ref = m.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
                          do_sample=False)[0, len(prompt):].tolist()
         ref_logits = m(torch.tensor([prompt])).logits[0, -1]
-    dec = FusedDecoder(m, max_cache_len=16)
+    dec = FusedDecoder(m, max_cache_len=16, **kw)
     got = dec.generate(prompt, new)
-    dec2 = FusedDecoder(m, max_cache_len=16)
+    dec2 = FusedDecoder(m, max_cache_len=16, **kw)
     dec2.generate(prompt, 1)
     err = float((dec2.logits - ref_logits).norm() / ref_logits.norm())
-    print(json.dumps(dict(model=name, ref=ref, got=got, logits_rel_err=err, fallbacks=fallbacks())), flush=True)
+    print(json.dumps(dict(model=name, options=opts, ref=ref, got=got, logits_rel_err=err, fallbacks=fallbacks())),
+          flush=True)

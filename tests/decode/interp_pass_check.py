@@ -11,6 +11,8 @@ from tkcc.passes.manager import apply_plan
 from tkcc.passes.plan import PassPlan
 
 PLANS = {"fused_step": [("decode_fused_step", {"cuda_graph": False})],
+         "fused_step_v2": [("decode_fused_step", {"cuda_graph": False, "fused_attention": True, "routed_moe": True,
+                                                  "attn_chunk": 64})],
          "graph_passes": [("decode_fusion", {}), ("kv_split_attention", {"chunk": 64}), ("moe_regroup", {})]}
 
 

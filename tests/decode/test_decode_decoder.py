@@ -17,12 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fused_decoder_matches_hf_under_the_interpreter():
+    """The default step, and its options: fused_attention (one launch: norm + rotary + cache write + split-KV
+    + combine, with 4-position splits so the in-kernel combine runs) and routed_moe (routing once per
+    layer), greedy tokens and logits against HF with every kernel live."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, str(Path(__file__).parent / "interp_decoder_check.py"), "llama-tiny",
-                        "olmoe-tiny"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "olmoe-tiny", "olmoe-tiny:fused_attention+routed_moe+chunk4"],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 2
+    assert len(rows) == 3
     for r in rows:
         assert r["fallbacks"] == {}, r  # every kernel ran (no silent reference path)
         assert r["logits_rel_err"] < 1e-4, r
@@ -81,8 +85,52 @@ def test_decode_passes_with_live_kernels_under_the_interpreter():
                         "olmoe-tiny"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 4
+    assert len(rows) == 6
     for r in rows:
         assert r["fallbacks"] == {}, r
         for logits_err, cache_err in r["errs"]:
             assert logits_err < 1e-5 and cache_err < 1e-4, r
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama-tiny", "olmoe-tiny"])
+@pytest.mark.parametrize("opts", [dict(fused_attention=True), dict(routed_moe=True),
+                                  dict(fused_attention=True, routed_moe=True, attn_chunk=16)])
+def test_decoder_options_on_gpu(name, opts):
+    """bf16: each decoder option against the baseline decoder (same weights, same cache contents, the
+    forward pass from several positions), CUDA-graph replays equal to eager steps, and tune_step fills
+    this decoder's configs without touching the global tables."""
+    from tkcc.frontend.models import build_model
+    from tkcc.kernels import gemv as gemv_mod
+    from tkcc.kernels.decoder import FusedDecoder
+
+    m = build_model(name, torch.bfloat16, "cuda")
+    base = FusedDecoder(m, max_cache_len=64)
+    dec = FusedDecoder(m, max_cache_len=64, **opts)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for a, b in zip(base.k_layers + base.v_layers, dec.k_layers + dec.v_layers):
+        a.normal_(generator=g)
+        b.copy_(a)
+    for pos in (0, 5, 17, 40):
+        for d in (base, dec):
+            d.reset(7, pos)
+            d.step()
+        err = float((dec.logits.float() - base.logits.float()).norm() / base.logits.float().norm())
+        assert err < 3e-2, (pos, err)
+    dec.reset(3, 20)
+    eager = []
+    for _ in range(4):
+        dec.step()
+        eager.append(int(dec.token))
+    dec.reset(3, 20)
+    dec.capture()
+    replay = []
+    for _ in range(4):
+        dec.run(1)
+        replay.append(int(dec.token))
+    assert replay == eager
+    before = dict(gemv_mod.TUNED)
+    got = dec.tune_step(reps=3)
+    assert set(got) == set(dec.step_kinds()) and dec.configs
+    assert gemv_mod.TUNED == before

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ["gemv", "rmsnorm", "silu_mul", "router", "moe", "attention", "rope"]
+FAMILIES = ["gemv", "rmsnorm", "silu_mul", "router", "moe", "attention", "rope", "moe_routed", "attention_rope"]
 
 
 def _run_interp(families, dtype):
@@ -29,6 +29,7 @@ def _run_interp(families, dtype):
 @pytest.mark.parametrize("dtype,families", [
     ("float32", FAMILIES),
     ("float16", ["gemv", "attention", "rope"]),
+    pytest.param("float16", ["moe_routed", "attention_rope"], marks=pytest.mark.slow),
 ])
 def test_kernels_match_reference_interpreter(dtype, families):
     rc, res = _run_interp(families, dtype)

@@ -126,7 +126,7 @@ def test_tolerance_mode_accepts_small_error_but_not_large(blocks_engine):
         ok = c.experiment(small, tiers="fast", reps=5)
         bad = c.experiment(large, tiers="fast", reps=5)
     assert ok["ok"] and ok["tiers"]["fast"]["validation"]["mode"] == "tolerance", ok
-    assert not bad["ok"] and "exceeds atol" in bad["tiers"]["fast"]["reason"]
+    assert not bad["ok"] and "exceeds the tolerance" in bad["tiers"]["fast"]["reason"]
 
 
 def test_candidate_that_changes_weights_is_rejected_and_the_worker_replaced(blocks_engine):

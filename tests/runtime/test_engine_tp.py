@@ -141,7 +141,7 @@ def test_a_rank_that_computes_wrongly_fails_validation_for_every_rank(tp_engine)
         st = c.status()
     rec = res["tiers"]["fast"]
     assert not res["ok"] and rec["failure"] == "invalid"
-    assert rec["reason"].startswith("rank 1:") and "exceeds atol" in rec["reason"]
+    assert rec["reason"].startswith("rank 1:") and "exceeds the tolerance" in rec["reason"]
     r0, r1 = rec["validation"]["ranks"]
     assert not r1["ok"] and (r0["ok"] or "another rank" in r0["reason"])  # rank 0 was right, or stopped by rank 1
     assert st["serving"]["fast"]["current"] == "baseline" and st["engine"]["restarts"] == 0

@@ -63,6 +63,7 @@ class CampaignState:
     noise: NoiseModel
     evaluated: dict[str, int]  # tier -> experiments run (not reused) this session
     log: list[str] = field(default_factory=list)
+    validation: dict = field(default_factory=dict)  # tier -> the evaluator's validation mode (exact|tolerance, why)
 
 
 def _say(state: CampaignState, msg: str, progress=None) -> None:
@@ -79,11 +80,16 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
     if not cfg.tiers or cfg.tiers[-1] != "slow":
         raise TkccError(f"campaign tiers must end with 'slow', got {cfg.tiers}")
     wfp = evaluator.workload_fingerprint()
+    validation = validation_modes(evaluator)
     cid = store.open_campaign(cfg.name, cfg.model, {"tiers": cfg.tiers, "budget_s": cfg.budget_s,
-                                                   "workload": wfp, **cfg.extra}, resume=cfg.resume)
+                                                   "workload": wfp, "validation": validation, **cfg.extra},
+                              resume=cfg.resume)
     state = _restore(store, cid)
+    state.validation = validation
     deadline = time.monotonic() + cfg.budget_s
     bar = _progress_bar(cfg, progress)
+    for tier, v in validation.items():
+        _say(state, f"[{tier}] validation {v.get('why') or v.get('mode')}", bar)
     try:
         baseline = Candidate("baseline", PassPlan())
         base_obj = _evaluate(store, state, evaluator, baseline, "slow", wfp, bar)
@@ -128,6 +134,17 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
         if bar is not None:
             bar.close()
     return state
+
+
+def validation_modes(evaluator) -> dict:
+    """{tier: {"mode", "why", self-disagreement, bound}} from an evaluator that knows it (the engine's), else {}."""
+    out = {}
+    for tier, v in (getattr(evaluator, "validation", None) or {}).items():
+        keep = ("mode", "source", "deterministic", "self_disagreement_abs", "self_disagreement_norm", "why")
+        out[tier] = {k: v[k] for k in keep if k in v}
+        if v.get("tolerance"):
+            out[tier]["bound"] = v["tolerance"].get("bound")
+    return out
 
 
 def _restore(store: ExperimentStore, cid: int) -> CampaignState:

@@ -37,6 +37,10 @@ class EngineEvaluator:
         self.model_fp = json.dumps({"model": self.model,
                                     "fingerprint": {t: v.get("fingerprint") for t, v in (worker.get("tiers") or {}).items()},
                                     "dtype": worker.get("dtype"), "device": self.device}, sort_keys=True, default=str)
+        # per tier: how the engine validates (exact, or tolerance because the model's reference is not bitwise
+        # reproducible there, with the measured self-disagreement and the bound); recorded with every result
+        self.validation = {t: v.get("validation") for t, v in (worker.get("tiers") or {}).items()
+                           if v.get("validation")}
         self._specs: dict[str, dict] = {}
         self.artifacts: dict[str, str | None] = {}  # artifact hash -> its folder on the engine's machine
 
@@ -93,7 +97,8 @@ class EngineEvaluator:
         if m.get("objective") is None:
             return EvalResult("invalid", reason=f"the engine measured no objective: {m.get('note', 'no reason given')}")
         m = {**m, "device": self.device, "seconds": rec.get("seconds"),
-             "validation": {k: v for k, v in (rec.get("validation") or {}).items() if k in ("ok", "mode", "shapes")}}
+             "validation": {k: v for k, v in (rec.get("validation") or {}).items()
+                            if k in ("ok", "mode", "shapes", "tolerance", "greedy", "policy")}}
         return EvalResult("measured", float(m["objective"]), m)
 
     def ship(self, key: str) -> None:

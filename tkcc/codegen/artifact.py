@@ -44,6 +44,14 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 TARGETS = ("triton",)
 
+# Kernel modules already executed in this process, by (file name, SHA-256 of the kernel file, SHA-256 of
+# _rt.py, TRITON_INTERPRET, which @triton.jit reads when the module runs). Artifacts of one plan for
+# several tiers, and plans that fuse the same groups, ship identical kernel files: executing them once
+# keeps one @triton.jit function per kernel, so Triton compiles (or loads from its cache) each kernel once
+# per process, not once per artifact. Only bytes verified against a manifest get here, and the same bytes
+# make the same module; a launcher's ``stats`` then count the calls of every artifact that shares it.
+_KERNEL_MODULES: dict[tuple, types.ModuleType] = {}
+
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -349,9 +357,18 @@ class Artifact:
                                path=self.path / "kernels")
             pkg.kernels = kpkg
             made.append(kpkg.__name__)
+            rt_digest = self.manifest["files"]["_rt.py"]
             for rel in sorted(self._blobs):
                 if rel.startswith("kernels/") and rel.endswith(".py") and rel != "kernels/__init__.py":
-                    made.append(self._exec(f"{pkg_name}.kernels.{rel[8:-3]}", rel).__name__)
+                    fullname = f"{pkg_name}.kernels.{rel[8:-3]}"
+                    key = (rel, self.manifest["files"][rel], rt_digest, os.environ.get("TRITON_INTERPRET", ""))
+                    shared = _KERNEL_MODULES.get(key)
+                    if shared is None:
+                        shared = _KERNEL_MODULES[key] = self._exec(fullname, rel)
+                    else:  # the same verified bytes were executed before: share the module and its JIT cache
+                        sys.modules[fullname] = shared
+                        setattr(kpkg, rel[8:-3], shared)
+                    made.append(fullname)
             for meta in self.manifest["phases"].values():
                 made.append(self._exec(f"{pkg_name}.{meta['module'][:-3]}", meta["module"]).__name__)
         except ArtifactError:

@@ -57,6 +57,7 @@ def _variants(pdl):
            "BLOCK_K": "constexpr"}
     for qk in (True, False):
         v.append(("rotary.py.jinja", dict(pdl=pdl), "qkv_rope_kernel", sig, dict(D=128, HALF=64, QK_NORM=qk, BLOCK_K=2048)))
+    v += _routed_variants(pdl)
     sig = {"x_ptr": _P, "r_ptr": _P, "w_ptr": _P, "y_ptr": _P, "h_ptr": _P, "K": "i32", "eps": "fp32",
            "BLOCK_K": "constexpr"}
     for res in (True, False):
@@ -70,18 +71,56 @@ def _variants(pdl):
     return v
 
 
-def compile_all(arch: int = 90, warp_size: int = 32):
+def _routed_variants(pdl):
+    """moe_routed.py.jinja and attention_rope.py.jinja at the olmoe-16l / llama-1b-16l shapes the decoder uses."""
+    v = []
+    sig = {"x_ptr": _P, "nw_ptr": _P, "w_ptr": _P, "logits_ptr": _P, "forced_ptr": "*i32", "ids_ptr": "*i32",
+           "wts_ptr": "*fp32", "xn_ptr": _P, "count_ptr": "*i32", "E": "i32", "H": "i32", "stride_wn": "i32",
+           "eps": "fp32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "TOPK": "constexpr", "K_PAD": "constexpr",
+           "E_PAD": "constexpr", "NORM_TOPK": "constexpr", "FORCED": "constexpr", "FULL_K": "constexpr"}
+    for forced, full in ((False, True), (True, True), (False, False)):
+        v.append(("moe_routed.py.jinja", dict(pdl=pdl), "router_topk_kernel", sig,
+                  dict(BLOCK_N=2, BLOCK_K=2048 if full else 512, TOPK=8, K_PAD=8, E_PAD=64, NORM_TOPK=False,
+                       FORCED=forced, FULL_K=full)))
+    sig = {"xn_ptr": _P, "ids_ptr": "*i32", "w_ptr": _P, "act_ptr": _P, "I": "i32", "H": "i32", "stride_we": "i64",
+           "stride_wn": "i32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FULL_K": "constexpr"}
+    for bn, full in ((2, True), (4, True), (8, False)):
+        v.append(("moe_routed.py.jinja", dict(pdl=pdl), "moe_gate_up_routed_kernel", sig,
+                  dict(BLOCK_N=bn, BLOCK_K=2048 if full else 1024, FULL_K=full)))
+    sig = {"act_ptr": _P, "ids_ptr": "*i32", "wts_ptr": "*fp32", "w_ptr": _P, "res_ptr": _P, "y_ptr": _P, "I": "i32",
+           "H": "i32", "stride_we": "i64", "stride_wn": "i32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "TOPK": "constexpr", "K_PAD": "constexpr", "RESIDUAL": "constexpr", "FULL_K": "constexpr"}
+    for bn, full in ((1, True), (2, True), (4, False)):
+        v.append(("moe_routed.py.jinja", dict(pdl=pdl), "moe_down_routed_kernel", sig,
+                  dict(BLOCK_N=bn, BLOCK_K=1024 if full else 512, TOPK=8, K_PAD=8, RESIDUAL=True, FULL_K=full)))
+    sig = {"qkv_ptr": _P, "k_ptr": _P, "v_ptr": _P, "out_ptr": _P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
+           "count_ptr": "*i32", "pos_ptr": "*i32", "inv_freq_ptr": "*fp32", "qn_ptr": _P, "kn_ptr": _P, "eps": "fp32",
+           "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "SPLITS": "i32", "HQ": "i32",
+           "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "HALF": "constexpr",
+           "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr", "SINGLE": "constexpr",
+           "BLOCK_SP": "constexpr"}
+    # olmoe-16l (G=1, D=128, q/k norm), llama-1b-16l (G=4, D=64)
+    for G, D, qk, single in ((1, 128, True, True), (1, 128, True, False), (4, 64, False, False), (4, 64, False, True)):
+        v.append(("attention_rope.py.jinja", dict(pdl=pdl), "attn_rope_kernel", sig,
+                  dict(G=G, G_PAD=16, D=D, HALF=D // 2, BLOCK_S=64, BLOCK_Q=2048, QK_NORM=qk, SINGLE=single,
+                       BLOCK_SP=16)))
+    return v
+
+
+def compile_all(arch: int = 90, warp_size: int = 32, templates=None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     rows = []
     for tpl, hooks, kname, sig, consts in variants():
+        if templates and tpl not in templates:
+            continue
         fn = getattr(load(tpl, **hooks), kname)
         # the JIT specialises pointers and ints divisible by 16 (what makes loads 16 bytes wide); do the same
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or n in ("K", "N", "I", "H", "stride_wn", "stride_we", "stride_kh",
-                                                    "stride_ks", "stride_ch", "stride_cs")}
+                                                    "stride_ks", "stride_ch", "stride_cs", "chunk")}
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", arch, warp_size))
         md = k.metadata

@@ -163,6 +163,80 @@ def check_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32), (8, 2, 64), (2, 
     return rows
 
 
+def check_moe_routed(device, dtype, g, pdl=False, shapes=((8, 32, 64, 2), (16, 48, 96, 4), (64, 16, 64, 8),
+                                                            (64, 1024, 2048, 8))):
+    """Router GEMV + top-k once per layer, then the experts (moe_routed.py), against the eager router + experts.
+    Router weights are built so the logits are well separated (multiples of 1/8 up to rounding): the top-k is
+    unambiguous in every dtype. Each shape also runs with a small register budget (the K-loop paths), and
+    twice in a row (the self-resetting arrival counter)."""
+    from tkcc.kernels import moe_routed as mr
+    from tkcc.kernels.common import rms_ref
+
+    rows = []
+    for E, I, H, k in shapes:
+        for i, (res, norm_topk, forced, tile) in enumerate(((True, False, False, None), (False, True, False, 256),
+                                                            (True, False, True, None))):
+            x = _rand(H, device=device, dtype=dtype, g=g)
+            nw = _rand(H, device=device, dtype=dtype, g=g)
+            xn = rms_ref(x.float().reshape(1, H), nw.float(), 1e-5).reshape(H)
+            a = _distinct_logits(1, E, "cpu", torch.float32, g).reshape(E)
+            rw = (a[:, None] * xn.cpu()[None, :] / float((xn * xn).sum())).to(device=device, dtype=dtype)
+            gu = _rand(E, 2 * I, H, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(H))
+            dn = _rand(E, H, I, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(I))
+            r = _rand(H, device=device, dtype=dtype, g=g) if res else None
+            fid = torch.randperm(E, generator=g)[:k].to(device=device, dtype=torch.int32) if forced else None
+            cfg = ((2, 4), (1, 2), (4, 8))[i]
+            rm = mr.RoutedMoE(E, H, I, k, device, dtype)
+            saved = mr.MAX_TILE
+            mr.MAX_TILE = tile or saved
+            try:
+                for _rep in range(2):
+                    out = torch.full((H,), float("nan"), device=device, dtype=dtype)
+                    rm(x, rw, gu, dn, norm_topk, residual=r, norm_w=nw, forced_ids=fid, out=out, router_config=cfg,
+                       gate_up_config=cfg, down_config=cfg, pdl=pdl)
+            finally:
+                mr.MAX_TILE = saved
+            ref = mr.moe_routed_ref(x, rw, gu, dn, k, norm_topk, r, nw, 1e-5, fid)
+            err = rel_err(out, ref) if int(rm.count.sum()) == 0 else float("inf")
+            name = f"moe_routed{'+res' * res}{'+renorm' * norm_topk}{'+forced' * forced}{'+kloop' * bool(tile)}"
+            rows.append(_row(name, (E, I, H, k, cfg), dtype, err))
+    return rows
+
+
+def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76, 32), (8, 2, 16, 40, 17, 8),
+                                                                (16, 16, 128, 600, 555, 128),
+                                                                (32, 8, 64, 300, 299, 1024))):
+    """Norm + rotary + cache write + split-KV + in-kernel combine (attention_rope.py) against rope_ref then
+    attention_ref. Cache positions from pos on are NaN before the launch (pos must be written, never read;
+    later ones never touched); two launches in a row (the self-resetting per-head counters)."""
+    from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref
+
+    rows = []
+    for hq, hkv, D, S, pos, chunk in shapes:
+        for norm in (False, True):
+            qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
+            inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+            qn = _rand(hq * D, device=device, dtype=dtype, g=g) if norm else None
+            kn = _rand(hkv * D, device=device, dtype=dtype, g=g) if norm else None
+            kc, vc = (_rand(hkv, S, D, device=device, dtype=dtype, g=g) for _ in range(2))
+            kc[:, pos:] = float("nan")
+            vc[:, pos:] = float("nan")
+            kr, vr = kc.clone(), vc.clone()
+            ar = AttentionRope(hq, hkv, D, S, chunk, device, block_s=16 if str(device) == "cpu" else 64)
+            p = torch.tensor([pos], device=device, dtype=torch.int32)
+            for _rep in range(2):
+                out = torch.full((hq, D), float("nan"), device=device, dtype=dtype)
+                ar(qkv, kc, vc, p, inv_freq, qn, kn, out=out, pdl=pdl)
+            ref = attention_rope_ref(qkv, kr, vr, pos, inv_freq, hq, hkv, qn, kn)
+            err = max(rel_err(out, ref), rel_err(kc[:, :pos + 1], kr[:, :pos + 1]),
+                      rel_err(vc[:, :pos + 1], vr[:, :pos + 1]))
+            if int(ar.count.sum()) != 0 or not torch.isnan(kc[:, pos + 1:]).all():
+                err = float("inf")
+            rows.append(_row(f"attention_rope{'+qknorm' * norm}", (hq, hkv, D, S, pos, f"splits={ar.splits}"), dtype,
+                             err))
+    return rows
+
+
 FAMILIES = {
     "gemv": check_gemv,
     "rmsnorm": check_rmsnorm,
@@ -171,6 +245,8 @@ FAMILIES = {
     "moe": check_moe,
     "attention": check_attention,
     "rope": check_rope,
+    "moe_routed": check_moe_routed,
+    "attention_rope": check_attention_rope,
 }
 
 

@@ -8,7 +8,13 @@ runs. Per layer (OLMoE): QKV GEMV with the RMSNorm prologue; q/k norm +
 rotary + cache write; split-KV attention (+ combine); o-proj GEMV + residual;
 router GEMV with the norm prologue; experts gate_up (routing in the
 prologue); experts down + residual. Llama: the MLP is two GEMVs (gated, then
-down + residual). The step reads the token and the position from device
+down + residual).
+
+Options (each keeps the path above as its reference and is swept side by side
+by ``benchmarks/decode.py``): ``fused_attention`` does norm + rotary + cache
+write + split-KV + combine in one launch (``attention_rope.py``);
+``routed_moe`` computes routing once per layer in the router kernel and streams
+expert weights with no per-program prologue (``moe_routed.py``). The step reads the token and the position from device
 buffers and writes the next token and position back, so replays chain with
 no host synchronisation.
 """
@@ -22,8 +28,10 @@ from tkcc.errors import TkccError
 from tkcc.kernels import gemv as gemv_mod
 from tkcc.kernels import moe as moe_mod
 from tkcc.kernels.attention import attention
+from tkcc.kernels.attention_rope import AttentionRope
 from tkcc.kernels.gemv import gemv
 from tkcc.kernels.moe import moe
+from tkcc.kernels.moe_routed import RoutedMoE
 from tkcc.kernels.rotary import rope
 
 
@@ -55,9 +63,12 @@ class FusedDecoder:
     """Batch-1 greedy decode with the fused kernels. ``step()`` is graph-capturable."""
 
     def __init__(self, model, max_cache_len: int, attn_chunk: int | None = None, forced_routing: bool = False,
-                 pdl: bool | None = None, kv: tuple[list, list] | None = None):
+                 pdl: bool | None = None, kv: tuple[list, list] | None = None, fused_attention: bool = False,
+                 routed_moe: bool = False, configs: dict | None = None):
         """``kv``: optional per-layer (keys, values) tensors [H_kv, S, D] to use as the cache in place (e.g. a
-        captured Program's static cache, so its prefill graph and this decode step share one cache)."""
+        captured Program's static cache, so its prefill graph and this decode step share one cache).
+        ``configs``: {kind: kernel config} for this decoder only (``tune_step`` fills it), over the modules'
+        TUNED tables."""
         cfg = model.config
         self.model = model
         self.cfg = cfg
@@ -139,6 +150,16 @@ class FusedDecoder:
         else:
             self.act = torch.empty(self.layers[0]["down"].shape[1], device=dev, dtype=dt)
             self.forced = None
+        self.fused_attention = fused_attention
+        self.routed_moe = routed_moe and self.is_moe
+        self.configs = dict(configs or {})
+        self.attn_rope = AttentionRope(self.Hq, self.Hkv, self.D, max_cache_len, self.chunk, dev) \
+            if fused_attention else None
+        if self.routed_moe:
+            L0 = self.layers[0]
+            self.routed = RoutedMoE(L0["router"].shape[0], H, L0["down"].shape[2], L0["top_k"], dev, dt)
+        else:
+            self.routed = None
         self.graph = None
 
     # -- routing replay (benchmark) -------------------------------------------------------------
@@ -156,22 +177,34 @@ class FusedDecoder:
             torch.index_select(self.forced_all, 0, self.forced_step, out=self.forced.view(1, *self.forced.shape))
             self.forced_step.add_(1).remainder_(self.forced_all.shape[0])
         torch.index_select(self.embed, 0, self.token, out=self.h.view(1, H))
+        c = self.configs.get
         for li, L in enumerate(self.layers):
-            gemv(self.h, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, pdl=self.pdl)
-            rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, self.Hq, self.Hkv,
-                 L["q_norm"], L["k_norm"], eps, q_out=self.q, pdl=self.pdl)
-            attention(self.q, self.k_layers[li], self.v_layers[li], self.seqlen, splits=self.splits, chunk=self.chunk,
-                      out=self.attn, partials=(self.po, self.plse), pdl=self.pdl)
-            gemv(self.attn.view(-1), L["o"], residual=self.h, out=self.h, pdl=self.pdl)
-            if self.is_moe:
-                gemv(self.h, L["router"], norm_w=L["ln2"], eps=eps, out=self.router_logits, pdl=self.pdl)
-                moe(self.h, self.router_logits, L["gate_up"], L["down"], L["top_k"], L["norm_topk"], residual=self.h,
-                    norm_w=L["ln2"], eps=eps, forced_ids=None if self.forced is None else self.forced[li],
-                    act_buf=self.act, out=self.h, pdl=self.pdl)
+            gemv(self.h, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"), pdl=self.pdl)
+            if self.attn_rope is not None:
+                self.attn_rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, L["q_norm"],
+                               L["k_norm"], eps, out=self.attn, pdl=self.pdl)
             else:
-                gemv(self.h, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True, out=self.act, pdl=self.pdl)
-                gemv(self.act, L["down"], residual=self.h, out=self.h, pdl=self.pdl)
-        gemv(self.h, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, pdl=self.pdl)
+                rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, self.Hq, self.Hkv,
+                     L["q_norm"], L["k_norm"], eps, q_out=self.q, pdl=self.pdl)
+                attention(self.q, self.k_layers[li], self.v_layers[li], self.seqlen, splits=self.splits,
+                          chunk=self.chunk, out=self.attn, partials=(self.po, self.plse), pdl=self.pdl)
+            gemv(self.attn.view(-1), L["o"], residual=self.h, out=self.h, config=c("o_proj"), pdl=self.pdl)
+            forced = None if self.forced is None else self.forced[li]
+            if self.routed is not None:
+                self.routed(self.h, L["router"], L["gate_up"], L["down"], L["norm_topk"], residual=self.h,
+                            norm_w=L["ln2"], eps=eps, forced_ids=forced, out=self.h, router_config=c("routed_router"),
+                            gate_up_config=c("routed_gate_up"), down_config=c("routed_down"), pdl=self.pdl)
+            elif self.is_moe:
+                gemv(self.h, L["router"], norm_w=L["ln2"], eps=eps, out=self.router_logits, config=c("router"),
+                     pdl=self.pdl)
+                moe(self.h, self.router_logits, L["gate_up"], L["down"], L["top_k"], L["norm_topk"], residual=self.h,
+                    norm_w=L["ln2"], eps=eps, forced_ids=forced, act_buf=self.act, out=self.h,
+                    gate_up_config=c("moe_gate_up"), down_config=c("moe_down"), pdl=self.pdl)
+            else:
+                gemv(self.h, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True, out=self.act, config=c("mlp_gate_up"),
+                     pdl=self.pdl)
+                gemv(self.act, L["down"], residual=self.h, out=self.h, config=c("mlp_down"), pdl=self.pdl)
+        gemv(self.h, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"), pdl=self.pdl)
         torch.argmax(self.logits, dim=0, keepdim=True, out=self.token)
         self.pos.add_(1)
         self.seqlen.add_(1)
@@ -277,37 +310,61 @@ class FusedDecoder:
         def nbytes(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-        kinds["qkv_gemv+norm"] = (lambda: [gemv(x, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, pdl=self.pdl) for L in Ls],
+        c = self.configs.get
+        kinds["qkv_gemv+norm"] = (lambda: [gemv(x, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"),
+                                                pdl=self.pdl) for L in Ls],
                                   sum(nbytes(L["qkv"]) for L in Ls))
-        kinds["rope+cache_write"] = (lambda: [rope(qkv, self.k_layers[i], self.v_layers[i], self.pos, self.inv_freq,
-                                                   self.Hq, self.Hkv, L["q_norm"], L["k_norm"], eps, q_out=self.q, pdl=self.pdl)
-                                              for i, L in enumerate(Ls)], 0)
         ctx = int(self.seqlen)
-        kinds["attention(split-KV)"] = (
-            lambda: [attention(self.q, self.k_layers[i], self.v_layers[i], self.seqlen, splits=self.splits,
-                               chunk=self.chunk, out=self.attn, partials=(self.po, self.plse), pdl=self.pdl) for i in range(len(Ls))],
-            2 * len(Ls) * self.Hkv * ctx * self.D * self.k_layers[0].element_size())
-        kinds["o_proj+residual"] = (lambda: [gemv(self.attn.view(-1), L["o"], residual=x, out=h2, pdl=self.pdl) for L in Ls],
+        kv_bytes = 2 * len(Ls) * self.Hkv * ctx * self.D * self.k_layers[0].element_size()
+        if self.attn_rope is not None:
+            # writes the cache at pos (as every step does); pos is past the context, so nothing read changes
+            kinds["attention+rope+cache(fused)"] = (
+                lambda: [self.attn_rope(qkv, self.k_layers[i], self.v_layers[i], self.pos, self.inv_freq, L["q_norm"],
+                                        L["k_norm"], eps, out=self.attn, pdl=self.pdl) for i, L in enumerate(Ls)],
+                kv_bytes)
+        else:
+            kinds["rope+cache_write"] = (lambda: [rope(qkv, self.k_layers[i], self.v_layers[i], self.pos, self.inv_freq,
+                                                       self.Hq, self.Hkv, L["q_norm"], L["k_norm"], eps, q_out=self.q,
+                                                       pdl=self.pdl) for i, L in enumerate(Ls)], 0)
+            kinds["attention(split-KV)"] = (
+                lambda: [attention(self.q, self.k_layers[i], self.v_layers[i], self.seqlen, splits=self.splits,
+                                   chunk=self.chunk, out=self.attn, partials=(self.po, self.plse), pdl=self.pdl)
+                         for i in range(len(Ls))], kv_bytes)
+        kinds["o_proj+residual"] = (lambda: [gemv(self.attn.view(-1), L["o"], residual=x, out=h2, config=c("o_proj"),
+                                                  pdl=self.pdl) for L in Ls],
                                     sum(nbytes(L["o"]) for L in Ls))
-        if self.is_moe:
+        if self.routed is not None:
+            k = Ls[0]["top_k"]
+            E = Ls[0]["router"].shape[0]
+            kinds["router+topk+moe(routed)"] = (
+                lambda: [self.routed(x, L["router"], L["gate_up"], L["down"], L["norm_topk"], residual=x,
+                                     norm_w=L["ln2"], eps=eps, out=h2, router_config=c("routed_router"),
+                                     gate_up_config=c("routed_gate_up"), down_config=c("routed_down"), pdl=self.pdl)
+                         for L in Ls],
+                sum(nbytes(L["router"]) + nbytes(L["gate_up"], L["down"]) * k // E for L in Ls))
+        elif self.is_moe:
             k = Ls[0]["top_k"]
             E = Ls[0]["router"].shape[0]
             kinds["router_gemv+norm"] = (lambda: [gemv(x, L["router"], norm_w=L["ln2"], eps=eps,
-                                                       out=self.router_logits, pdl=self.pdl) for L in Ls],
+                                                       out=self.router_logits, config=c("router"), pdl=self.pdl)
+                                                  for L in Ls],
                                          sum(nbytes(L["router"]) for L in Ls))
             lg = torch.randn(E, device=self.device, dtype=self.dtype)
             kinds["moe_gate_up+down"] = (
                 lambda: [moe(x, lg, L["gate_up"], L["down"], L["top_k"], L["norm_topk"], residual=x, norm_w=L["ln2"],
-                             eps=eps, act_buf=self.act, out=h2, pdl=self.pdl) for L in Ls],
+                             eps=eps, act_buf=self.act, out=h2, gate_up_config=c("moe_gate_up"),
+                             down_config=c("moe_down"), pdl=self.pdl) for L in Ls],
                 sum(nbytes(L["gate_up"], L["down"]) for L in Ls) * k // E)
         else:
             kinds["mlp_gate_up(gated)+norm"] = (lambda: [gemv(x, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True,
-                                                             out=self.act, pdl=self.pdl) for L in Ls],
+                                                             out=self.act, config=c("mlp_gate_up"), pdl=self.pdl)
+                                                        for L in Ls],
                                                 sum(nbytes(L["gate_up"]) for L in Ls))
-            kinds["mlp_down+residual"] = (lambda: [gemv(self.act, L["down"], residual=x, out=h2, pdl=self.pdl) for L in Ls],
+            kinds["mlp_down+residual"] = (lambda: [gemv(self.act, L["down"], residual=x, out=h2, config=c("mlp_down"),
+                                                        pdl=self.pdl) for L in Ls],
                                           sum(nbytes(L["down"]) for L in Ls))
         kinds["lm_head+norm+argmax"] = (lambda: (gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps,
-                                                      out=self.logits, pdl=self.pdl),
+                                                      out=self.logits, config=c("lm_head"), pdl=self.pdl),
                                                  torch.argmax(self.logits, dim=0, keepdim=True)), nbytes(self.lm_head))
         out = {}
         for name, (fn, b) in kinds.items():
@@ -324,6 +381,92 @@ class FusedDecoder:
         return out
 
     # -- tuning -----------------------------------------------------------------------------------
+    def tune_routed(self, reps: int = 5, log=None) -> dict:
+        """``tune`` for the routed-MoE kernels (router+top-k, gate_up, down): each kind's config picked by
+        timing the three launches over all layers from a CUDA graph, the others at their current configs."""
+        from tkcc.kernels import moe_routed as mr
+
+        eps, Ls, out = self.eps, self.layers, {}
+        x = torch.randn(self.H, device=self.device, dtype=self.dtype)
+        h = torch.empty(self.H, device=self.device, dtype=self.dtype)
+        E, I2, Hh = Ls[0]["gate_up"].shape
+        rkey = (E, I2 // 2, Hh, str(self.dtype))
+        for kind, cl, arg in (("routed_router", mr.ROUTER_CONFIGS, "router_config"),
+                              ("routed_gate_up", mr.GATE_UP_CONFIGS, "gate_up_config"),
+                              ("routed_down", mr.DOWN_CONFIGS, "down_config")):
+            best = None
+            for c in cl:
+                def fn(c=c, arg=arg):
+                    for L in Ls:
+                        self.routed(x, L["router"], L["gate_up"], L["down"], L["norm_topk"], residual=x,
+                                    norm_w=L["ln2"], eps=eps, out=h, pdl=self.pdl, **{arg: c})
+                try:
+                    t = self._graph_time(fn, reps) / len(Ls)
+                except Exception as e:  # a config that does not compile for this shape is skipped
+                    if log:
+                        log(f"tune {kind} {c}: {type(e).__name__}: {e}")
+                    continue
+                if best is None or t < best[1]:
+                    best = (c, t)
+            if best is None:
+                continue
+            mr.TUNED[(kind.split("_", 1)[1],) + rkey] = best[0]
+            out[kind] = best
+            if log:
+                log(f"tune {kind}: {best[0]} {best[1]:.2f} us/layer (router + gate_up + down)")
+        return out
+
+    def step_kinds(self) -> dict:
+        """{kind: candidate configs} of the kernels this decoder's step launches with a tunable config."""
+        from tkcc.kernels import moe_routed as mr
+
+        kinds = {"qkv": gemv_mod.CONFIGS, "o_proj": gemv_mod.CONFIGS}
+        if self.routed is not None:
+            kinds.update(routed_router=mr.ROUTER_CONFIGS, routed_gate_up=mr.GATE_UP_CONFIGS,
+                         routed_down=mr.DOWN_CONFIGS)
+        elif self.is_moe:
+            kinds.update(router=gemv_mod.CONFIGS, moe_gate_up=moe_mod.GATE_UP_CONFIGS, moe_down=moe_mod.DOWN_CONFIGS)
+        else:
+            kinds.update(mlp_gate_up=gemv_mod.CONFIGS, mlp_down=gemv_mod.CONFIGS)
+        kinds["lm_head"] = gemv_mod.CONFIGS
+        return kinds
+
+    def tune_step(self, reps: int = 9, rounds: int = 1, log=None) -> dict:
+        """Pick each kernel's config by timing the WHOLE step replayed from a CUDA graph (PDL overlap with
+        its neighbours, L2 state and launch gaps as in decode), one kind at a time (coordinate descent from
+        the current configs). Results go to this decoder's ``configs`` only; returns {kind: (config, µs per
+        step)}. The state (token, position) is restored inside each replay, so the cache is not advanced."""
+        saved = (self.token.clone(), self.pos.clone(), self.seqlen.clone(), self.forced_step_clone())
+
+        def whole():
+            self._restore(saved)
+            self.step()
+
+        out = {}
+        for _ in range(rounds):
+            for kind, cands in self.step_kinds().items():
+                cur = self.configs.get(kind)
+                best = None
+                for cand in ([cur] if cur is not None else []) + [c for c in cands if c != cur]:
+                    self.configs[kind] = cand
+                    try:
+                        t = self._graph_time(whole, reps)
+                    except Exception as e:  # a config that does not compile/launch here is skipped
+                        if log:
+                            log(f"tune_step {kind} {cand}: {type(e).__name__}: {e}")
+                        continue
+                    if best is None or t < best[1]:
+                        best = (cand, t)
+                if best is None:
+                    self.configs.pop(kind, None) if cur is None else self.configs.__setitem__(kind, cur)
+                    continue
+                self.configs[kind] = best[0]
+                out[kind] = (best[0], round(best[1], 1))
+                if log:
+                    log(f"tune_step {kind}: {best[0]} -> step {best[1]:.1f} us")
+        self._restore(saved)
+        return out
+
     def tune(self, reps: int = 5, log=None) -> dict:
         """Pick each GEMV/MoE kernel's block shape by timing it over all layers' weights (so the L2 does
         not serve them), replayed from a CUDA graph as in the real step. Results go to the kernel modules'
@@ -346,6 +489,10 @@ class FusedDecoder:
                     continue
                 if best is None or t < best[1]:
                     best = (c, t)
+            if best is None:  # nothing compiled: keep the default, say so
+                if log:
+                    log(f"tune {kind}: no config ran; keeping the default")
+                return
             table[key] = best[0]
             out[kind] = best
             if log:
@@ -399,6 +546,8 @@ class FusedDecoder:
         if not self.is_moe:
             out["cublas_mlp_gate_up"] = (None, bench(lambda: [F.linear(x, L["gate_up"]) for L in Ls]))
             out["cublas_mlp_down"] = (None, bench(lambda: [F.linear(ai, L["down"]) for L in Ls]))
+        if self.routed is not None:
+            out.update(self.tune_routed(reps, log))
         N, K = self.lm_head.shape
         pick("lm_head", gemv_mod._key(N, K, True, False, False, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
              lambda c: lambda: [gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c,

@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import signal
 import tempfile
+import time
 import traceback
 
 from tkcc.parallel.launch import NO_MULTICAST_ENV, RankError, check_world, default_backend, init_rank, teardown
@@ -123,7 +124,12 @@ class RankGroup:
     def pids(self) -> list[int]:
         return [os.getpid()] + [p.pid for p in self.procs]
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, grace_s: float = 0.0) -> None:
+        """RankError if a follower has exited. ``grace_s``: after a transport error, give a rank that is dying
+        (killed, its sockets already closed) that long to be reaped, so the error names the death."""
+        deadline = time.monotonic() + grace_s
+        while grace_s and all(p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         for r, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 from tkcc.parallel.launch import _exit_name
@@ -167,7 +173,7 @@ class RankGroup:
         try:
             dist.broadcast_object_list([(op, params, full)], src=0, group=self.ctrl)
         except Exception as e:
-            self._check_alive()  # a rank that died just now: say so, rather than what the transport saw
+            self._check_alive(3.0)  # a rank that died just now: say so, rather than what the transport saw
             self.close(graceful=False)
             raise RankError(f"could not send {op!r} to the ranks ({type(e).__name__}: {e}); group torn down",
                             None, "error") from e
@@ -180,7 +186,7 @@ class RankGroup:
         try:
             dist.gather_object(None, replies, dst=0, group=self.ctrl)
         except Exception as e:
-            self._check_alive()
+            self._check_alive(3.0)
             self.close(graceful=False)
             raise RankError(f"ranks did not answer {op!r} within {self.timeout_s:.0f} s ({type(e).__name__}); "
                             "group torn down", None, "timeout") from e

@@ -11,7 +11,7 @@ never looked up in a datasheet:
 - ``kernel_us``: device time per kernel of the same graph replayed in a CUDA
   graph (the floor per kernel when the host is out of the way);
 - per-op costs of the big kernels a captured decode graph runs, each timed in
-  a CUDA graph: ``stream_bw_gbs`` (a large device copy), ``gemv_us`` (the
+  a CUDA graph: ``stream_bw_gbs`` (an elementwise kernel over 1 GiB), ``gemv_us`` (the
   fixed part of a weight-streaming GEMV, fitted over weights of 8-64 MiB),
   ``attn_floor_us`` (a decode attention call over a short cache),
   ``expand_copy_gbs`` (materialising GQA-repeated K/V, what the attention
@@ -62,7 +62,7 @@ class MachineProfile:
     torch_version: str = ""
     measured_at: str = ""
     # per-op costs of a real decode graph's big kernels (None: not measured, the model leaves the term out)
-    stream_bw_gbs: float | None = None    # large device copy, bytes read + written per second
+    stream_bw_gbs: float | None = None    # an elementwise kernel over 1 GiB: bytes read + written per second
     gemv_us: float | None = None          # fixed cost of one weight-streaming GEMV: t = gemv_us + bytes / stream bw
     attn_floor_us: float | None = None    # one decode attention call over a short cache
     expand_copy_gbs: float | None = None  # materialising GQA-repeated K/V (broadcast read + write) per second
@@ -346,10 +346,11 @@ def measure_op_costs(dev: torch.device) -> dict:
     if dev.type != "cuda":
         return {}
     bf = torch.bfloat16
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    # an elementwise kernel over 1 GiB (a same-dtype copy_ in a graph becomes a copy-engine memcpy node, which
+    # streams slower than the SM kernels a decode step runs: 2.67 vs ~4.2 TB/s on an H200)
+    a = torch.ones(1 << 29, dtype=bf, device=dev)
     b = torch.empty_like(a)
-    stream = 2 * n / graph_replay_us(lambda: b.copy_(a), dev) / 1e3
+    stream = 2 * a.numel() * 2 / graph_replay_us(lambda: torch.mul(a, 1.0, out=b), dev) / 1e3
     del a, b
     # GEMVs over 8 distinct weights per size (more than L2 holds), fitted t = c + bytes / bw
     pts = []

@@ -10,6 +10,10 @@ or gated MLP (two GEMVs). With ``cuda_graph`` the step is captured on its
 first call and then replayed: inputs are copied on the device, so a decode
 loop has no host synchronisation. With ``pdl`` each kernel launches while the
 previous one drains (programmatic dependent launch, Hopper and later).
+``fused_attention`` (norm + rotary + cache write + split-KV + combine in one
+launch) and ``routed_moe`` (routing once per layer in the router kernel) are
+the decoder's options; ``tune`` times each kernel kind alone over all layers
+and then the whole step per config (``FusedDecoder.tune_step``).
 Anything the fused step does not support (batch > 1, other families, CPU
 without the Triton interpreter) runs the original graph, with the reason
 logged.
@@ -75,9 +79,10 @@ class DecodeFusedStep(Pass):
     description = ("Decode phase -> one fused kernel sequence per step (MoE regrouped, KV staged in place, "
                    "norms/rotary/activations fused), captured as one CUDA graph.")
     params = {"cuda_graph": [True, False], "pdl": [True, False], "attn_chunk": [0, 64, 128, 256, 512],
-              "tune": [False, True]}
+              "tune": [False, True], "fused_attention": [False, True], "routed_moe": [False, True]}
 
-    def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=False):
+    def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=False, fused_attention=False,
+              routed_moe=False):
         from tkcc.kernels.decoder import FusedDecoder
 
         info = RewriteInfo()
@@ -99,9 +104,13 @@ class DecodeFusedStep(Pass):
             if unsupported is None:
                 try:
                     dec = FusedDecoder(program.model, max_cache_len=kv.max_cache_len, attn_chunk=attn_chunk or None,
-                                       pdl=None if pdl else False, kv=(keys, vals))
+                                       pdl=None if pdl else False, kv=(keys, vals), fused_attention=fused_attention,
+                                       routed_moe=routed_moe)
                     if tune and keys[0].is_cuda:
                         info.notes.append(f"tuned: {dec.tune()}")
+                        # then the whole step per config (writes one position of the cache, before any prefill)
+                        dec.reset(0, min(128, kv.max_cache_len - 1))
+                        info.notes.append(f"step-tuned: {dec.tune_step()}")
                 except (TkccError, AttributeError) as e:
                     unsupported = f"{type(e).__name__}: {e}"
                     dec = None
@@ -119,5 +128,6 @@ class DecodeFusedStep(Pass):
         info.replaced = 0 if unsupported else 1
         info.provenance[f"decode:{call.name}"] = call.meta["tkcc_from"]
         info.notes.append(f"decode: fused step ({'original graph: ' + unsupported if unsupported else 'kernels'}; "
-                          f"cuda_graph={cuda_graph}, pdl={pdl}, attn_chunk={attn_chunk or 'auto'})")
+                          f"cuda_graph={cuda_graph}, pdl={pdl}, attn_chunk={attn_chunk or 'auto'}, "
+                          f"fused_attention={fused_attention}, routed_moe={routed_moe})")
         return program.with_graphs({"decode": new_gm}), info

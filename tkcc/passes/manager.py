@@ -5,8 +5,11 @@ For each step of the plan, in order:
 1. resolve the pass by name and check its parameters against its declared
    space (an unknown pass or an out-of-range value is a PlanError that names
    the step; the whole plan is checked before any pass runs);
-2. give the pass a copy of every phase graph (fresh graph, the same
-   parameter tensors: weights are shared, never copied) and time it;
+2. give the pass the graphs to edit (the first pass: a copy of every phase
+   graph, fresh graph, the same parameter tensors: weights are shared, never
+   copied; later passes: the graphs the previous pass returned, which only
+   the manager holds, copied again only if a pass returned graphs it did not
+   get from the manager) and time it;
 3. lint each graph (FX lint, recompile, placeholders unchanged);
 4. run each graph on the example inputs and compare with the previous
    graph's outputs: bit for bit if the pass declares ``exact``, within the
@@ -17,18 +20,32 @@ For each step of the plan, in order:
 
 A pass that raises is reported as a PassError naming the pass and phase; the
 Program the caller passed in is never modified.
+
+Cost: FX turns a graph into Python on every ``recompile`` (on a 16-block MoE
+graph of ~1800 nodes, about 0.1 s each, and a deep copy costs as much), and
+a copy, the pass's own recompile and the lint's recompile would do it three
+times per pass and phase. The graphs passes get are lazy GraphModules:
+``recompile`` only marks them stale, and the manager generates the code once
+per pass and phase, after the pass and the lint, where it is checked to
+compile and read for the log (a pass or caller that reads ``.code`` or calls
+the module gets it generated then). With ``check_numerics=False`` and
+``log_code=False`` (the engine: its validation runs the whole rewritten
+forward on fresh inputs of several shapes, and its codegen reads the graph,
+not FX's Python), a step costs the pass and an FX lint; the final graphs
+generate their Python lazily if anyone calls them.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import torch
 import torch.fx
 
 from tkcc.errors import PassError, PlanError, TkccError
 from tkcc.passes.base import Pass, RewriteInfo, get_pass
-from tkcc.passes.graph_pass import clone_graph_module
+from tkcc.passes.graph_pass import _CARRY, clone_graph_module
 from tkcc.passes.lint import compare, lint_graph, placeholders, run_graph
 from tkcc.passes.log import PassLog, PhaseLog
 from tkcc.passes.plan import PassPlan, PassStep
@@ -68,6 +85,38 @@ def _example_inputs(program, example_inputs) -> dict[str, tuple]:
     return {program.phases[0]: tuple(example_inputs)}
 
 
+try:  # torch >= 2.3; without it every copy is generated eagerly (same results, slower)
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _Lazy
+except ImportError:  # pragma: no cover
+    _Lazy = None
+
+
+def _copy_for_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``clone_graph_module``, as a lazy GraphModule: no Python generated until the manager (or a reader) asks."""
+    if _Lazy is None:
+        return clone_graph_module(gm)
+    import copy
+
+    new = _Lazy(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    for name in _CARRY:
+        if name in gm.__dict__ and name not in new.__dict__:
+            new.__dict__[name] = gm.__dict__[name]
+    for name, child in gm.named_children():
+        if not hasattr(new, name):
+            new.add_module(name, child)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def _generate(gm: torch.fx.GraphModule, where: str) -> None:
+    """Generate a lazy GraphModule's Python now (a no-op for one already generated); PassError if it cannot."""
+    if _Lazy is not None and isinstance(gm, _Lazy):
+        try:
+            gm.real_recompile()
+        except Exception as e:
+            raise PassError(f"{where}: graph does not compile to Python: {type(e).__name__}: {e}") from e
+
+
 def _provenance(node: torch.fx.Node, phase: str, info: RewriteInfo) -> list[str]:
     for key in (f"{phase}:{node.name}", node.name):
         if key in info.provenance:
@@ -87,16 +136,20 @@ class PassManager:
 
     check_numerics: run each phase graph on example inputs after every pass.
     lint:           FX lint + recompile + signature check after every pass.
+    log_code:       generate each phase's Python after every pass (the log's
+                    code_before/code_after, and a check that it compiles);
+                    with check_numerics off, False skips that (see above).
     mode:           None (each pass checked by its own exactness flag), "exact"
                     (refuse passes that are not exact) or "tolerance".
     rtol/atol:      override the dtype default tolerances for inexact passes.
     """
 
     def __init__(self, check_numerics: bool = True, lint: bool = True, mode: str | None = None,
-                 rtol: float | None = None, atol: float | None = None):
+                 rtol: float | None = None, atol: float | None = None, log_code: bool = True):
         if mode not in (None, "exact", "tolerance"):
             raise PlanError(f"mode must be 'exact' or 'tolerance', got {mode!r}")
         self.check_numerics, self.lint, self.mode = check_numerics, lint, mode
+        self.log_code = log_code or check_numerics  # a checked graph is run, which generates its code anyway
         self.rtol, self.atol = rtol, atol
 
     def run(self, program, plan, example_inputs=None):
@@ -117,8 +170,11 @@ class PassManager:
                     raise PlanError(f"no example inputs for phase {ph!r}; cannot check numerics")
                 reference[ph] = self._run(program, gm, inputs[ph], f"input program, phase {ph!r}")
         logs: list[PassLog] = []
+        owned = weakref.WeakSet()  # the graph modules the manager made (no one else holds them)
+        codes = {ph: gm.code for ph, gm in program.graphs.items()} if self.log_code and steps else {}
         for i, (step, cls, params) in enumerate(steps):
-            program, log = self._apply_one(i, step, cls, params, program, inputs, signatures, reference)
+            program, log = self._apply_one(i, step, cls, params, program, inputs, signatures, reference, owned,
+                                           codes)
             logs.append(log)
         meta = dict(program.meta)
         meta["plan"] = plan.to_json()
@@ -126,12 +182,17 @@ class PassManager:
         return dataclasses.replace(program, meta=meta), logs
 
     # ---- one step --------------------------------------------------------------------------
-    def _apply_one(self, i, step, cls, params, program, inputs, signatures, reference):
+    def _apply_one(self, i, step, cls, params, program, inputs, signatures, reference, owned, codes):
         where = f"pass {step.name!r} (plan step {i})"
-        before_code = {ph: gm.code for ph, gm in program.graphs.items()}
+        before_code = dict(codes)
         before_names = {ph: [n.name for n in gm.graph.nodes] for ph, gm in program.graphs.items()}
-        copies = program.with_graphs({ph: clone_graph_module(gm) for ph, gm in program.graphs.items()})
-        copies = dataclasses.replace(copies, meta=dict(program.meta))
+        mine = {}
+        for ph, gm in program.graphs.items():
+            if gm not in owned:  # the caller's graph, or one a pass made: copy before anyone edits it
+                gm = _copy_for_pass(gm)
+                owned.add(gm)
+            mine[ph] = gm
+        copies = dataclasses.replace(program.with_graphs(mine), meta=dict(program.meta))
         t0 = time.perf_counter()
         try:
             result = cls().apply(copies, **params)
@@ -155,6 +216,9 @@ class PassManager:
         for ph, gm in new_program.graphs.items():
             if self.lint:
                 lint_graph(gm, f"{where}, phase {ph!r}", signatures[ph])
+            if self.log_code:
+                _generate(gm, f"{where}, phase {ph!r}")  # once per pass and phase: checked, then read below
+                codes[ph] = gm.code
             names_after = [n.name for n in gm.graph.nodes]
             old = set(before_names[ph])
             new = set(names_after)
@@ -163,8 +227,8 @@ class PassManager:
             by_name = {n.name: n for n in gm.graph.nodes}
             plog = PhaseLog(phase=ph, nodes_before=len(old), nodes_after=len(new), added=added, removed=removed,
                             provenance={n: _provenance(by_name[n], ph, info) for n in added},
-                            code_before=before_code[ph], code_after=gm.code)
-            if self.check_numerics and not added and not removed and gm.code == before_code[ph]:
+                            code_before=before_code.get(ph, ""), code_after=codes.get(ph, ""))
+            if self.check_numerics and not added and not removed and codes[ph] == before_code[ph]:
                 plog.check = "unchanged"  # same code, same nodes: nothing to run
             elif self.check_numerics:
                 got = self._run(new_program, gm, inputs[ph], f"{where}, phase {ph!r}")

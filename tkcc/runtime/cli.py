@@ -28,6 +28,14 @@ def register(subparsers) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: one engine rank per GPU (cuda:0..N-1), or N gloo processes on cpu; "
                         "the baseline is the model sharded N ways, candidates must shard with degree N (default 1)")
+    p.add_argument("--validation", default="auto", choices=["auto", "exact", "tolerance"],
+                   help="how candidates are validated: exact (bitwise; refused at start-up if the model does not "
+                        "reproduce itself), tolerance (error bound relative to the output's scale plus greedy "
+                        "tokens), auto (default: exact per tier where the start-up probe finds the reference "
+                        "bitwise reproducible, else tolerance)")
+    p.add_argument("--tolerance-safety", type=float, default=4.0,
+                   help="tolerance mode: the error bound is this many times the reference's measured "
+                        "self-disagreement (relative to the output's scale), never below the dtype floor (default 4)")
     _address_args(p, serving=True)
     p.add_argument("--allow-remote", action="store_true", help="allow --host to be a non-loopback address")
     p.add_argument("--journal", default=None, help="JSONL journal of results (default: next to the socket)")
@@ -112,6 +120,9 @@ def cmd_serve(args):
         raise EngineError("--port needs --host (e.g. --host 127.0.0.1); without them the engine uses a Unix socket")
     dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     _check_tp(args.tp, args.device)
+    if not args.tolerance_safety >= 1.0:
+        raise EngineError(f"--tolerance-safety {args.tolerance_safety}: must be at least 1 (a bound below the "
+                          "measured self-disagreement would reject the baseline against itself)")
     if args.host is None:
         sock = os.path.abspath(args.socket or protocol.default_socket_path())
         base = sock
@@ -124,7 +135,8 @@ def cmd_serve(args):
            "batch": args.batch, "fast_blocks": args.fast_blocks, "state_dir": state_dir,
            "work_dir": os.path.join(state_dir, "candidates"), "timeout_s": args.timeout,
            "worker_max_rss_bytes": int(args.worker_max_rss * (1 << 30)),
-           "max_artifact_bytes": args.max_artifact_bytes, "threads": args.threads, "tp": args.tp}
+           "max_artifact_bytes": args.max_artifact_bytes, "threads": args.threads, "tp": args.tp,
+           "validation": args.validation, "tolerance_safety": args.tolerance_safety}
     sup = Supervisor(cfg, Journal(args.journal or (base + ".journal.jsonl")))
     server = EngineServer(sup, secrets.token_hex(32), socket_path=sock, host=args.host, port=args.port,
                           allow_remote=args.allow_remote, max_request_bytes=args.max_request_bytes)
@@ -138,7 +150,8 @@ def cmd_serve(args):
     ready = {"ready": True, "address": server.address, "token_file": token_file, "journal": sup.journal.path,
              "pid": os.getpid(), "worker_pid": info.get("pid"), "model": args.model, "device": cfg["device"],
              "dtype": dtype, "tiers": {t: v["blocks"] for t, v in info["tiers"].items()},
-             "startup_s": info.get("worker_start_s"), "tp": args.tp}
+             "startup_s": info.get("worker_start_s"), "tp": args.tp,
+             "validation": {t: v.get("validation") for t, v in info["tiers"].items()}}
     if args.tp > 1:
         ready["rank_pids"] = [r["pid"] for r in info.get("ranks", [])]
     if args.host is not None:
@@ -150,6 +163,9 @@ def cmd_serve(args):
         tp = f" x{args.tp} ranks (tensor parallel)" if args.tp > 1 else ""
         print(f"tkcc engine ready: {args.model} on {cfg['device']}{tp} ({dtype}), tiers {ready['tiers']}, listening on "
               f"{where}; token in {token_file}; started in {ready['startup_s']:.1f} s", flush=True)
+        for t, v in ready["validation"].items():
+            if v:
+                print(f"  {t} tier validation: {v.get('why')}", flush=True)
 
     def _stop(signum, frame):
         threading.Thread(target=server.stop, daemon=True).start()
@@ -257,8 +273,9 @@ def _experiment_text(res: dict) -> str:
     lines = [f"candidate {res.get('candidate')}: {'ok' if res.get('ok') else 'FAILED: ' + str(res.get('reason'))}"
              f" (journal seq {res.get('seq')}, request {res.get('request_id')})"]
     for tier, rec in res.get("tiers", {}).items():
-        lines.append(f"[{tier}] {rec.get('seconds', 0):.2f} s"
-                     + (f", validation {rec['validation']['mode']} ok" if rec.get("validation", {}).get("ok") else ""))
+        v = rec.get("validation") or {}
+        bound = f" (error <= {v['tolerance']['bound']:.3g} of output scale)" if v.get("tolerance") else ""
+        lines.append(f"[{tier}] {rec.get('seconds', 0):.2f} s" + (f", validation {v['mode']}{bound} ok" if v.get("ok") else ""))
         if rec.get("swap"):
             lines.append(f"  swap {rec['swap']['swap_s'] * 1e3:.2f} ms, capture {rec['swap']['capture_s']:.3f} s "
                          f"({rec['swap']['graphs']} graphs)")
@@ -280,6 +297,8 @@ def cmd_status(args):
                      f"baseline strategy {(w.get('tp') or {}).get('strategy')}")
     for t, info in (w.get("tiers") or {}).items():
         lines.append(f"  {t}: {info['blocks']} blocks, serving {info['current']}, history {info['history']}")
+        if info.get("validation"):
+            lines.append(f"    validation {info['validation'].get('why')}")
     mem = w.get("memory") or {}
     if mem:
         lines.append(f"  memory: model {mem.get('model_bytes', 0) / 2**20:.1f} MiB, cache "

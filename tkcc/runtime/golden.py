@@ -439,6 +439,91 @@ def check_against_eager(program, forwards: dict | None = None, mode: str = "exac
     return rep
 
 
+# ---- greedy agreement with a reference that is not bitwise reproducible -------------------------
+
+@dataclass
+class GreedyReference:
+    """The reference's greedy sequences on the golden prompts, run several times, and where they are judged.
+
+    Position j of prompt i is judged only if every run of the reference chose the same token there and its
+    top-2 logit gap is wider than twice the allowed error (``bound`` x the logits' scale): elsewhere the
+    reference could flip by itself, so a candidate that flips is not wrong.
+    """
+
+    prompts: list          # [B, P] token tensors (CPU)
+    tokens: list           # [B, steps+1] tokens of run 1 (teacher-forcing input for every other run)
+    judged: list           # [B, steps+1] bool: positions a candidate is held to
+    runs: int
+    steps: int
+    bound: float
+    self_disagreement_abs: float  # largest logit difference between the reference's own runs here
+
+    def summary(self) -> dict:
+        total = sum(int(j.numel()) for j in self.judged)
+        held = sum(int(j.sum()) for j in self.judged)
+        return {"prompts": len(self.prompts), "steps": self.steps, "runs": self.runs, "positions": total,
+                "judged": held, "self_disagreement_abs": self.self_disagreement_abs}
+
+
+def chosen_logits(pre: torch.Tensor, dec: torch.Tensor) -> torch.Tensor:
+    """[steps+1, B, V]: the logits that chose token j (prefill's last position, then each decode step)."""
+    first = pre[:, -1].unsqueeze(0)
+    return torch.cat([first, dec], dim=0) if dec.numel() else first
+
+
+def reference_greedy(program, reference: dict, bound: float, runs: int = 3, steps: int = DEFAULT_STEPS,
+                     seeds=DEFAULT_SEEDS, prompt_lens=DEFAULT_PROMPT_LENS) -> GreedyReference:
+    """Run the reference ``runs`` times on the golden prompts (teacher-forced with run 1's tokens)."""
+    if runs < 2:
+        raise GoldenError(f"runs={runs}: the reference must run at least twice to see where it agrees with itself")
+    vocab = int(program.meta.get("vocab_size") or program.model.config.vocab_size)
+    dev = torch.device(program.meta.get("device", "cpu"))
+    cap = int(program.meta.get("max_cache_len") or 0)
+    if cap:
+        steps = max(1, min(steps, cap - max(prompt_lens)))
+    prompts = _prompts(vocab, seeds, prompt_lens, int(program.meta.get("batch", 1) or 1), dev)
+    toks_all, judged_all, worst = [], [], 0.0
+    for p in prompts:
+        pre, dec, toks = run_sequence(program, reference, p, steps)
+        logits = chosen_logits(pre, dec).double()
+        same = torch.ones_like(toks, dtype=torch.bool)
+        for _ in range(runs - 1):
+            pre2, dec2, toks2 = run_sequence(program, reference, p, steps, force=toks)
+            same &= toks2 == toks
+            other = chosen_logits(pre2, dec2).double()
+            worst = max(worst, float((other - logits).abs().max()))
+        top = logits.topk(2, dim=-1).values                      # [steps+1, B, 2]
+        gap = (top[..., 0] - top[..., 1]).transpose(0, 1)          # [B, steps+1]
+        scale = logits.abs().amax(dim=-1).clamp_min(1e-30).transpose(0, 1)
+        judged = same & (gap > 2 * bound * scale)
+        toks_all.append(toks.cpu())
+        judged_all.append(judged.cpu())
+    _reset(program)
+    return GreedyReference([p.cpu() for p in prompts], toks_all, judged_all, runs, steps, bound, worst)
+
+
+def greedy_agreement(program, candidate: dict, ref: GreedyReference) -> dict:
+    """The candidate's greedy choices on the golden prompts, teacher-forced with the reference's tokens, must
+    equal the reference's at every judged position. Returns a record with ``ok`` and, if not, ``reason``."""
+    dev = torch.device(program.meta.get("device", "cpu"))
+    held = agreed = 0
+    reason = None
+    for i, (p, toks, judged) in enumerate(zip(ref.prompts, ref.tokens, ref.judged)):
+        _, _, got = run_sequence(program, candidate, p.to(dev), ref.steps, force=toks)
+        got = got.cpu()
+        ok = (got == toks) | ~judged
+        held += int(judged.sum())
+        agreed += int((judged & (got == toks)).sum())
+        if reason is None and not bool(ok.all()):
+            b, j = (int(x) for x in (~ok).nonzero()[0])
+            reason = (f"greedy tokens differ from the reference's on golden prompt {i} at token {j}: "
+                      f"{int(got[b, j])} vs {int(toks[b, j])} (a position where the reference agrees with itself "
+                      f"over {ref.runs} runs and its top-2 gap is beyond the allowed error)")
+    _reset(program)
+    return {"ok": reason is None, "reason": reason, "prompts": len(ref.prompts), "tokens": held, "agreed": agreed,
+            "skipped": sum(int(j.numel()) for j in ref.judged) - held}
+
+
 # ---- bisect ------------------------------------------------------------------------------------
 
 @dataclass
@@ -508,4 +593,4 @@ def bisect(program, plan, golden=None, mode: str = "exact", rtol=None, atol=None
 
 
 __all__ = ["record", "check", "check_against_eager", "bisect", "load", "golden_path", "GoldenReport",
-           "BisectResult", "run_sequence", "TkccError"]
+           "BisectResult", "run_sequence", "reference_greedy", "greedy_agreement", "GreedyReference", "TkccError"]

@@ -7,10 +7,15 @@ Semantics (one place, so every number means the same thing):
   forward (eager launches, also between CUDA events, only where capture
   failed; ``cuda_graph`` says which); on a CPU it is ``time.perf_counter_ns``
   around the call;
-- each bucket gets ``warmup`` unrecorded calls, then ``reps`` recorded ones,
-  inputs rotated over ``rotations`` fresh sets so no cache serves a repeat;
-- ``median_s`` is the statistic used for the objective; ``iqr_s`` and
-  ``mad_s`` say how noisy it was;
+- each bucket gets ``warmup`` unrecorded calls, then recorded ones, inputs
+  rotated over ``rotations`` fresh sets so no cache serves a repeat: a fixed
+  number, or (the engine's default) adaptively between ``min_reps`` and
+  ``reps``: timing stops once the 95 % confidence interval of the median
+  lies within +-``ci_rel`` of it (``stop`` says "ci", "max_reps" or
+  "fixed"; ``reps`` is how many were recorded);
+- ``median_s`` is the statistic used for the objective; ``ci_low_s`` and
+  ``ci_high_s`` bound it (95 %, distribution-free, from order statistics);
+  ``iqr_s`` and ``mad_s`` say how noisy the samples were;
 - the objective is ``tkcc.traffic.metrics.objective(workload, medians)``.
 """
 from __future__ import annotations
@@ -20,6 +25,39 @@ import platform
 import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
+from math import comb
+
+CONFIDENCE = 0.95
+
+
+def median_ci(samples: list[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """(low, high, coverage): a distribution-free confidence interval of the median from order statistics.
+
+    [x_(k), x_(n+1-k)] (sorted, 1-based) covers the true median with probability
+    1 - 2 P(Binomial(n, 1/2) <= k - 1), whatever the distribution; k is the largest
+    with coverage >= ``confidence``. With too few samples for that (n < 6 at 95 %),
+    the interval is [min, max] and its coverage is below ``confidence``.
+    """
+    s = sorted(samples)
+    n = len(s)
+    if n == 0:
+        raise ValueError("median_ci: no samples")
+    k, cover = 1, 1.0 - 2.0 * 0.5 ** n  # k = 1: [min, max]
+    tail = 0.0
+    for j in range(1, n // 2 + 1):  # coverage of [x_(j), x_(n+1-j)]
+        tail += comb(n, j - 1) * 0.5 ** n
+        c = 1.0 - 2.0 * tail
+        if c < confidence:
+            break
+        k, cover = j, c
+    return s[k - 1], s[n - k], cover
+
+
+def ci_tight(samples: list[float], ci_rel: float, confidence: float = CONFIDENCE) -> bool:
+    """True when the median's ``confidence`` interval lies within +-``ci_rel`` of the median."""
+    lo, hi, cover = median_ci(samples, confidence)
+    med = statistics.median(samples)
+    return cover >= confidence and med > 0 and (med - lo) <= ci_rel * med and (hi - med) <= ci_rel * med
 
 
 @dataclass
@@ -35,15 +73,21 @@ class BucketTiming:
     cuda_graph: bool
     samples_s: list[float] = field(default_factory=list)
     note: str = ""
+    ci_low_s: float | None = None   # 95 % confidence interval of the median (order statistics)
+    ci_high_s: float | None = None
+    stop: str = "fixed"             # "fixed": reps asked; "ci": the interval was tight; "max_reps": it never was
+    warmup: int | None = None       # unrecorded calls before the samples
 
     @classmethod
     def from_samples(cls, key: str, phase: str, weight: float, samples: list[float], cuda_graph: bool,
-                     note: str = "") -> "BucketTiming":
+                     note: str = "", stop: str = "fixed", warmup: int | None = None) -> "BucketTiming":
         s = sorted(samples)
         med = statistics.median(s)
         q = statistics.quantiles(s, n=4, method="inclusive") if len(s) >= 2 else [s[0]] * 3
         mad = statistics.median(abs(x - med) for x in s)
-        return cls(key, phase, weight, med, q[2] - q[0], mad, s[0], len(s), cuda_graph, list(samples), note)
+        lo, hi, _ = median_ci(s)
+        return cls(key, phase, weight, med, q[2] - q[0], mad, s[0], len(s), cuda_graph, list(samples), note,
+                   lo, hi, stop, warmup)
 
 
 @dataclass
@@ -82,7 +126,7 @@ class Measurement:
                 f" {self.env.get('dtype')}: {self.objective_name} = {obj}"]
         for b in self.buckets:
             rows.append(f"  {b.key:<32} median {b.median_s * 1e3:9.3f} ms  iqr {b.iqr_s * 1e3:8.3f} ms"
-                        f"  n={b.reps}{'  graph' if b.cuda_graph else ''}")
+                        f"  n={b.reps}{f' ({b.stop})' if b.stop != 'fixed' else ''}{'  graph' if b.cuda_graph else ''}")
         return "\n".join(rows)
 
 

@@ -65,6 +65,7 @@ class Supervisor:
     def __init__(self, cfg: dict, journal: Journal):
         check_model_name(cfg["model"])
         cfg["device"] = check_device(cfg["device"])
+        cfg["validation"] = _check_validation(cfg.get("validation"))
         self.cfg = cfg
         self.journal = journal
         self.lock = threading.RLock()
@@ -411,6 +412,14 @@ def _tiers(tiers) -> tuple:
     for t in tiers:
         check_tier(t)
     return tuple(tiers)
+
+
+def _check_validation(mode) -> str:
+    """--validation: auto|exact|tolerance, checked before a worker starts (tkcc.runtime.determinism.MODES)."""
+    m = "auto" if mode is None else str(mode)
+    if m not in ("auto", "exact", "tolerance"):
+        raise EngineError(f"--validation {mode!r}: must be one of ['auto', 'exact', 'tolerance']")
+    return m
 
 
 def _worker_entry(conn, cfg):

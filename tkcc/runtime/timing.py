@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from tkcc.runtime.measurement import BucketTiming
+from tkcc.runtime.measurement import BucketTiming, ci_tight
 
 _perf_counter_ns = time.perf_counter_ns
 _Event = torch.cuda.Event if hasattr(torch, "cuda") else None
@@ -20,57 +20,115 @@ def bucket_inputs(program, bucket, gen, rotations: int) -> list[tuple]:
     return [program.inputs(bucket.phase, b, gen) for _ in range(rotations)]
 
 
+class _Clock:
+    """Timed calls of one forward on rotated input sets: eager (CPU or GPU) or a CUDA-graph replay.
+
+    ``warm(n)`` runs unrecorded calls, ``take(n)`` returns n samples in seconds; the rotation over the
+    input sets continues across calls, so chunks of an adaptive run see the same sequence as one run.
+    A graph replay's input copies stay outside the timed region.
+    """
+
+    def __init__(self, fn, graph, input_sets: list[tuple], device: torch.device):
+        self.fn, self.graph, self.sets, self.device = fn, graph, input_sets, device
+        self.i = 0
+
+    def _next(self) -> tuple:
+        args = self.sets[self.i % len(self.sets)]
+        self.i += 1
+        return args
+
+    def warm(self, n: int) -> None:
+        with torch.no_grad():
+            for _ in range(n):
+                args = self._next()
+                if self.graph is not None:
+                    self.graph.load(args)
+                    self.graph.replay()
+                else:
+                    self.fn(*args)
+
+    def take(self, n: int) -> list[float]:
+        if n <= 0:
+            return []
+        fn, graph = self.fn, self.graph
+        with torch.no_grad():
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                starts = [_Event(enable_timing=True) for _ in range(n)]
+                ends = [_Event(enable_timing=True) for _ in range(n)]
+                for i in range(n):
+                    args = self._next()
+                    if graph is not None:
+                        graph.load(args)
+                        starts[i].record()
+                        graph.replay()
+                    else:
+                        starts[i].record()
+                        fn(*args)
+                    ends[i].record()
+                torch.cuda.synchronize(self.device)
+                return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+            out = []
+            for _ in range(n):
+                args = self._next()
+                t0 = _perf_counter_ns()
+                fn(*args)
+                out.append((_perf_counter_ns() - t0) / 1e9)
+            return out
+
+
 def time_eager(fn, input_sets: list[tuple], reps: int, warmup: int, device: torch.device) -> list[float]:
     """Seconds per call: perf_counter_ns on CPU, CUDA events on GPU (launch overhead included)."""
-    n = len(input_sets)
-    with torch.no_grad():
-        for i in range(warmup):
-            fn(*input_sets[i % n])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            starts = [_Event(enable_timing=True) for _ in range(reps)]
-            ends = [_Event(enable_timing=True) for _ in range(reps)]
-            for i in range(reps):
-                starts[i].record()
-                fn(*input_sets[i % n])
-                ends[i].record()
-            torch.cuda.synchronize(device)
-            return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
-        out = []
-        for i in range(reps):
-            args = input_sets[i % n]
-            t0 = _perf_counter_ns()
-            fn(*args)
-            out.append((_perf_counter_ns() - t0) / 1e9)
-        return out
+    clock = _Clock(fn, None, input_sets, device)
+    clock.warm(warmup)
+    return clock.take(reps)
 
 
 def time_graph(graph, input_sets: list[tuple], reps: int, warmup: int, device: torch.device) -> list[float]:
     """Seconds per CUDA-graph replay, CUDA events around the replay only (input copies stay outside)."""
-    n = len(input_sets)
-    for i in range(warmup):
-        graph.load(input_sets[i % n])
-        graph.replay()
-    torch.cuda.synchronize(device)
-    starts = [_Event(enable_timing=True) for _ in range(reps)]
-    ends = [_Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        graph.load(input_sets[i % n])
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize(device)
-    return [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
+    clock = _Clock(None, graph, input_sets, device)
+    clock.warm(warmup)
+    return clock.take(reps)
+
+
+# ------------------------------------------------------------------------ adaptive repetitions
+def _alone(tight: bool) -> bool:
+    return tight
+
+
+def timed_samples(clock: _Clock, reps: int, warmup: int, min_reps: int | None = None,
+                  ci_rel: float = 0.0, agree=_alone) -> tuple[list[float], str]:
+    """Samples of one bucket and why timing stopped.
+
+    ``warmup`` unrecorded calls, then at least ``min_reps`` and at most ``reps`` recorded ones: after
+    ``min_reps``, in chunks of ``min_reps // 2`` (at least 2), timing stops as soon as the 95 %
+    confidence interval of the median lies within +-``ci_rel`` of it (``"ci"``), else at ``reps``
+    (``"max_reps"``). ``min_reps`` None or >= ``reps``, or ``ci_rel`` <= 0: exactly ``reps`` (``"fixed"``).
+    ``agree(tight) -> bool`` makes the decision common to every rank of a tensor-parallel group (it is
+    called at the same points on every rank, so their forwards, and collectives, stay paired).
+    """
+    clock.warm(warmup)
+    if min_reps is None or min_reps >= reps or ci_rel <= 0:
+        return clock.take(reps), "fixed"
+    min_reps = max(1, min_reps)
+    samples = clock.take(min_reps)
+    chunk = max(2, min_reps // 2)
+    while True:
+        if agree(ci_tight(samples, ci_rel)):
+            return samples, "ci"
+        if len(samples) >= reps:
+            return samples, "max_reps"
+        samples += clock.take(min(chunk, reps - len(samples)))
 
 
 def time_bucket(fn, graph, program, bucket, gen, reps: int, warmup: int, rotations: int,
-                device: torch.device, note: str = "") -> BucketTiming:
+                device: torch.device, note: str = "", min_reps: int | None = None,
+                ci_rel: float = 0.0, agree=_alone) -> BucketTiming:
+    """One bucket's timing: fresh rotated inputs, warm-up, then fixed or adaptive repetitions."""
     sets = bucket_inputs(program, bucket, gen, rotations)
-    if graph is not None:
-        samples = time_graph(graph, sets, reps, warmup, device)
-    else:
-        samples = time_eager(fn, sets, reps, warmup, device)
-    return BucketTiming.from_samples(bucket.key(), bucket.phase, bucket.weight, samples, graph is not None, note)
+    samples, stop = timed_samples(_Clock(fn, graph, sets, device), reps, warmup, min_reps, ci_rel, agree)
+    return BucketTiming.from_samples(bucket.key(), bucket.phase, bucket.weight, samples, graph is not None, note,
+                                     stop=stop, warmup=warmup)
 
 
 def objective_of(workload, medians: dict[str, float]) -> tuple[str, float | None, str]:

@@ -1,0 +1,86 @@
+"""Decode attention in one launch per layer: q/k norm + rotary + KV-cache write + split-KV + combine.
+
+The separate path (``rotary.rope`` then ``attention.attention`` and, with
+several splits, its combine kernel) costs 2-3 launches per layer, each mostly
+latency at short context (16 layers x ~2.4 us each on an H200). Here every
+(kv head, split) program derives this token's rotated q (its G heads) and k
+from the fused projection ``[q | k | v]`` itself, the program whose split
+holds ``pos`` writes k and v into the cache, the new position enters the
+softmax from registers, and the last program of each kv head to finish merges
+the splits (an arrival counter per kv head, reset by that program). Same
+cache layout and arithmetic as the separate kernels; ``rope_ref`` +
+``attention_ref`` is the reference.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from tkcc.errors import TkccError
+from tkcc.kernels.attention import LOG2E, attention_ref
+from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
+from tkcc.kernels.render import load
+from tkcc.kernels.rotary import rope_ref
+
+
+def attention_rope_ref(qkv, k_cache, v_cache, pos, inv_freq, hq, hkv, q_norm=None, k_norm=None, eps=1e-5,
+                       scale=None):
+    """Eager: rope_ref (writes the cache at pos) then attention over positions [0, pos]. Returns [hq, D]."""
+    p = int(pos.reshape(-1)[0]) if isinstance(pos, torch.Tensor) else int(pos)
+    q = rope_ref(qkv, k_cache, v_cache, p, inv_freq, hq, hkv, q_norm, k_norm, eps)
+    return attention_ref(q, k_cache, v_cache, p + 1, scale)
+
+
+class AttentionRope:
+    """Scratch for one decoder (partials and per-kv-head counters, reused by every layer) and the launch."""
+
+    def __init__(self, hq: int, hkv: int, D: int, max_cache_len: int, chunk: int, device, block_s: int = 64,
+                 num_warps: int = 4):
+        self.hq, self.hkv, self.D = hq, hkv, D
+        self.chunk = min(chunk, max_cache_len)
+        self.splits = triton.cdiv(max_cache_len, self.chunk)
+        if self.splits == 1:
+            self.chunk = max_cache_len
+        self.block_s, self.num_warps = block_s, num_warps
+        self.po = torch.empty(hq, self.splits, D, device=device, dtype=torch.float32)
+        self.plse = torch.empty(hq, self.splits, device=device, dtype=torch.float32)
+        self.count = torch.zeros(hkv, device=device, dtype=torch.int32)
+
+    def __call__(self, qkv, k_cache, v_cache, pos, inv_freq, q_norm=None, k_norm=None, eps=1e-5, scale=None,
+                 out=None, pdl=False):
+        """qkv [(hq + 2 hkv) D]; caches [hkv, S_max, D] (written at pos); pos: int32 device tensor [1]."""
+        hq, hkv, D = self.hq, self.hkv, self.D
+        S_max = k_cache.shape[1]
+        reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
+        if reason is None and (hq % hkv or D != next_pow2(D) or D < 16 or k_cache.stride(2) != 1
+                               or k_cache.stride() != v_cache.stride() or tuple(k_cache.shape) != (hkv, S_max, D)
+                               or qkv.numel() != (hq + 2 * hkv) * D or self.chunk * self.splits < S_max
+                               or (q_norm is None) != (k_norm is None) or not isinstance(pos, torch.Tensor)):
+            reason = (f"unsupported heads/layout hq={hq} hkv={hkv} D={D} cache {tuple(k_cache.shape)} strides "
+                      f"{k_cache.stride()} qkv {qkv.numel()} splits {self.splits}x{self.chunk}")
+        scale = scale if scale is not None else 1.0 / math.sqrt(D)
+        if reason is not None:
+            note_fallback("attention_rope", reason)
+            p = int(pos.reshape(-1)[0]) if isinstance(pos, torch.Tensor) else int(pos)
+            if p >= S_max:
+                raise TkccError(f"attention: context {p + 1} is longer than the cache ({S_max} positions)")
+            y = attention_rope_ref(qkv, k_cache, v_cache, p, inv_freq, hq, hkv, q_norm, k_norm, eps, scale)
+            if out is None:
+                return y
+            out.copy_(y)
+            return out
+        if out is None:
+            out = torch.empty(hq, D, device=qkv.device, dtype=qkv.dtype)
+        G = hq // hkv
+        qk_norm = q_norm is not None
+        mod = load("attention_rope.py.jinja", pdl=pdl)
+        mod.attn_rope_kernel[(hkv, self.splits)](
+            qkv, k_cache, v_cache, out, self.po, self.plse, self.count, pos, inv_freq,
+            q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, self.chunk,
+            k_cache.stride(0), k_cache.stride(1), self.splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
+            HALF=D // 2, BLOCK_S=self.block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
+            SINGLE=self.splits == 1, BLOCK_SP=min(16, max(2, next_pow2(self.splits))), num_warps=self.num_warps,
+            **({"launch_pdl": True} if pdl else {}))
+        return out
