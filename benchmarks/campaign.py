@@ -125,6 +125,10 @@ def main() -> int:
                           "baseline_objective": next((s["objective"] for s in store.ships(st.campaign_id)
                                                       if s["reason"] == "baseline"), None),
                           "failed": sum(1 for e in exps if e.verdict != "measured"),
+                          "failures": [{"plan": e.plan, "tier": e.tier, "verdict": e.verdict,
+                                        "reason": (e.reason or "")[:600]} for e in exps if e.verdict != "measured"],
+                          "refused_ships": [{"plan": x["plan"], "reason": x["reason"][:600]}
+                                            for x in store.ships(st.campaign_id) if x["action"] == "refused"],
                           "validation": {t: v.get("mode") for t, v in st.validation.items()}}
             print(label, res[label], flush=True)
         out.update(two_tier_candidates=res["two_tier"]["candidates"], slow_only_candidates=res["slow_only"]["candidates"],

@@ -143,3 +143,22 @@ def test_report_html(tmp_path):
     assert "Shipped history" in html and "baseline" in html
     n = len(store.experiments(state.campaign_id))
     assert html.count("<td class=") == n  # one row per experiment
+
+
+def test_a_candidate_that_fails_revalidation_at_ship_time_is_refused_and_the_campaign_goes_on(tmp_path):
+    """The engine re-validates on fresh shapes when shipping; a failure there is recorded, nothing ships."""
+    from tkcc.errors import TkccError
+
+    class RefusingEvaluator(SyntheticEvaluator):
+        def ship(self, ahash):
+            if "fuse_test" in {s.name for s in self.built[ahash].steps}:
+                raise TkccError(f"shipping {ahash} failed re-validation: bucket decode/b1/c1465 differs")
+            super().ship(ahash)
+
+    state, store, ev = _run(tmp_path, ev=RefusingEvaluator())
+    ships = store.ships(state.campaign_id)
+    refused = [s for s in ships if s["action"] == "refused"]
+    assert refused and all(s["plan"][0]["name"] == "fuse_test" for s in refused)
+    assert "failed re-validation" in refused[0]["reason"]
+    assert not any(s["action"] == "ship" and s["plan"] for s in ships if s["plan"] and s["plan"][0]["name"] == "fuse_test")
+    assert state.shipped[1] < 150  # the 2x candidate never became the shipped one

@@ -221,7 +221,12 @@ def _decide_ship(store, state, evaluator, cand: Candidate, obj: float, bar) -> N
     ok, why = state.noise.decide(obj, cur_obj)
     if not ok:
         return
-    evaluator.ship(evaluator.build(cand, "slow"))
+    try:  # the engine validates it again, on fresh inputs and shapes, before it serves
+        evaluator.ship(evaluator.build(cand, "slow"))
+    except TkccError as e:
+        store.record_ship(state.campaign_id, cand.key, cand.plan.to_json(), obj, "refused", str(e))
+        _say(state, f"not shipped {cand.key}: {e}", bar)
+        return
     store.record_ship(state.campaign_id, cand.key, cand.plan.to_json(), obj, "ship", why)
     state.shipped = (cand.key, obj)
     _say(state, f"shipped {cand.key}: {why}", bar)

@@ -141,7 +141,7 @@ def compare(ref: list[torch.Tensor], out: list[torch.Tensor], exact: bool, atol:
                 if norm > scaled.bound:
                     raise ValidationFailure(f"{name}: error {norm:.3g} of the output's scale (max abs error "
                                             f"{diff:.3g}, scale {scale:.3g}) exceeds the tolerance {scaled.bound:.3g}"
-                                            f" = {scaled.describe()}")
+                                            f" = {scaled.describe()}", {"abs": diff, "norm": norm})
             elif o.is_floating_point():
                 if not torch.allclose(o.float(), r.float(), atol=atol, rtol=rtol, equal_nan=True):
                     diff = _max_abs(r, o)
