@@ -213,14 +213,18 @@ class FusedDecoder:
         """One decode step as a captured Program's decode graph takes it: (input_ids [1, 1], cache_position [1])
         -> logits [1, 1, vocab]. Inputs are copied on the device (no host sync); the step is replayed from a
         CUDA graph once ``capture()`` has run."""
-        self.token.copy_(input_ids.reshape(-1)[:1])
-        self.pos.copy_(cache_position.reshape(-1)[-1:])
-        torch.add(self.pos, 1, out=self.seqlen)
+        self.set_inputs(input_ids, cache_position)
         if self.graph is not None:
             self.graph.replay()
         else:
             self.step()
         return self.logits.view(1, 1, -1).clone()
+
+    def set_inputs(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> None:
+        """The next step's token and position, copied on the device."""
+        self.token.copy_(input_ids.reshape(-1)[:1])
+        self.pos.copy_(cache_position.reshape(-1)[-1:])
+        torch.add(self.pos, 1, out=self.seqlen)
 
     # -- driving ----------------------------------------------------------------------------------
     def reset(self, token: int, pos: int) -> None:
@@ -231,7 +235,12 @@ class FusedDecoder:
         self.seqlen.fill_(pos + 1)
 
     def capture(self) -> None:
-        """Record one step as a CUDA graph (after a warm-up step on a side stream compiles every kernel)."""
+        """Record one step as a CUDA graph (after a warm-up step on a side stream compiles every kernel).
+
+        Both steps run for real: each writes the current token's K/V into the cache at the current position.
+        Set the inputs of the step about to run first (``set_inputs``), so those writes are the ones that step
+        makes anyway; captured with stale inputs they would overwrite a cache position that a caller with
+        its own positions (a validation, a golden check) still reads."""
         saved = (self.token.clone(), self.pos.clone(), self.seqlen.clone(), self.forced_step_clone())
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

@@ -56,6 +56,7 @@ class FusedDecodeStep(torch.nn.Module):
         self.calls += 1
         dec = self.decoder
         if self.cuda_graph and dec.graph is None and input_ids.is_cuda and self.calls >= 2:
+            dec.set_inputs(input_ids, cache_position)  # capture's steps then write what this step writes anyway
             dec.capture()
         return dec.forward(input_ids, cache_position)
 
