@@ -232,14 +232,20 @@ def measure_graph_floor(dev: torch.device, model: str = "llama-tiny") -> tuple[f
 _SIZES = (4096, 65536, 1 << 20, 16 << 20)
 
 
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = a + b x (slope 0 when every x is the same)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
 def _fit(samples: list[tuple[int, float]], degree: int) -> tuple[float, float]:
     """Least squares t = lat + n * 2(d-1)/d / bw over (bytes, us) samples -> (lat_us, busbw GB/s)."""
     xs = [n * 2 * (degree - 1) / degree for n, _ in samples]
     ys = [t for _, t in samples]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    lat = max(my - slope * mx, min(ys) * 0.5)
+    intercept, slope = _line(xs, ys)
+    lat = max(intercept, min(ys) * 0.5)
     bw = (1.0 / slope) / 1e3 if slope > 0 else 1e6  # bytes/us -> GB/s
     return lat, bw
 
@@ -360,11 +366,7 @@ def measure_op_costs(dev: torch.device) -> dict:
         us = graph_replay_us(lambda: [torch.nn.functional.linear(x, w) for w in ws], dev) / len(ws)
         pts.append((mib * 2**20, us))
         del ws
-    xs = [p[0] for p in pts]
-    ys = [p[1] for p in pts]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
-    gemv = max(0.0, my - slope * mx)
+    gemv = max(0.0, _line([p[0] for p in pts], [p[1] for p in pts])[0])
     # decode attention over a short cache (16 heads x 128, 2k positions): the per-call floor
     q = torch.randn(1, 16, 1, 128, device=dev, dtype=bf)
     kv = torch.randn(1, 16, 2048, 128, device=dev, dtype=bf)

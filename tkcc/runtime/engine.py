@@ -475,33 +475,13 @@ class EngineCore:
             guard.restore()
             failure = None
             try:
-                compare(ref, outs, exact, atol, rtol, f"CUDA graph of bucket {key}", scaled)
+                exact, scaled, note = self._check_replay(tier, cand, b, key, inputs, guard, ref, outs, exact, scaled,
+                                                         atol, rtol)
+                if note:
+                    notes_exact[key] = note
             except ValidationFailure as e:
-                if exact and self._reference_unstable(tier, b, key, inputs, guard, ref):
-                    exact, scaled = False, self._scaled(tier, False)  # the tier is in tolerance mode from here on
-                    notes_exact[key] = self.policies[tier].why()
-                try:  # a replay may pick other library kernels than eager: within tolerance is a note, not a failure
-                    if scaled is not None:
-                        try:
-                            compare(ref, outs, False, atol, rtol, f"CUDA graph of bucket {key}", scaled)
-                        except ValidationFailure as e3:
-                            if not (e3.mismatch and self._own_forward(cand, tier)):
-                                raise
-                            # the reference's own forward, captured again, is this far from itself: widen the bound
-                            self._demote(tier, e3.mismatch["abs"], e3.mismatch["norm"],
-                                         f"bucket {key}, two CUDA-graph captures of the reference's forward")
-                            scaled = self._scaled(tier, False)
-                            notes_exact[key] = self.policies[tier].why()
-                            compare(ref, outs, False, atol, rtol, f"CUDA graph of bucket {key}", scaled)
-                    elif not exact:
-                        raise
-                    else:
-                        err = compare(ref, outs, False, atol, rtol, f"CUDA graph of bucket {key}")
-                        notes_exact[key] = (f"graph replay differs from the eager reference by {err:.3g} "
-                                            "(within tolerance)")
-                except ValidationFailure as e2:
-                    failure = EngineError(f"candidate {cand.id} on the {tier} tier: the CUDA graph replay does not "
-                                          f"match the reference: {e2 if scaled is not None else e}")
+                failure = EngineError(f"candidate {cand.id} on the {tier} tier: the CUDA graph replay does not "
+                                      f"match the reference: {e}")
             if not self._all_ok(failure is None):
                 raise failure or EngineError(f"candidate {cand.id} on the {tier} tier: the CUDA graph replay of bucket "
                                              f"{key} does not match the reference on another rank")
@@ -509,6 +489,39 @@ class EngineCore:
         slot.graphs, slot.graph_notes, slot.graphs_for = graphs, notes, w.fingerprint()
         return {"capture_s": time.perf_counter() - t0, "graphs": len(graphs), "eager": notes,
                 "replay_notes": notes_exact}
+
+    def _check_replay(self, tier: str, cand: cands.Candidate, b, key: str, inputs, guard, ref: list, outs: list,
+                      exact: bool, scaled, atol: float, rtol: float) -> tuple[bool, object, str | None]:
+        """Hold a candidate's graph replay to the reference's; (exact, scaled, note) as they stand afterwards
+        (the tier may have switched mode on the way), or ValidationFailure with the reason."""
+        what = f"CUDA graph of bucket {key}"
+        try:
+            compare(ref, outs, exact, atol, rtol, what, scaled)
+            return exact, scaled, None
+        except ValidationFailure as e:
+            first = e
+        note = None
+        if exact and self._reference_unstable(tier, b, key, inputs, guard, ref):
+            exact, scaled, note = False, self._scaled(tier, False), self.policies[tier].why()
+        if scaled is None:
+            if not exact:
+                raise first
+            try:  # a replay may pick other library kernels than eager: within tolerance is a note, not a failure
+                err = compare(ref, outs, False, atol, rtol, what)
+            except ValidationFailure:
+                raise first from None
+            return exact, scaled, f"graph replay differs from the eager reference by {err:.3g} (within tolerance)"
+        try:
+            compare(ref, outs, False, atol, rtol, what, scaled)
+        except ValidationFailure as e:
+            if not (e.mismatch and self._own_forward(cand, tier)):
+                raise
+            # the reference's own forward, captured again, is this far from itself: widen the bound
+            self._demote(tier, e.mismatch["abs"], e.mismatch["norm"],
+                         f"bucket {key}, two CUDA-graph captures of the reference's forward")
+            scaled, note = self._scaled(tier, False), self.policies[tier].why()
+            compare(ref, outs, False, atol, rtol, what, scaled)
+        return exact, scaled, note
 
     def op_measure(self, tier: str, workload=None, reps: int = 30, warmup: int = 5, rotations: int = 4,
                    seed: int | None = None, min_reps: int | None = MIN_REPS, ci_rel: float = CI_REL) -> dict:

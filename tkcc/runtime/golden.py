@@ -471,6 +471,16 @@ def chosen_logits(pre: torch.Tensor, dec: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, dec], dim=0) if dec.numel() else first
 
 
+def decisive(logits: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(clear, gap, scale), each [B, n], for chosen logits [n, B, V]: a choice is clear where its top-2 gap
+    is wider than twice the allowed error (``bound`` x the logits' scale, their largest magnitude), so no
+    allowed difference can flip it."""
+    top = logits.topk(2, dim=-1).values
+    gap = (top[..., 0] - top[..., 1]).transpose(0, 1)
+    scale = logits.abs().amax(dim=-1).clamp_min(1e-30).transpose(0, 1)
+    return gap > 2 * bound * scale, gap, scale
+
+
 def reference_greedy(program, reference: dict, bound: float, runs: int = 3, steps: int = DEFAULT_STEPS,
                      seeds=DEFAULT_SEEDS, prompt_lens=DEFAULT_PROMPT_LENS) -> GreedyReference:
     """Run the reference ``runs`` times on the golden prompts (teacher-forced with run 1's tokens)."""
@@ -492,10 +502,7 @@ def reference_greedy(program, reference: dict, bound: float, runs: int = 3, step
             same &= toks2 == toks
             other = chosen_logits(pre2, dec2).double()
             worst = max(worst, float((other - logits).abs().max()))
-        top = logits.topk(2, dim=-1).values                      # [steps+1, B, 2]
-        gap = (top[..., 0] - top[..., 1]).transpose(0, 1)          # [B, steps+1]
-        scale = logits.abs().amax(dim=-1).clamp_min(1e-30).transpose(0, 1)
-        judged = same & (gap > 2 * bound * scale)
+        judged = same & decisive(logits, bound)[0]
         toks_all.append(toks.cpu())
         judged_all.append(judged.cpu())
     _reset(program)

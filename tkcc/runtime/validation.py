@@ -324,7 +324,7 @@ def check_greedy(program, reference: dict, candidate: dict, gen, bound: float) -
     random-weight model's logits are often that flat), and one flip would derail a free-running comparison."""
     if not {"prefill", "decode"} <= set(program.phases) or program.state is None:
         return None
-    from tkcc.runtime.golden import chosen_logits, run_sequence
+    from tkcc.runtime.golden import chosen_logits, decisive, run_sequence
 
     cap = int(program.meta.get("max_cache_len", 0) or 0)
     n = min(GREEDY_TOKENS, max(1, cap - GREEDY_PROMPT))
@@ -339,11 +339,7 @@ def check_greedy(program, reference: dict, candidate: dict, gen, bound: float) -
             _, _, got = run_sequence(program, candidate, prompt, n - 1, force=want)
     finally:
         guard.restore()
-    logits = chosen_logits(pre, dec).double()                    # [n, B, V]
-    top = logits.topk(2, dim=-1).values
-    gap = (top[..., 0] - top[..., 1]).transpose(0, 1)            # [B, n]
-    scale = logits.abs().amax(dim=-1).clamp_min(1e-30).transpose(0, 1)
-    judged = gap > 2 * bound * scale
+    judged, gap, scale = decisive(chosen_logits(pre, dec).double(), bound)  # each [B, n]
     bad = judged & (got != want)
     if bool(bad.any()):
         b, j = (int(x) for x in bad.nonzero()[0])
