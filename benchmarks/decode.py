@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tkcc.frontend.models import build_model, get_spec  # noqa: E402
+from tkcc.frontend.weight_packing import pack_projections  # noqa: E402
 from tkcc.kernels.decoder import FusedDecoder  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -539,6 +540,7 @@ def main(argv=None):
         mpe = max(spec.config.get("max_position_embeddings", 4096), max(contexts) + tokens + 64)
         t0 = time.time()
         model = build_model(name, dtype, dev, max_position_embeddings=mpe)
+        pack_projections(model)  # as tkcc's capture does: the fused step then reads q/k/v, gate/up in place
         log(f"built {name} in {time.time() - t0:.1f}s")
         wb = weight_bytes_per_token(model)
         bw = meta.get("copy_bandwidth_GBps", 0) * 1e9

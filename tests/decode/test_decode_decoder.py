@@ -94,9 +94,10 @@ def test_decode_passes_with_live_kernels_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["llama-tiny", "olmoe-tiny"])
+@pytest.mark.parametrize("name", ["llama-tiny", "olmoe-tiny", "olmoe-16l:2", "llama-1b-16l:2"])
 @pytest.mark.parametrize("opts", [dict(fused_attention=True), dict(routed_moe=True),
-                                  dict(fused_attention=True, routed_moe=True, attn_chunk=16)])
+                                  dict(fused_attention=True, routed_moe=True, attn_chunk=16),
+                                  dict(routed_moe=True, pdl=False)])
 def test_decoder_options_on_gpu(name, opts):
     """bf16: each decoder option against the baseline decoder (same weights, same cache contents, the
     forward pass from several positions), CUDA-graph replays equal to eager steps, and tune_step fills
@@ -105,7 +106,8 @@ def test_decoder_options_on_gpu(name, opts):
     from tkcc.kernels import gemv as gemv_mod
     from tkcc.kernels.decoder import FusedDecoder
 
-    m = build_model(name, torch.bfloat16, "cuda")
+    name, _, layers = name.partition(":")  # "model:N": the model's real layer shapes, its first N layers
+    m = build_model(name, torch.bfloat16, "cuda", **({"num_hidden_layers": int(layers)} if layers else {}))
     base = FusedDecoder(m, max_cache_len=64)
     dec = FusedDecoder(m, max_cache_len=64, **opts)
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -101,13 +101,50 @@ def test_hot_first_order_is_a_permutation_most_used_first():
     assert np.all(np.diff(p[order]) <= 0)
 
 
-def test_reorder_experts_keeps_the_moe_function():
+def test_hot_first_runs_on_permuted_copies_and_leaves_the_model_alone():
+    """Same function on the experts stored most-used first; the model's weights (values, order, storage) stay."""
+    from tkcc.frontend.capture import capture_model
+    from tkcc.kernels import ops
+    from tkcc.runtime.validation import changed_weight, weights_checksum
+
+    prog = capture_model("olmoe-tiny", "float32", "cpu", max_cache_len=32)
+    before = weights_checksum(prog.model)
+    new, logs = apply_plan(prog, PassPlan.of(("moe_regroup", {"expert_order": "hot_first", "fused": False})),
+                           mode="tolerance")
+    assert changed_weight(before, weights_checksum(prog.model)) is None
+    calls = [n for n in new.graphs["decode"].graph.nodes if n.target is ops.moe_block]
+    orders = [n.kwargs["expert_order"] for n in calls]
+    assert len(calls) == prog.num_blocks and all(sorted(o) == list(range(prog.model.config.num_experts))
+                                                 for o in orders)
+    assert any(list(o) != sorted(o) for o in orders)  # the bundled routing makes some expert hotter
+    for phase in ("prefill", "decode"):
+        for seed in (0, 1):
+            inp = prog.inputs(phase, generator=torch.Generator().manual_seed(seed))
+            _fill_cache(prog, seed)
+            ref = prog.graphs[phase](*inp)
+            _fill_cache(prog, seed)
+            got = new.graphs[phase](*inp)
+            ref, got = (r[0] if isinstance(r, (tuple, list)) else r for r in (ref, got))
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert changed_weight(before, weights_checksum(prog.model)) is None
+
+
+def test_permuted_experts_are_the_same_function_and_cached():
     from tkcc.frontend.models import build_model
-    from tkcc.kernels.decoder import reorder_experts
+    from tkcc.kernels.expert_order import permuted_experts
+    from tkcc.kernels.moe import moe_ref
 
     m = build_model("olmoe-tiny", torch.float32, "cpu")
-    x = torch.randn(1, 5, m.config.hidden_size)
     mlp = m.model.layers[0].mlp
-    ref = mlp(x)
-    reorder_experts(mlp, torch.randperm(m.config.num_experts, generator=torch.Generator().manual_seed(3)))
-    assert torch.allclose(mlp(x), ref, atol=1e-6, rtol=1e-5)
+    E, k = m.config.num_experts, mlp.gate.top_k
+    w = (mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+    order = torch.randperm(E, generator=torch.Generator().manual_seed(3)).tolist()
+    p = permuted_experts(*w, order)
+    assert permuted_experts(*w, order)[1] is p[1]  # made once per weights and order
+    assert all(torch.equal(a[order[2]], b[2]) for a, b in zip(w, p))
+    x = torch.randn(5, m.config.hidden_size)
+    ref = moe_ref(x, torch.nn.functional.linear(x, w[0]), w[1], w[2], k, mlp.gate.norm_topk_prob)
+    got = moe_ref(x, torch.nn.functional.linear(x, p[0]), p[1], p[2], k, mlp.gate.norm_topk_prob)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="not a permutation"):
+        permuted_experts(*w, [0] * E)

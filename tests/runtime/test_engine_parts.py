@@ -151,3 +151,22 @@ def test_objective_from_the_traffic_metrics_or_a_stated_reason():
     assert 1 / 0.003 <= value <= 1 / 0.002
     name, value, note = objective_of(Workload(w.buckets), med)  # no request mix: stated, not raised
     assert value is None and "objective not computed" in note
+
+
+def test_weights_checksum_names_reordered_rows_and_repointed_storage():
+    from tkcc.runtime.validation import changed_weight
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3)).to(torch.bfloat16)
+    base = weights_checksum(m)
+    assert changed_weight(base, weights_checksum(m)) is None
+    w = m[0].weight
+    old = w.data
+    with torch.no_grad():
+        w.data = old[torch.tensor([1, 0, 2, 3, 4, 5])].contiguous()  # two rows swapped: same sums of all bits
+    why = changed_weight(base, weights_checksum(m))
+    assert why and "0.weight" in why and "re-pointed" in why
+    with torch.no_grad():
+        old.copy_(old[torch.tensor([1, 0, 2, 3, 4, 5])])  # swapped in place, same storage
+        w.data = old
+    why = changed_weight(base, weights_checksum(m))
+    assert why == "0.weight has other values (rows reordered)"

@@ -55,3 +55,27 @@ def test_cuda_kernel_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), fam.reference(q, k, v, pos, scale).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("model", ["olmoe-16l", "llama-1b-16l"])
+def test_decode_attention_every_variant_at_every_context(model):
+    """Each (nsplit, warps, unroll) a campaign can pick, on the model's real head shapes, from one position to
+    a nearly full cache: a split count that leaves some splits empty or short must still give the reference."""
+    import itertools
+
+    from tkcc.codegen.targets.cuda import VARIANTS
+
+    fam = FAMILIES["decode_attention"]
+    base = dict(model_shapes(model)["decode_attention"])
+    q, k, v, pos, scale = fam.make_inputs(base, torch.bfloat16, "cuda", torch.Generator().manual_seed(7))
+    refs = {L: fam.reference(q, k, v, torch.tensor([L - 1], device="cuda"), scale).float() for L in (1, 6, 1466, 4001)}
+    bad = {}
+    vs = VARIANTS["decode_attention"]
+    for nsplit, warps, unroll in itertools.product(vs["nsplit"], vs["warps"], vs["unroll"]):
+        fn = kernel("decode_attention", "cuda", torch.bfloat16, base, dict(nsplit=nsplit, warps=warps, unroll=unroll))
+        for L, ref in refs.items():
+            got = fn(q, k, v, torch.tensor([L - 1], device="cuda"), scale).float()
+            err = float((got - ref).abs().max() / ref.abs().max())
+            if not err < 2e-2:
+                bad[(nsplit, warps, unroll, L)] = round(err, 4)
+    assert not bad, bad

@@ -26,6 +26,7 @@ from tkcc.frontend.fingerprint import model_fingerprint
 from tkcc.frontend.layer_map import layer_map
 from tkcc.frontend.program import Program
 from tkcc.frontend.truncate import copied_path, keep_first_blocks
+from tkcc.frontend.weight_packing import pack_projections
 
 PHASES = ("prefill", "decode")
 INPUT_NAMES = ("input_ids", "cache_position")
@@ -117,6 +118,8 @@ def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
     dtype, device = param.dtype, param.device
     container = decoder_layers_path(model)
     num_layers = cfg.num_hidden_layers
+    if _parent is None:
+        pack_projections(model)  # before any graph holds a weight pointer (see tkcc.frontend.weight_packing)
     if _kv is None:
         heads, head_dim = kv_shape(model.config)
         _kv = KVCache.allocate(num_layers, batch, heads, max_cache_len, head_dim, dtype, device)

@@ -36,27 +36,13 @@ from tkcc.kernels.rotary import rope
 
 
 def _regroup(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Concatenate weights along dim 0 and re-point each parameter at its slice (no lasting copy)."""
-    if all(p.data.untyped_storage().data_ptr() == params[0].data.untyped_storage().data_ptr() for p in params):
-        base = params[0].data
-        n = sum(p.shape[0] for p in params)
-        if base.storage_offset() == 0 and params[-1].data.storage_offset() + params[-1].numel() == n * base.shape[1]:
-            return torch.as_strided(base, (n, base.shape[1]), base.stride(), 0)
-    cat = torch.cat([p.data for p in params], 0)
-    off = 0
-    for p in params:
-        p.data = cat[off: off + p.shape[0]]
-        off += p.shape[0]
-    return cat
+    """The weights as one [rows, cols] matrix: a view when they are packed (``tkcc.frontend.weight_packing``,
+    done at capture), else a copy owned by the decoder. The parameters are never re-pointed: graphs captured
+    earlier read their storage, and freeing it under them makes them read garbage."""
+    from tkcc.frontend.weight_packing import packed_view
 
-
-def reorder_experts(mlp: torch.nn.Module, order: torch.Tensor) -> None:
-    """Permute a sparse-MoE block's experts (router rows, gate_up, down) in place: same function,
-    hot experts stored together. ``order[i]`` is the old index of new expert i."""
-    with torch.no_grad():
-        mlp.gate.weight.data = mlp.gate.weight.data[order].contiguous()
-        mlp.experts.gate_up_proj.data = mlp.experts.gate_up_proj.data[order].contiguous()
-        mlp.experts.down_proj.data = mlp.experts.down_proj.data[order].contiguous()
+    view = packed_view([p.data for p in params])
+    return view if view is not None else torch.cat([p.data for p in params], 0)
 
 
 class FusedDecoder:

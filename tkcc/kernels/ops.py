@@ -21,6 +21,7 @@ import triton
 
 from tkcc.errors import TkccError
 from tkcc.kernels.attention import attention
+from tkcc.kernels.expert_order import permuted_experts
 from tkcc.kernels.common import GPU_DTYPES, fallback_reason, note_fallback, rms_ref
 from tkcc.kernels.gemv import gemv
 from tkcc.kernels.moe import moe, moe_ref
@@ -113,9 +114,14 @@ def _moe_cuda(xs, router_w, gate_up, down, top_k, norm_topk_prob, variant):
 
 def moe_block(x, router_w, gate_up, down, top_k: int, norm_topk_prob: bool, fused: bool = True, *,
               target: str = "triton", cuda_warps: int = 4, cuda_rows_per_warp: int = 2,
-              cuda_router_threads: int = 64):
-    """A sparse-MoE block (router softmax/top-k + experts) on x [..., H] -> [..., H]."""
+              cuda_router_threads: int = 64, expert_order: tuple | None = None):
+    """A sparse-MoE block (router softmax/top-k + experts) on x [..., H] -> [..., H].
+
+    ``expert_order``: run on the experts stored in this order (new expert i = old ``expert_order[i]``), from
+    permuted copies (``tkcc.kernels.expert_order``): the same function, the model's weights untouched."""
     _check_target("moe_block", target)
+    if expert_order is not None:
+        router_w, gate_up, down = permuted_experts(router_w, gate_up, down, expert_order)
     H = x.shape[-1]
     xs = x.reshape(-1, H)
     if fused and xs.shape[0] == 1:

@@ -6,10 +6,12 @@ weights into a new tensor for every token (``gate_up_proj[expert_ids]``: a
 replacement op (``tkcc.kernels.ops.moe_block``) routes (softmax + top-k in the
 kernel prologue) and streams each selected expert's rows once, with the
 silu*mul and the weighted sum fused; prefill and unsupported devices run the
-same eager arithmetic (bit-exact). ``expert_order=hot_first`` permutes the
-experts in place (router rows, gate_up, down together: the same function) so
-the experts the workload's routing uses most are stored together; at batch 1
-this changes no byte counts and is offered for batched decode.
+same eager arithmetic (bit-exact). ``expert_order=hot_first`` runs the op on
+the experts stored most-used first by the workload's routing (router rows,
+gate_up, down permuted together: the same function), from permuted copies
+made once (``tkcc.kernels.expert_order``), never by permuting the model's
+weights in place, which other graphs read; at batch 1 this changes no byte
+counts and is offered for batched decode.
 
 ``target`` picks the one-token kernels: Triton (routing in the expert
 kernel's prologue) or CUDA C++ (router logits, the ``router_topk`` kernel with
@@ -54,21 +56,20 @@ class MoERegroup(GraphPass):
     def apply(self, program, **params):
         check_pass_target(self.name, params.get("target", "triton"), program)
         self._model = program.model
-        if params.get("expert_order", "none") == "hot_first":
-            self._reorder(program)
+        self._orders = self._hot_first(program) if params.get("expert_order", "none") == "hot_first" else {}
         return super().apply(program, **params)
 
-    def _reorder(self, program):
-        from tkcc.kernels.decoder import reorder_experts
+    @staticmethod
+    def _hot_first(program) -> dict:
+        """{id(MoE block): expert order, most used first} from the routing distribution (tkcc.traffic.routing)."""
         from tkcc.traffic.routing import Routing
 
         layers = [m for _p, m in program.model.named_modules() if is_sparse_moe(m)]
         if not layers:
-            return
+            return {}
         g = layers[0].gate
         r = Routing.for_model(len(layers), g.num_experts, g.top_k)
-        for i, m in enumerate(layers):
-            reorder_experts(m, hot_first_order(r.probs[i]))
+        return {id(m): tuple(hot_first_order(r.probs[i]).tolist()) for i, m in enumerate(layers)}
 
     def rewrite(self, gm, info: RewriteInfo, phase: str, fused=True, expert_order="none", target="triton",
                 **cuda_variant):
@@ -87,9 +88,11 @@ class MoERegroup(GraphPass):
                 continue
             w = [param_node(gm, f"{path}.{n}", nodes[0])
                  for n in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")]
+            order = self._orders.get(id(mod))
             replace_region(gm, nodes, ops.moe_block,
                            (ins[0], *w, int(mod.gate.top_k), bool(getattr(mod.gate, "norm_topk_prob", False)),
                             fused), phase=phase, info=info,
-                           kwargs={"target": target, **(cuda_variant if target == "cuda" else {})})
+                           kwargs={"target": target, **(cuda_variant if target == "cuda" else {}),
+                                   **({"expert_order": order} if order else {})})
         info.notes.append(f"{phase}: {info.replaced} MoE block(s) regrouped so far (fused={fused}, "
                           f"expert_order={expert_order}, target={target})")

@@ -32,7 +32,8 @@ from tkcc.runtime.programs import (build_tiers, check_device, check_tier, fast_b
                                    parse_dtype)
 from tkcc.runtime.timing import bucket_inputs, objective_of, time_bucket
 from tkcc.runtime.validation import (TOLERANCES, WEIGHTS_CHANGED, StateGuard, ValidationFailure, clone_all,
-                                     compare, pick_buckets, poison, tensors_of, validate, weights_checksum)
+                                     compare, pick_buckets, poison, tensors_of, validate, weights_checksum,
+                                     changed_weight)
 from tkcc.runtime.workloads import check_buckets, default_workload, workload_from_json
 
 HISTORY = 8  # earlier forwards kept per tier for revert
@@ -624,6 +625,7 @@ class EngineCore:
             x = torch.ones(16, device=self.device)
             if float((x * 2).sum()) != 32.0:
                 raise RuntimeError("device arithmetic check failed")
-        if weights_checksum(self.program.model) != self.weights:
-            raise RuntimeError("the resident weights changed")
+        changed = changed_weight(self.weights, weights_checksum(self.program.model))
+        if changed:
+            raise RuntimeError(f"the resident weights changed: {changed}")
         return {"ok": True}

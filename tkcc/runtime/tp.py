@@ -382,7 +382,8 @@ class TPEngineCore(EngineCore):
         return res
 
     def op_weights_digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.weights).encode()).hexdigest()
+        """A digest of the weights' values (names and sums; not their addresses, which differ per rank)."""
+        return hashlib.sha256(json.dumps([(w[0], *w[2:]) for w in self.weights]).encode()).hexdigest()
 
     def op_status(self) -> dict:
         out = super().op_status()

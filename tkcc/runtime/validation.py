@@ -71,21 +71,39 @@ class StateGuard:
         return [b.detach().clone() for b in self.buffers]
 
 
-def weights_checksum(model: torch.nn.Module) -> list[int]:
-    """Exact integer checksums of every parameter's bits (two sums each; any single change shows).
+def weights_checksum(model: torch.nn.Module) -> list[tuple]:
+    """Per parameter: (name, storage address, three exact integer sums of its bits). Compare two with
+    ``changed_weight``.
 
-    Sums stay on the device and come back in one transfer, so the check costs
-    one read of the weights (milliseconds on a GPU), not a sync per tensor.
-    """
-    sums = []
+    The sums see any single changed value, and the position-weighted one also sees rows swapped (experts
+    permuted). The address sees a parameter re-pointed at new storage with the same values: graphs captured
+    before still read the old storage, which the allocator hands out again. The sums stay on the device and
+    come back in one transfer, so the check costs one read of the weights, not a sync per tensor."""
+    names, sums = [], []
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             flat = p.detach().reshape(-1)
             size = flat.element_size()
             wide = torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8
-            sums.append(flat.view(torch.uint8).sum(dtype=torch.int64))
-            sums.append(flat.view(wide).sum(dtype=torch.int64))
-    return torch.stack(sums).tolist() if sums else []
+            rows = flat.view(wide).reshape(p.shape[0] if p.dim() > 1 else 1, -1).sum(1, dtype=torch.int64)
+            at = torch.arange(1, rows.numel() + 1, device=rows.device, dtype=torch.int64)
+            sums += [flat.view(torch.uint8).sum(dtype=torch.int64), rows.sum(), (rows * at).sum()]
+            names.append((name, p.data_ptr()))
+    vals = torch.stack(sums).tolist() if sums else []
+    return [(n, ptr, *vals[3 * i: 3 * i + 3]) for i, (n, ptr) in enumerate(names)]
+
+
+def changed_weight(before: list[tuple], after: list[tuple]) -> str | None:
+    """None when ``after`` equals ``before`` (both from weights_checksum), else which parameter changed, and how."""
+    if [b[0] for b in before] != [a[0] for a in after]:
+        return "the set of parameters changed"
+    for b, a in zip(before, after):
+        if b[1] != a[1]:
+            return (f"{b[0]} was re-pointed at other storage (graphs captured before it still read the old "
+                    "storage, which is freed)")
+        if b[2:] != a[2:]:
+            return f"{b[0]} has other values" + (" (rows reordered)" if b[2:4] == a[2:4] else "")
+    return None
 
 
 def poison(prev: list[torch.Tensor], device: torch.device, nbytes: int) -> None:
@@ -304,8 +322,9 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
         reason, mismatch = str(e), e.mismatch
     else:
         reason, mismatch = None, None
-    if weights is not None and weights_checksum(weights[0]) != weights[1]:
-        reason = WEIGHTS_CHANGED + (f" (and {reason})" if reason else "")
+    changed = changed_weight(weights[1], weights_checksum(weights[0])) if weights is not None else None
+    if changed:
+        reason = f"{WEIGHTS_CHANGED}: {changed}" + (f" (and {reason})" if reason else "")
     mode = "exact" if exact and all(sh["mode"] == "exact" for sh in shapes) else "tolerance"
     out = {"ok": reason is None, "reason": reason, "mismatch": mismatch, "mode": mode, "atol": atol,
            "rtol": rtol, "seed": seed, "shapes": shapes, "greedy": greedy, "seconds": time.perf_counter() - t0}

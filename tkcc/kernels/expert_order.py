@@ -1,0 +1,54 @@
+"""Experts stored in another order (``moe_regroup(expert_order="hot_first")``), without touching the model.
+
+Permuting a model's expert weights in place would change what every other
+graph that reads them computes with (the engine's reference, shipped
+candidates), and re-pointing the parameters would free storage that captured
+CUDA graphs still read. So an op that wants its experts in another order gets
+permuted copies, made once per (weights, order) and kept as long as the
+weights live: router rows, gate_up and down permuted together, the same
+function with the experts renumbered.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# id(gate_up weight) -> (weak ref to it, {(order, pointers, versions): (router, gate_up, down) permuted});
+# keyed by identity (a tensor's == is elementwise), dropped when the weight is freed
+_PERMUTED: dict[int, tuple] = {}
+
+
+def _entry(w: torch.Tensor) -> dict:
+    ref, per = _PERMUTED.get(id(w), (None, None))
+    if ref is None or ref() is not w:
+        per = {}
+        _PERMUTED[id(w)] = (weakref.ref(w), per)
+        weakref.finalize(w, _PERMUTED.pop, id(w), None)
+    return per
+
+
+def check_order(order, num_experts: int) -> tuple[int, ...]:
+    """``order`` as a tuple, or a clear error when it is not a permutation of the experts."""
+    order = tuple(int(i) for i in order)
+    if sorted(order) != list(range(num_experts)):
+        raise ValueError(f"expert order {list(order)[:8]}... is not a permutation of {num_experts} experts")
+    return order
+
+
+def permuted_experts(router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, order) -> tuple:
+    """(router_w, gate_up, down) with new expert i = old expert ``order[i]``; cached per weights and order."""
+    order = check_order(order, router_w.shape[0])
+    if order == tuple(range(len(order))):
+        return router_w, gate_up, down
+    key = (order, router_w.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+           router_w._version, gate_up._version, down._version)
+    per = _entry(gate_up)
+    hit = per.get(key)
+    if hit is None:
+        idx = torch.tensor(order, device=router_w.device)
+        with torch.no_grad():
+            hit = tuple(w.detach().index_select(0, idx).contiguous() for w in (router_w, gate_up, down))
+        per.clear()  # one permuted copy per weight tensor: a stale one (other order or values) is dropped
+        per[key] = hit
+    return hit
