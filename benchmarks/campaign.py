@@ -53,7 +53,10 @@ def main() -> int:
                     help="the engine's validation mode (tkcc serve --validation; default auto)")
     ap.add_argument("--wall-limit", type=float, default=0.0,
                     help="seconds for the whole run (0: none); later stages shrink to fit")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "campaign.json"))
+    ap.add_argument("--fair-tiers", action="store_true",
+                    help="only stage 1, each campaign in its own fresh engine with its own Triton cache, so the "
+                         "second does not reuse kernels the first compiled (writes campaign_fair.json)")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/campaign.json (campaign_fair.json)")
     args = ap.parse_args()
 
     from tkcc.agents.campaign import CampaignConfig, run_campaign
@@ -66,6 +69,8 @@ def main() -> int:
     from tkcc.traffic.loaders import bundled_trace, load_trace
 
     cap = args.max_cache_len or (4096 if args.device.startswith("cuda") else 512)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / ("campaign_fair.json" if args.fair_tiers
+                                                                  else "campaign.json"))
 
     def save(final: bool = False):
         """Write what is measured so far (a run cut short keeps its finished stages)."""
@@ -95,6 +100,8 @@ def main() -> int:
     extra = ("--max-cache-len", str(cap), "--timeout", "300", "--validation", args.validation)
     if args.device == "cpu":
         extra += ("--threads", "1")
+    if args.fair_tiers:
+        return fair_tiers(args, tmp, extra, workload, space, save, out)
     with spawned_engine(args.model, args.device, str(tmp / "engine"), extra=extra) as client:
         out["engine_start_s"] = round(time.time() - t_start, 1)
         tiers_st = (client.status().get("worker") or {}).get("tiers") or {}
@@ -191,6 +198,51 @@ def main() -> int:
     save(final=True)
     print(json.dumps({k: out[k] for k in ("two_tier_candidates", "slow_only_candidates", "two_tier_objective",
                                           "slow_only_objective", "aa_comparisons", "aa_false_ships")}))
+    return 0
+
+
+def fair_tiers(args, tmp, extra, workload, space, save, out) -> int:
+    """Stage 1 only, each campaign in a fresh engine with an empty Triton cache of its own."""
+    from tkcc.agents.campaign import CampaignConfig, run_campaign
+    from tkcc.agents.engine_eval import EngineEvaluator, spawned_engine
+    from tkcc.agents.search import BayesianSearch
+    from tkcc.agents.store import ExperimentStore
+
+    w1 = workload(args.trace)
+    out["workload"] = {"trace": args.trace, "fingerprint": w1.fingerprint(), "buckets": [b.key() for b in w1.buckets]}
+    out["tiers"] = {}
+    for label, tiers in (("two_tier", ("fast", "slow")), ("slow_only", ("slow",))):
+        env = {"TRITON_CACHE_DIR": str(tmp / label / "triton")}
+        t_eng = time.time()
+        with spawned_engine(args.model, args.device, str(tmp / label / "engine"), extra=extra, env=env) as client:
+            start_s = round(time.time() - t_eng, 1)
+            store = ExperimentStore(tmp / label / "store.db")
+            ev = EngineEvaluator(client, w1, reps=args.reps)
+            cfg = CampaignConfig(name=label, model=args.model, budget_s=args.budget, tiers=tiers, batch=4)
+            t0 = time.time()
+            st = run_campaign(cfg, store, BayesianSearch(space(), seed=1), ev, progress=False)
+            exps = store.experiments(st.campaign_id)
+            out["tiers"][label] = {
+                "engine_start_s": start_s, "wall_s": round(time.time() - t0, 1),
+                "candidates": len({e.candidate for e in exps if e.proposer == "search"}),
+                "experiments": {t: sum(1 for e in exps if e.tier == t) for t in ("fast", "slow")},
+                "failed": sum(1 for e in exps if e.verdict != "measured"),
+                "objective": st.shipped[1], "shipped": st.shipped[0],
+                "baseline_objective": next((s["objective"] for s in store.ships(st.campaign_id)
+                                            if s["reason"] == "baseline"), None),
+                "failures": [{"plan": e.plan, "tier": e.tier, "verdict": e.verdict, "reason": (e.reason or "")[:400]}
+                             for e in exps if e.verdict != "measured"],
+                "validation": {t: v.get("mode") for t, v in st.validation.items()}}
+            print(label, {k: v for k, v in out["tiers"][label].items() if k != "failures"}, flush=True)
+        save()
+    t, s = out["tiers"]["two_tier"], out["tiers"]["slow_only"]
+    out.update(two_tier_candidates=t["candidates"], slow_only_candidates=s["candidates"],
+               two_tier_objective=t["objective"], slow_only_objective=s["objective"],
+               command=" ".join(["python", *sys.argv]),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    save(final=True)
+    print(json.dumps({k: out[k] for k in ("two_tier_candidates", "slow_only_candidates", "two_tier_objective",
+                                          "slow_only_objective")}))
     return 0
 
 

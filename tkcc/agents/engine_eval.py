@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -109,8 +110,9 @@ class EngineEvaluator:
 
 @contextmanager
 def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None, extra: tuple[str, ...] = (),
-                   start_timeout_s: float = 900):
-    """Start ``tkcc serve`` for this campaign and stop it afterwards; yields a connected EngineClient."""
+                   start_timeout_s: float = 900, env: dict | None = None):
+    """Start ``tkcc serve`` for this campaign and stop it afterwards; yields a connected EngineClient.
+    ``env``: variables set for the engine process only (e.g. its own TRITON_CACHE_DIR)."""
     from tkcc.runtime import EngineClient
 
     tmp = Path(state_dir or tempfile.mkdtemp(prefix="tkcc-campaign-engine-"))
@@ -119,7 +121,8 @@ def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None
     cmd = [sys.executable, "-m", "tkcc.cli", "serve", "--model", model, "--device", device, "--socket", sock,
            "--state-dir", str(tmp / "state"), "--json", *extra]
     with open(tmp / "engine.stderr", "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, **env} if env else None)
     try:
         deadline = time.monotonic() + start_timeout_s
         line = proc.stdout.readline()

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import secrets
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ from tkcc.runtime.timing import bucket_inputs, objective_of, time_bucket
 from tkcc.runtime.validation import (TOLERANCES, WEIGHTS_CHANGED, StateGuard, ValidationFailure, clone_all,
                                      compare, pick_buckets, poison, tensors_of, validate, weights_checksum,
                                      changed_weight)
+from tkcc.runtime.stability import unstable_error
 from tkcc.runtime.workloads import check_buckets, default_workload, workload_from_json
 
 HISTORY = 8  # earlier forwards kept per tier for revert
@@ -515,6 +517,11 @@ class EngineCore:
         try:
             compare(ref, outs, False, atol, rtol, what, scaled)
         except ValidationFailure as e:
+            jump = unstable_error(self._reference(tier)[b.phase], inputs, guard, ref, scaled,
+                                  zlib.crc32(key.encode()))
+            if jump is not None:  # the reference itself jumps here (tkcc.runtime.stability): not judged
+                return exact, scaled, (f"{what} not judged: the reference moved by {jump:.3g} of its scale under "
+                                       "a one-rounding-step perturbation of its cache")
             if not (e.mismatch and self._own_forward(cand, tier)):
                 raise
             # the reference's own forward, captured again, is this far from itself: widen the bound

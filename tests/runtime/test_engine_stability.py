@@ -1,0 +1,106 @@
+"""Tolerance-mode validation judges a candidate only where the reference is stable (tkcc.runtime.stability):
+on a model whose output jumps with the sign of a near-zero sum of its cache (an MoE router on a near tie),
+a correct candidate that sums in another order passes, a wrong one still fails, and a model that is
+unstable at every input drawn is refused with that reason."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tkcc.runtime.determinism import ScaledTolerance, TierPolicy
+from tkcc.runtime.validation import validate
+
+
+class Jumpy(torch.nn.Module):
+    """out = x + 10 * sign(sum(cache)): the cache plays the KV cache, the sign the router's choice."""
+
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(256))
+        self.tie = tie
+
+    def make(self, bucket=None, generator=None):
+        c = torch.randn(256, generator=generator)
+        self.cache.copy_(c - c.mean() + 1e-5 if self.tie else c.abs() + 1)  # near-zero sum, or clearly positive
+        return (torch.randn(8, generator=generator),)
+
+
+def _program(tie: bool):
+    m = Jumpy(tie)
+    return SimpleNamespace(meta={"device": "cpu"}, state=m, inputs=lambda ph, b, g: m.make(b, g),
+                           phases=["forward"], model=m)
+
+
+def _reference(m):
+    return lambda x: x + 10 * torch.sign(m.cache.sum())
+
+
+def _reordered(m):
+    """Correct, but sums the cache in another order: on a near tie its sign can differ from the reference's."""
+    return lambda x: x + 10 * torch.sign(m.cache.flip(0).cumsum(0)[-1] + 1e-6 * m.cache[0])
+
+
+def _policy():
+    tol = ScaledTolerance(bound=0.05, measured=0.0, measured_abs=0.0, safety=4.0, floor=0.05, dtype="float32")
+    return TierPolicy(mode="tolerance", source="forced", probe={}, tolerance=tol)
+
+
+BUCKETS = [SimpleNamespace(phase="forward", shapes=((8,),), key=lambda i=i: f"forward/b{i}") for i in range(4)]
+
+
+def test_a_correct_candidate_passes_where_the_reference_is_stable():
+    p = _program(tie=False)
+    ref = {"forward": _reference(p.state)}
+    res = validate(p, ref, {"forward": _reordered(p.state)}, BUCKETS, False, 1e-4, 1e-4, 3, policy=_policy())
+    assert res["ok"], res
+    bad = validate(p, ref, {"forward": lambda x: _reference(p.state)(x) * 1.2}, BUCKETS, False, 1e-4, 1e-4, 3,
+                   policy=_policy())
+    assert not bad["ok"] and "exceeds the tolerance" in bad["reason"]
+
+
+def _flipped(m):
+    """Correct on every clear input, on the other side of every near tie (the worst a rounding can do)."""
+    return lambda x: x + 10 * torch.sign(m.cache.sum()) * (-1 if abs(float(m.cache.sum())) < 1e-2 else 1)
+
+
+def test_near_ties_never_fail_a_correct_candidate():
+    p = _program(tie=True)
+    ref = {"forward": _reference(p.state)}
+    for seed in range(4):  # every input is a near tie: nothing can be judged, and validation says so
+        res = validate(p, ref, {"forward": _flipped(p.state)}, BUCKETS, False, 1e-4, 1e-4, seed, policy=_policy())
+        assert not res["ok"] and "no bucket could be judged" in res["reason"], res
+        assert all(sh["mode"] == "not judged" for sh in res["shapes"])
+    # the same candidate on clear inputs: judged and passed
+    clear = _program(tie=False)
+    res = validate(clear, {"forward": _reference(clear.state)}, {"forward": _flipped(clear.state)}, BUCKETS, False,
+                   1e-4, 1e-4, 0, policy=_policy())
+    assert res["ok"] and all(sh["mode"] == "tolerance" for sh in res["shapes"]), res
+
+
+def test_mixed_inputs_judge_the_stable_ones():
+    """Half the draws are ties: the redraws find stable inputs, a wrong candidate fails on them."""
+    p = _program(tie=True)
+    flips = iter(range(10**6))
+
+    def make(bucket=None, generator=None):
+        p.state.tie = next(flips) % 2 == 0
+        return Jumpy.make(p.state, bucket, generator)
+    p.inputs = lambda ph, b, g: make(b, g)
+    ref = {"forward": _reference(p.state)}
+    ok = validate(p, ref, {"forward": _flipped(p.state)}, BUCKETS, False, 1e-4, 1e-4, 5, policy=_policy())
+    assert ok["ok"], ok
+    assert any("redrawn" in (sh.get("note") or "") for sh in ok["shapes"])
+    bad = validate(p, ref, {"forward": lambda x: -_reference(p.state)(x)}, BUCKETS, False, 1e-4, 1e-4, 5,
+                   policy=_policy())
+    assert not bad["ok"] and "exceeds the tolerance" in bad["reason"]
+
+
+@pytest.mark.parametrize("rel", [2.0 ** -8, 2.0 ** -12])
+def test_perturbation_is_one_rounding_step_and_restores_nothing_else(rel):
+    from tkcc.runtime.stability import perturb_state
+
+    b = torch.randn(1000)
+    before = b.clone()
+    perturb_state([b], seed=0, rel=rel)
+    r = (b / before - 1).abs()
+    assert torch.allclose(r, torch.full_like(r, rel), rtol=1e-3)
