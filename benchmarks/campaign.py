@@ -75,7 +75,7 @@ def main() -> int:
     def save(final: bool = False):
         """Write what is measured so far (a run cut short keeps its finished stages)."""
         out["complete"] = final
-        for path in [args.out] + ([os.path.join(os.environ["OUT"], "campaign.json")] if os.environ.get("OUT") else []):
+        for path in [args.out] + ([os.path.join(os.environ["OUT"], os.path.basename(args.out))] if os.environ.get("OUT") else []):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(out, indent=1, default=str))
     tmp = Path(tempfile.mkdtemp(prefix="tkcc-campaign-bench-"))

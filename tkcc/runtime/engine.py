@@ -506,6 +506,13 @@ class EngineCore:
         note = None
         if exact and self._reference_unstable(tier, b, key, inputs, guard, ref):
             exact, scaled, note = False, self._scaled(tier, False), self.policies[tier].why()
+        elif exact and self._own_forward(cand, tier) and self.policies[tier].source == "auto":
+            # the reference's own ops, replayed from a CUDA graph, differ from its eager run (library kernels
+            # round differently there): the tier is not exact after all; judge in tolerance mode from here on,
+            # at the dtype floor (how far the reference jumps at this input is the stability check's to say)
+            self._demote(tier, 0.0, 0.0, f"bucket {key}: the reference's own forward replayed from a CUDA graph "
+                                         "differs from its eager run")
+            exact, scaled, note = False, self._scaled(tier, False), self.policies[tier].why()
         if scaled is None:
             if not exact:
                 raise first
