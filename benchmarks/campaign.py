@@ -121,23 +121,7 @@ def main() -> int:
         # 1. two tiers vs slow only, same budget, same proposer seed
         res = {}
         for label, tiers in (("two_tier", ("fast", "slow")), ("slow_only", ("slow",))):
-            ev = EngineEvaluator(client, w1, reps=args.reps)
-            cfg = CampaignConfig(name=label, model=args.model, budget_s=args.budget, tiers=tiers, batch=4)
-            t0 = time.time()
-            st = run_campaign(cfg, store, BayesianSearch(space(), seed=1), ev, progress=False)
-            exps = store.experiments(st.campaign_id)
-            res[label] = {"candidates": len({e.candidate for e in exps if e.proposer == "search"}),
-                          "experiments": {t: sum(1 for e in exps if e.tier == t) for t in ("fast", "slow")},
-                          "objective": st.shipped[1], "shipped": st.shipped[0], "wall_s": round(time.time() - t0, 1),
-                          "baseline_objective": next((s["objective"] for s in store.ships(st.campaign_id)
-                                                      if s["reason"] == "baseline"), None),
-                          "failed": sum(1 for e in exps if e.verdict != "measured"),
-                          "failures": [{"plan": e.plan, "tier": e.tier, "verdict": e.verdict,
-                                        "reason": (e.reason or "")[:600]} for e in exps if e.verdict != "measured"],
-                          "refused_ships": [{"plan": x["plan"], "reason": x["reason"][:600]}
-                                            for x in store.ships(st.campaign_id) if x["action"] == "refused"],
-                          "validation": {t: v.get("mode") for t, v in st.validation.items()}}
-            print(label, res[label], flush=True)
+            res[label] = tier_campaign(args, client, store, w1, space, label, tiers)
         out.update(two_tier_candidates=res["two_tier"]["candidates"], slow_only_candidates=res["slow_only"]["candidates"],
                    two_tier_objective=res["two_tier"]["objective"], slow_only_objective=res["slow_only"]["objective"],
                    tiers=res)
@@ -201,11 +185,35 @@ def main() -> int:
     return 0
 
 
+def tier_campaign(args, client, store, w1, space, label: str, tiers: tuple) -> dict:
+    """One stage-1 campaign (``tiers``, the budget, proposer seed 1) on the engine behind ``client``; its summary."""
+    from tkcc.agents.campaign import CampaignConfig, run_campaign
+    from tkcc.agents.engine_eval import EngineEvaluator
+    from tkcc.agents.search import BayesianSearch
+
+    ev = EngineEvaluator(client, w1, reps=args.reps)
+    cfg = CampaignConfig(name=label, model=args.model, budget_s=args.budget, tiers=tiers, batch=4)
+    t0 = time.time()
+    st = run_campaign(cfg, store, BayesianSearch(space(), seed=1), ev, progress=False)
+    exps = store.experiments(st.campaign_id)
+    ships = store.ships(st.campaign_id)
+    res = {"candidates": len({e.candidate for e in exps if e.proposer == "search"}),
+           "experiments": {t: sum(1 for e in exps if e.tier == t) for t in ("fast", "slow")},
+           "objective": st.shipped[1], "shipped": st.shipped[0], "wall_s": round(time.time() - t0, 1),
+           "baseline_objective": next((s["objective"] for s in ships if s["reason"] == "baseline"), None),
+           "failed": sum(1 for e in exps if e.verdict != "measured"),
+           "failures": [{"plan": e.plan, "tier": e.tier, "verdict": e.verdict, "reason": (e.reason or "")[:600]}
+                        for e in exps if e.verdict != "measured"],
+           "refused_ships": [{"plan": x["plan"], "reason": x["reason"][:600]} for x in ships
+                             if x["action"] == "refused"],
+           "validation": {t: v.get("mode") for t, v in st.validation.items()}}
+    print(label, {k: v for k, v in res.items() if k not in ("failures", "refused_ships")}, flush=True)
+    return res
+
+
 def fair_tiers(args, tmp, extra, workload, space, save, out) -> int:
     """Stage 1 only, each campaign in a fresh engine with an empty Triton cache of its own."""
-    from tkcc.agents.campaign import CampaignConfig, run_campaign
-    from tkcc.agents.engine_eval import EngineEvaluator, spawned_engine
-    from tkcc.agents.search import BayesianSearch
+    from tkcc.agents.engine_eval import spawned_engine
     from tkcc.agents.store import ExperimentStore
 
     w1 = workload(args.trace)
@@ -216,24 +224,9 @@ def fair_tiers(args, tmp, extra, workload, space, save, out) -> int:
         t_eng = time.time()
         with spawned_engine(args.model, args.device, str(tmp / label / "engine"), extra=extra, env=env) as client:
             start_s = round(time.time() - t_eng, 1)
-            store = ExperimentStore(tmp / label / "store.db")
-            ev = EngineEvaluator(client, w1, reps=args.reps)
-            cfg = CampaignConfig(name=label, model=args.model, budget_s=args.budget, tiers=tiers, batch=4)
-            t0 = time.time()
-            st = run_campaign(cfg, store, BayesianSearch(space(), seed=1), ev, progress=False)
-            exps = store.experiments(st.campaign_id)
-            out["tiers"][label] = {
-                "engine_start_s": start_s, "wall_s": round(time.time() - t0, 1),
-                "candidates": len({e.candidate for e in exps if e.proposer == "search"}),
-                "experiments": {t: sum(1 for e in exps if e.tier == t) for t in ("fast", "slow")},
-                "failed": sum(1 for e in exps if e.verdict != "measured"),
-                "objective": st.shipped[1], "shipped": st.shipped[0],
-                "baseline_objective": next((s["objective"] for s in store.ships(st.campaign_id)
-                                            if s["reason"] == "baseline"), None),
-                "failures": [{"plan": e.plan, "tier": e.tier, "verdict": e.verdict, "reason": (e.reason or "")[:400]}
-                             for e in exps if e.verdict != "measured"],
-                "validation": {t: v.get("mode") for t, v in st.validation.items()}}
-            print(label, {k: v for k, v in out["tiers"][label].items() if k != "failures"}, flush=True)
+            out["tiers"][label] = {"engine_start_s": start_s,
+                                   **tier_campaign(args, client, ExperimentStore(tmp / label / "store.db"), w1, space,
+                                                   label, tiers)}
         save()
     t, s = out["tiers"]["two_tier"], out["tiers"]["slow_only"]
     out.update(two_tier_candidates=t["candidates"], slow_only_candidates=s["candidates"],

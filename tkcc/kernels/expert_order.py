@@ -14,18 +14,9 @@ import weakref
 
 import torch
 
-# id(gate_up weight) -> (weak ref to it, {(order, pointers, versions): (router, gate_up, down) permuted});
-# keyed by identity (a tensor's == is elementwise), dropped when the weight is freed
+# id(gate_up weight) -> (weak ref to it, key, (router, gate_up, down) permuted): one permuted copy per weight
+# tensor, keyed by identity (a tensor's == is elementwise), dropped when the weight is freed
 _PERMUTED: dict[int, tuple] = {}
-
-
-def _entry(w: torch.Tensor) -> dict:
-    ref, per = _PERMUTED.get(id(w), (None, None))
-    if ref is None or ref() is not w:
-        per = {}
-        _PERMUTED[id(w)] = (weakref.ref(w), per)
-        weakref.finalize(w, _PERMUTED.pop, id(w), None)
-    return per
 
 
 def check_order(order, num_experts: int) -> tuple[int, ...]:
@@ -43,12 +34,13 @@ def permuted_experts(router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.
         return router_w, gate_up, down
     key = (order, router_w.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
            router_w._version, gate_up._version, down._version)
-    per = _entry(gate_up)
-    hit = per.get(key)
-    if hit is None:
-        idx = torch.tensor(order, device=router_w.device)
-        with torch.no_grad():
-            hit = tuple(w.detach().index_select(0, idx).contiguous() for w in (router_w, gate_up, down))
-        per.clear()  # one permuted copy per weight tensor: a stale one (other order or values) is dropped
-        per[key] = hit
+    ref, old_key, hit = _PERMUTED.get(id(gate_up), (None, None, None))
+    if ref is not None and ref() is gate_up and old_key == key:
+        return hit
+    idx = torch.tensor(order, device=router_w.device)
+    with torch.no_grad():
+        hit = tuple(w.detach().index_select(0, idx).contiguous() for w in (router_w, gate_up, down))
+    if ref is None or ref() is not gate_up:
+        weakref.finalize(gate_up, _PERMUTED.pop, id(gate_up), None)
+    _PERMUTED[id(gate_up)] = (weakref.ref(gate_up), key, hit)  # a stale copy (other order or values) is dropped
     return hit

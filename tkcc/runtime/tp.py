@@ -370,7 +370,8 @@ class TPEngineCore(EngineCore):
 
         mine = {"rank": self.rank, "ok": bool(res["ok"]), "reason": res.get("reason"),
                 "fatal": bool(res.get("fatal")),
-                "max_abs_err": max([s["max_abs_err"] for s in res.get("shapes", []) if s["max_abs_err"] is not None] or [0.0])}
+                "max_abs_err": max([s["max_abs_err"] for s in res.get("shapes", [])
+                                    if s["max_abs_err"] is not None] or [0.0])}
         every = [None] * self.tp
         dist.all_gather_object(every, mine, group=self._lockstep().group)
         res = dict(res)

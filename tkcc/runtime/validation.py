@@ -249,7 +249,7 @@ def run_candidate(fn, inputs: tuple, guard: StateGuard, prev: list[torch.Tensor]
     return outs
 
 
-def _judge(program, ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, atol: float, rtol: float,
+def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, atol: float, rtol: float,
            scaled, device: torch.device, what: str) -> dict:
     """Steps 2-4 of the module docstring on one draw of inputs; the bucket's record, or ValidationFailure
     (carrying the reference's outputs as ``.ref`` for the stability check)."""
@@ -324,16 +324,17 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
                 inputs = program.inputs(b.phase, b if b.shapes or b.phase in ("prefill", "decode") else None, gen)
                 guard = StateGuard(program.state)
                 try:
-                    shape = _judge(program, reference[b.phase], candidate[b.phase], inputs, guard, exact, atol, rtol,
-                                   scaled, device, what)
+                    shape = _judge(reference[b.phase], candidate[b.phase], inputs, guard, exact, atol, rtol, scaled,
+                                   device, what)
                     break
                 except ValidationFailure as e:
                     # in tolerance mode a bound exceeded where the reference itself jumps says nothing of the
                     # candidate (tkcc.runtime.stability): draw other inputs
-                    jump = unstable_error(reference[b.phase], inputs, guard, getattr(e, "ref", None), scaled,
-                                          int(torch.randint(0, 2**31, (1,), generator=gen))) \
-                        if scaled is not None and getattr(e, "ref", None) is not None \
-                        and (e.mismatch or getattr(e, "greedy", False)) else None
+                    ref = getattr(e, "ref", None)
+                    if scaled is None or ref is None or not (e.mismatch or getattr(e, "greedy", False)):
+                        raise
+                    jump = unstable_error(reference[b.phase], inputs, guard, ref, scaled,
+                                          int(torch.randint(0, 2**31, (1,), generator=gen)))
                     if jump is None:
                         raise
                     unstable.append(round(jump, 4))
