@@ -15,6 +15,9 @@ objective (P90 per-user decode tokens/s) from the measured curve.
                                               # budget --compile-budget-s, shortest and longest context first)
   python benchmarks/decode.py --variants tkcc tkcc_v2   # a subset of the tkcc variants (VARIANTS below)
   TRITON_INTERPRET=1 python benchmarks/decode.py --smoke   # CPU: llama-tiny through every code path, ~1 min
+  python benchmarks/decode.py --objective-from decode.json --compile-rows-from c1.json c2.json
+      # no GPU needed: the trace-weighted objective of a run whose torch.compile rows were measured apart
+      # (one fresh process per context), written to decode_objective.json beside the first file
 Rows go to benchmarks/results/decode.json (and $OUT/decode.json when $OUT is set).
 """
 from __future__ import annotations
@@ -244,10 +247,12 @@ VARIANTS = [
     ("tkcc_fattn", {"fused_attention": True}),
     ("tkcc_routed", {"routed_moe": True}),
     ("tkcc_v2", {"fused_attention": True, "routed_moe": True, "configs": "step"}),
+    ("tkcc_ends", {"fused_ends": True}),
+    ("tkcc_v3", {"fused_attention": True, "routed_moe": True, "fused_ends": True, "configs": "step"}),
 ]
 # variants also timed under the real OLMoE routing (MoE models); variants for MoE models only; variants that
 # differ from tkcc only on a GPU (PDL, tuning)
-REAL_ROUTING = ("tkcc", "tkcc_v2")
+REAL_ROUTING = ("tkcc", "tkcc_v3")
 MOE_ONLY = ("tkcc_routed",)
 VARIANT_TOL = 0.1  # first-step logits, rel. err. vs the tkcc baseline, above which a variant is dropped
 GPU_ONLY = ("tkcc_nopdl", "tkcc_steptuned")
@@ -392,7 +397,7 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
                              peak_mem_bytes=peak(), attn_splits=dec.splits, attn_chunk=dec.chunk, pdl=dec.pdl,
                              options={k: v for k, v in kw.items() if k != "configs"},
                              configs={k: list(v) for k, v in dec.configs.items()} or None))
-            if CUDA and routing == "router" and profile and variant in ("tkcc", "tkcc_v2"):
+            if CUDA and routing == "router" and profile and variant in ("tkcc", "tkcc_v3"):
                 try:
                     key = "profile_us_per_token" if variant == "tkcc" else f"profile_us_per_token[{variant}]"
                     notes.setdefault(key, {})[str(c)] = prof = dec.profile()
@@ -451,6 +456,24 @@ def print_table(rows):
               f"{fl:>8.3f} {100 * fl / r['ms_per_token']:>7.1f} {r['peak_mem_bytes'] / 2**30:>8.2f}")
 
 
+def merged_objective(main_file: str, compile_files: list[str]) -> dict:
+    """The objective rows of ``main_file``'s run with its torch.compile rows replaced by those of
+    ``compile_files`` (runs that compiled one context each in a fresh process). The replaced rows are kept
+    under ``replaced_rows`` so nothing measured disappears."""
+    main = json.loads(Path(main_file).read_text())
+    is_compile = lambda r: r["variant"].startswith("hf_compile")  # noqa: E731
+    extra = []
+    for f in compile_files:
+        d = json.loads(Path(f).read_text())
+        extra += [dict(r, source=Path(f).name) for r in d["rows"] if is_compile(r)]
+    keys = {(r["model"], r["variant"], r["context"]) for r in extra}
+    replaced = [r for r in main["rows"] if is_compile(r) and (r["model"], r["variant"], r["context"]) in keys]
+    rows = [r for r in main["rows"] if r not in replaced] + extra
+    models = sorted({r["model"] for r in rows})
+    return dict(main=Path(main_file).name, compile_rows_from=[Path(f).name for f in compile_files],
+                compile_rows=extra, replaced_rows=replaced, objective=objective_rows(rows, models))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["olmoe-16l", "llama-1b-16l"])
@@ -478,7 +501,19 @@ def main(argv=None):
     ap.add_argument("--checks", action="store_true", help="also run every kernel's bf16 correctness check first")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny models, 2 short contexts, no HF timing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
+    ap.add_argument("--objective-from", default=None, help="recompute the objective of this result file (no GPU)")
+    ap.add_argument("--compile-rows-from", nargs="*", default=[],
+                    help="with --objective-from: result files whose torch.compile rows replace the first file's")
     a = ap.parse_args(argv)
+    if a.objective_from:
+        res = merged_objective(a.objective_from, a.compile_rows_from)
+        out = Path(a.objective_from).with_name("decode_objective.json")
+        out.write_text(json.dumps(res, indent=1))
+        for o in res["objective"]:
+            p90 = o["p90_decode_tokens_per_s"]
+            print(f"{o['model']:<13} {o['trace']:<34} {o['variant']}/{o['routing']}: "
+                  + (f"{p90:.0f} tok/s" if p90 is not None else "-"))
+        return res
     if a.smoke:
         a.models = [m for m in a.models if m.endswith("tiny")] or ["llama-tiny"]
         a.contexts = a.contexts or [4, 12]

@@ -31,6 +31,8 @@ VARIANTS = [
     ("decode_fused_step", {}), ("decode_fused_step", {"cuda_graph": False}), ("decode_fused_step", {"pdl": False}),
     ("decode_fused_step", {"attn_chunk": 64}), ("decode_fused_step", {"attn_chunk": 512}),
     ("decode_fused_step", {"fused_attention": True}), ("decode_fused_step", {"routed_moe": True}),
+    ("decode_fused_step", {"fused_ends": True}),
+    ("decode_fused_step", {"fused_attention": True, "routed_moe": True, "fused_ends": True, "attn_chunk": 64}),
 ]
 
 

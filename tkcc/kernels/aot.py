@@ -24,8 +24,24 @@ def _variants(pdl):
                "stride_wn": "i32", "eps": "fp32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr"}
         sig = dict(sig, FULL_K="constexpr")
         for gpdl, bk in ((False, 512), (True, 2048)) if not pdl else ():
-            v.append(("gemv.py.jinja", dict(norm=norm, gated=gated, residual=res, pdl=gpdl), "gemv_kernel", sig,
+            v.append(("gemv.py.jinja", dict(norm=norm, gated=gated, residual=res, pdl=gpdl, gather=False, argmax=False),
+                      "gemv_kernel", sig,
                       dict(BLOCK_N=4, BLOCK_K=bk, EVEN_K=True, FULL_K=bk == 2048)))
+    if not pdl:  # the decode step's two ends: layer 0's QKV (embedding gather), the lm_head (argmax)
+        base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
+                "stride_wn": "i32", "eps": "fp32"}
+        blocks = {"BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "FULL_K": "constexpr"}
+        gather = {"idx_ptr": "*i64", "xout_ptr": _P, "stride_x": "i32"}
+        amax = {"slots_ptr": "*i64", "count_ptr": "*i32", "tok_ptr": "*i64", "pos_ptr": "*i32", "seq_ptr": "*i32",
+                "GROUP": "i32", "NSLOT": "constexpr"}
+        for gpdl, bk in ((False, 512), (True, 2048)):
+            for hook, extra in (("gather", gather), ("argmax", amax)):
+                consts = dict(BLOCK_N=2, BLOCK_K=bk, EVEN_K=True, FULL_K=bk == 2048)
+                if hook == "argmax":
+                    consts["NSLOT"] = 256
+                v.append(("gemv.py.jinja", dict(norm=True, gated=False, residual=False, pdl=gpdl, gather=hook == "gather",
+                                                   argmax=hook == "argmax"),
+                          "gemv_kernel", {**base, **extra, **blocks}, consts))
     route = dict(TOPK=8, E_PAD=64, NORM_TOPK=False, FORCED=False)
     sig = {"x_ptr": _P, "nw_ptr": _P, "logits_ptr": _P, "forced_ptr": "*i32", "w_ptr": _P, "act_ptr": _P, "I": "i32",
            "H": "i32", "E": "i32", "eps": "fp32", "stride_we": "i64", "stride_wn": "i32", "BLOCK_N": "constexpr",
@@ -98,12 +114,14 @@ def _routed_variants(pdl):
            "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "SPLITS": "i32", "HQ": "i32",
            "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "HALF": "constexpr",
            "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr", "SINGLE": "constexpr",
-           "BLOCK_SP": "constexpr"}
+           "BLOCK_SP": "constexpr", "MERGE": "constexpr"}
     # olmoe-16l (G=1, D=128, q/k norm), llama-1b-16l (G=4, D=64)
-    for G, D, qk, single in ((1, 128, True, True), (1, 128, True, False), (4, 64, False, False), (4, 64, False, True)):
+    for G, D, qk, single, merge in ((1, 128, True, True, True), (1, 128, True, False, True),
+                                    (4, 64, False, False, True), (4, 64, False, True, True),
+                                    (4, 64, False, False, False)):
         v.append(("attention_rope.py.jinja", dict(pdl=pdl), "attn_rope_kernel", sig,
                   dict(G=G, G_PAD=16, D=D, HALF=D // 2, BLOCK_S=64, BLOCK_Q=2048, QK_NORM=qk, SINGLE=single,
-                       BLOCK_SP=16)))
+                       BLOCK_SP=16, MERGE=merge)))
     return v
 
 

@@ -86,6 +86,16 @@ def attention(q, k_cache, v_cache, seqlen, scale=None, splits=None, chunk=None, 
         q, k_cache, v_cache, out, po, plse, seqlen_t, scale * LOG2E, chunk, k_cache.stride(0), k_cache.stride(1),
         splits, G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_S=block_s, SINGLE=single, num_warps=num_warps, **launch)
     if not single:
-        mod.attn_combine_kernel[(Hq,)](po, plse, out, seqlen_t, chunk, splits, D=D,
-                                       BLOCK_SP=min(16, max(2, next_pow2(splits))), num_warps=4, **launch)
+        combine(po, plse, out, seqlen_t, chunk, splits, pdl)
     return out
+
+
+def combine(po, plse, out, seqlen, chunk: int, splits: int, pdl: bool = False):
+    """Merge the split partials (po [Hq, splits, D] fp32, plse [Hq, splits]) into out [Hq, D], one program
+    per head. All splits of a head in one tile (up to 256): the merge's loads are a few round trips to L2
+    rather than two per 16 splits, which at 32k context (128-256 splits) cost more than the partials."""
+    Hq, D = out.shape
+    bsp = min(256, max(2, next_pow2(splits)))
+    load("attention.py.jinja", pdl=pdl).attn_combine_kernel[(Hq,)](
+        po, plse, out, seqlen, chunk, splits, D=D, BLOCK_SP=bsp, num_warps=8 if bsp * D >= 8192 else 4,
+        **({"launch_pdl": True} if pdl else {}))

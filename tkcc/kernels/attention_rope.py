@@ -7,7 +7,10 @@ latency at short context (16 layers x ~2.4 us each on an H200). Here every
 from the fused projection ``[q | k | v]`` itself, the program whose split
 holds ``pos`` writes k and v into the cache, the new position enters the
 softmax from registers, and the last program of each kv head to finish merges
-the splits (an arrival counter per kv head, reset by that program). Same
+the splits (an arrival counter per kv head, reset by that program). That
+merge is serial in the splits; above ``MERGE_MAX_SPLITS`` splits (long
+caches) attention's own combine kernel, parallel over heads, merges them
+instead (two launches). Same
 cache layout and arithmetic as the separate kernels; ``rope_ref`` +
 ``attention_ref`` is the reference.
 """
@@ -19,7 +22,7 @@ import torch
 import triton
 
 from tkcc.errors import TkccError
-from tkcc.kernels.attention import LOG2E, attention_ref
+from tkcc.kernels.attention import LOG2E, attention_ref, combine
 from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
 from tkcc.kernels.render import load
 from tkcc.kernels.rotary import rope_ref
@@ -31,6 +34,9 @@ def attention_rope_ref(qkv, k_cache, v_cache, pos, inv_freq, hq, hkv, q_norm=Non
     p = int(pos.reshape(-1)[0]) if isinstance(pos, torch.Tensor) else int(pos)
     q = rope_ref(qkv, k_cache, v_cache, p, inv_freq, hq, hkv, q_norm, k_norm, eps)
     return attention_ref(q, k_cache, v_cache, p + 1, scale)
+
+
+MERGE_MAX_SPLITS = 16  # one BLOCK_SP tile per head in the in-kernel merge
 
 
 class AttentionRope:
@@ -47,10 +53,12 @@ class AttentionRope:
         self.po = torch.empty(hq, self.splits, D, device=device, dtype=torch.float32)
         self.plse = torch.empty(hq, self.splits, device=device, dtype=torch.float32)
         self.count = torch.zeros(hkv, device=device, dtype=torch.int32)
+        self.merge = self.splits <= MERGE_MAX_SPLITS
 
     def __call__(self, qkv, k_cache, v_cache, pos, inv_freq, q_norm=None, k_norm=None, eps=1e-5, scale=None,
-                 out=None, pdl=False):
-        """qkv [(hq + 2 hkv) D]; caches [hkv, S_max, D] (written at pos); pos: int32 device tensor [1]."""
+                 out=None, pdl=False, seqlen=None):
+        """qkv [(hq + 2 hkv) D]; caches [hkv, S_max, D] (written at pos); pos: int32 device tensor [1];
+        ``seqlen``: pos + 1 on the device (the combine launch reads it; computed here when not given)."""
         hq, hkv, D = self.hq, self.hkv, self.D
         S_max = k_cache.shape[1]
         reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
@@ -81,6 +89,9 @@ class AttentionRope:
             q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, self.chunk,
             k_cache.stride(0), k_cache.stride(1), self.splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
             HALF=D // 2, BLOCK_S=self.block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
-            SINGLE=self.splits == 1, BLOCK_SP=min(16, max(2, next_pow2(self.splits))), num_warps=self.num_warps,
-            **({"launch_pdl": True} if pdl else {}))
+            SINGLE=self.splits == 1, BLOCK_SP=min(16, max(2, next_pow2(self.splits))), MERGE=self.merge,
+            num_warps=self.num_warps, **({"launch_pdl": True} if pdl else {}))
+        if self.splits > 1 and not self.merge:
+            seqlen = seqlen if seqlen is not None else pos.to(torch.int32) + 1
+            combine(self.po, self.plse, out, seqlen, self.chunk, self.splits, pdl)
         return out

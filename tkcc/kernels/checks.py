@@ -50,6 +50,36 @@ def check_gemv(device, dtype, g, pdl=False, shapes=((256, 128), (96, 200), (64, 
                 ref = gemv_ref(x.reshape(1, -1), w, nw, 1e-5, None if r is None else r.reshape(1, -1), gated).reshape(-1)
                 rows.append(_row(f"gemv{'+norm' * norm}{'+gated' * gated}{'+res' * res}", (N, K, cfg), dtype,
                                  rel_err(out, ref)))
+    return rows + _check_gemv_ends(device, dtype, g, pdl, *shapes[0])
+
+
+def _check_gemv_ends(device, dtype, g, pdl, N, K):
+    """The decode step's ends: x gathered from a table row (copied out), argmax of y with pos/seq advanced;
+    twice in a row (the self-resetting slots and counters), the second time with every row tied; and 601
+    one-row programs (arrival groups of 3, the last group of 1)."""
+    from tkcc.kernels.gemv import ArgmaxState, gemv, gemv_ref
+
+    rows = []
+    table = _rand(37, K, device=device, dtype=dtype, g=g)
+    nw = _rand(K, device=device, dtype=dtype, g=g)
+    st = ArgmaxState(device)
+    for n, cfg in ((N, (32, 512, 4)), (N, (8, 64, 2)), (601, (1, 64, 2))):
+        w = _rand(n, K, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(K))
+        for tied in (False, True):
+            wt = torch.ones_like(w) if tied else w
+            i = int(torch.randint(0, 37, (1,), generator=g))
+            idx = torch.tensor([i], device=device)
+            xout = torch.full((K,), float("nan"), device=device, dtype=dtype)
+            tok = torch.full((1,), -1, device=device, dtype=torch.long)
+            pos = torch.tensor([41], device=device, dtype=torch.int32)
+            seq = torch.tensor([42], device=device, dtype=torch.int32)
+            out = torch.full((n,), float("nan"), device=device, dtype=dtype)
+            gemv(table, wt, norm_w=nw, out=out, config=cfg, pdl=pdl, gather=(idx, xout), argmax=(tok, st, pos, seq))
+            ref = gemv_ref(table[i:i + 1], wt, nw, 1e-5).reshape(-1)
+            ok = (torch.equal(xout, table[i]) and int(tok) == int(torch.argmax(out)) and int(pos) == 42
+                  and int(seq) == 43 and bool((st.count == 0).all()) and bool((st.slots == -2**63).all()))
+            rows.append(_row(f"gemv+gather+argmax{'+tied' * tied}", (n, K, cfg), dtype,
+                             rel_err(out, ref) if ok else float("inf")))
     return rows
 
 
@@ -134,7 +164,7 @@ def check_attention(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 77), (8
         vc[:, L:] = float("nan")
         seqlen = torch.tensor([L], device=device, dtype=torch.int32)
         ref = attention_ref(q, kc, vc, L)
-        for splits in (1, 3, 8):
+        for splits in (1, 3, 8, 40, 300):  # 300: more splits than one combine tile holds
             out = torch.full((Hq, D), float("nan"), device=device, dtype=dtype)
             attention(q, kc, vc, seqlen, splits=splits, out=out, block_s=16, pdl=pdl)
             rows.append(_row("attention", (Hq, Hkv, D, S, L, f"splits={splits}"), dtype, rel_err(out, ref)))
@@ -203,11 +233,12 @@ def check_moe_routed(device, dtype, g, pdl=False, shapes=((8, 32, 64, 2), (16, 4
     return rows
 
 
-def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76, 32), (8, 2, 16, 40, 17, 8),
+def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76, 32), (8, 2, 16, 40, 17, 2),
                                                                 (16, 16, 128, 600, 555, 128),
-                                                                (32, 8, 64, 300, 299, 1024))):
-    """Norm + rotary + cache write + split-KV + in-kernel combine (attention_rope.py) against rope_ref then
-    attention_ref. Cache positions from pos on are NaN before the launch (pos must be written, never read;
+                                                                (32, 8, 64, 300, 299, 1024),
+                                                                (32, 8, 64, 4100, 4000, 128))):
+    """Norm + rotary + cache write + split-KV + combine (in the kernel up to MERGE_MAX_SPLITS splits, else
+    attention's combine launch: shapes with 4, 20, 5, 1 and 33 splits) against rope_ref then attention_ref. Cache positions from pos on are NaN before the launch (pos must be written, never read;
     later ones never touched); two launches in a row (the self-resetting per-head counters)."""
     from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref
 

@@ -14,7 +14,10 @@ Options (each keeps the path above as its reference and is swept side by side
 by ``benchmarks/decode.py``): ``fused_attention`` does norm + rotary + cache
 write + split-KV + combine in one launch (``attention_rope.py``);
 ``routed_moe`` computes routing once per layer in the router kernel and streams
-expert weights with no per-program prologue (``moe_routed.py``). The step reads the token and the position from device
+expert weights with no per-program prologue (``moe_routed.py``); ``fused_ends``
+gathers the token's embedding in layer 0's QKV kernel and takes the argmax
+(and advances the position) in the lm_head kernel, so the step is Triton
+launches only, all chained by PDL. The step reads the token and the position from device
 buffers and writes the next token and position back, so replays chain with
 no host synchronisation.
 """
@@ -50,7 +53,7 @@ class FusedDecoder:
 
     def __init__(self, model, max_cache_len: int, attn_chunk: int | None = None, forced_routing: bool = False,
                  pdl: bool | None = None, kv: tuple[list, list] | None = None, fused_attention: bool = False,
-                 routed_moe: bool = False, configs: dict | None = None):
+                 routed_moe: bool = False, configs: dict | None = None, fused_ends: bool = False):
         """``kv``: optional per-layer (keys, values) tensors [H_kv, S, D] to use as the cache in place (e.g. a
         captured Program's static cache, so its prefill graph and this decode step share one cache).
         ``configs``: {kind: kernel config} for this decoder only (``tune_step`` fills it), over the modules'
@@ -137,6 +140,8 @@ class FusedDecoder:
             self.act = torch.empty(self.layers[0]["down"].shape[1], device=dev, dtype=dt)
             self.forced = None
         self.fused_attention = fused_attention
+        self.fused_ends = fused_ends
+        self.argmax_state = gemv_mod.ArgmaxState(dev) if fused_ends else None
         self.routed_moe = routed_moe and self.is_moe
         self.configs = dict(configs or {})
         self.attn_rope = AttentionRope(self.Hq, self.Hkv, self.D, max_cache_len, self.chunk, dev) \
@@ -162,13 +167,18 @@ class FusedDecoder:
         if self.forced is not None and self.forced_all is not None:
             torch.index_select(self.forced_all, 0, self.forced_step, out=self.forced.view(1, *self.forced.shape))
             self.forced_step.add_(1).remainder_(self.forced_all.shape[0])
-        torch.index_select(self.embed, 0, self.token, out=self.h.view(1, H))
+        if not self.fused_ends:
+            torch.index_select(self.embed, 0, self.token, out=self.h.view(1, H))
         c = self.configs.get
         for li, L in enumerate(self.layers):
-            gemv(self.h, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"), pdl=self.pdl)
+            if li == 0 and self.fused_ends:
+                gemv(self.embed, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"), pdl=self.pdl,
+                     gather=(self.token, self.h))
+            else:
+                gemv(self.h, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"), pdl=self.pdl)
             if self.attn_rope is not None:
                 self.attn_rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, L["q_norm"],
-                               L["k_norm"], eps, out=self.attn, pdl=self.pdl)
+                               L["k_norm"], eps, out=self.attn, pdl=self.pdl, seqlen=self.seqlen)
             else:
                 rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, self.Hq, self.Hkv,
                      L["q_norm"], L["k_norm"], eps, q_out=self.q, pdl=self.pdl)
@@ -190,6 +200,10 @@ class FusedDecoder:
                 gemv(self.h, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True, out=self.act, config=c("mlp_gate_up"),
                      pdl=self.pdl)
                 gemv(self.act, L["down"], residual=self.h, out=self.h, config=c("mlp_down"), pdl=self.pdl)
+        if self.fused_ends:
+            gemv(self.h, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"),
+                 pdl=self.pdl, argmax=(self.token, self.argmax_state, self.pos, self.seqlen))
+            return
         gemv(self.h, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"), pdl=self.pdl)
         torch.argmax(self.logits, dim=0, keepdim=True, out=self.token)
         self.pos.add_(1)
@@ -358,9 +372,16 @@ class FusedDecoder:
             kinds["mlp_down+residual"] = (lambda: [gemv(self.act, L["down"], residual=x, out=h2, config=c("mlp_down"),
                                                         pdl=self.pdl) for L in Ls],
                                           sum(nbytes(L["down"]) for L in Ls))
-        kinds["lm_head+norm+argmax"] = (lambda: (gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps,
-                                                      out=self.logits, config=c("lm_head"), pdl=self.pdl),
-                                                 torch.argmax(self.logits, dim=0, keepdim=True)), nbytes(self.lm_head))
+        if self.fused_ends:  # the argmax epilogue on scratch token/position
+            tok, p1, p2 = self.token.clone(), self.pos.clone(), self.seqlen.clone()
+            kinds["lm_head+norm+argmax(fused)"] = (
+                lambda: gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"),
+                             pdl=self.pdl, argmax=(tok, self.argmax_state, p1, p2)), nbytes(self.lm_head))
+        else:
+            kinds["lm_head+norm+argmax"] = (lambda: (gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps,
+                                                          out=self.logits, config=c("lm_head"), pdl=self.pdl),
+                                                     torch.argmax(self.logits, dim=0, keepdim=True)),
+                                            nbytes(self.lm_head))
         out = {}
         for name, (fn, b) in kinds.items():
             us = self._graph_time(fn)

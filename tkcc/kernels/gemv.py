@@ -2,8 +2,10 @@
 
 Variants (jinja hooks of ``gemv.py.jinja``): RMSNorm prologue (the norm before
 a projection costs no extra launch), gated epilogue (``silu(g) * u`` from a
-fused [gate; up] weight), residual epilogue (``r + W x``). The reference
-beside it is the eager composition of the same ops.
+fused [gate; up] weight), residual epilogue (``r + W x``); for the decode step's
+two ends, a gather prologue (x is a row of a table: the token's embedding) and
+an argmax epilogue (next token, position + 1). The reference beside it is the
+eager composition of the same ops.
 """
 from __future__ import annotations
 
@@ -39,21 +41,57 @@ def _key(N, K, norm, gated, residual, dtype):
     return (N, K, bool(norm), bool(gated), bool(residual), str(dtype))
 
 
-def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=False):
+NSLOT = 256  # argmax: groups of programs fold their row maxima into at most NSLOT 64-bit slots
+
+
+class ArgmaxState:
+    """What the argmax epilogue needs besides ``tok``: its slots (kept at the minimum between launches) and
+    its arrival counters (all programs, then one per group; kept at 0), reset by the last arrivals."""
+
+    def __init__(self, device):
+        self.slots = torch.full((NSLOT,), -2**63, device=device, dtype=torch.int64)
+        self.count = torch.zeros(1 + NSLOT, device=device, dtype=torch.int32)
+
+
+def _ends_ref(x, y, gather, argmax):
+    """The eager meaning of the two hooks (``x`` is the gathered row, ``y`` the product)."""
+    if gather is not None:
+        gather[1].copy_(x.reshape(gather[1].shape))
+    if argmax is not None:
+        tok, _, pos, seq = argmax
+        torch.argmax(y.reshape(-1), dim=0, keepdim=True, out=tok.view(1))
+        pos.add_(1)
+        seq.add_(1)
+
+
+def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=False, gather=None,
+         argmax=None):
     """x: [K] (or [1, K]); w: [N_total, K] with unit stride along K. Returns [N] (N = N_total/2 if gated).
 
     ``pdl``: launch with programmatic dependent launch (Hopper+): the kernel starts while the previous one
-    drains and, when one tile spans K, reads its weights before waiting for the previous kernel's output."""
-    reason = fallback_reason(x, w, norm_w, residual)
-    if reason is None and (x.numel() != w.shape[-1] or w.stride(-1) != 1 or not x.is_contiguous()):
-        reason = f"shape/stride x {tuple(x.shape)} w {tuple(w.shape)} stride {w.stride()} is not a batch-1 GEMV"
+    drains and, when one tile spans K, reads its weights before waiting for the previous kernel's output.
+    ``gather=(idx, xout)``: x is a [rows, K] table and the input is its row ``idx[0]`` (int64 [1]), also
+    copied to ``xout`` [K]. ``argmax=(tok, ArgmaxState, pos, seq)``: also writes argmax(y) to ``tok``
+    (int64 [1]) and adds 1 to ``pos`` and ``seq`` (int32 [1]), after y is complete."""
+    xt = x
+    if gather is not None:
+        x = x[0]  # a row's shape, for the checks below; the kernel reads row idx[0]
+    reason = fallback_reason(xt, w, norm_w, residual)
+    if reason is None and (x.numel() != w.shape[-1] or w.stride(-1) != 1 or not x.is_contiguous()
+                           or (gather is not None and (xt.dim() != 2 or xt.stride(-1) != 1))):
+        reason = f"shape/stride x {tuple(xt.shape)} w {tuple(w.shape)} stride {w.stride()} is not a batch-1 GEMV"
+    if reason is None and argmax is not None and gated:
+        reason = "argmax of a gated GEMV"
     if reason is not None:
         note_fallback("gemv", reason)
+        if gather is not None:
+            x = xt.index_select(0, gather[0].reshape(-1)).reshape(-1)
         y = gemv_ref(x.reshape(1, -1), w, norm_w, eps, None if residual is None else residual.reshape(1, -1), gated)
         y = y.reshape(-1)
         if out is not None:
             out.copy_(y)
-            return out
+            y = out
+        _ends_ref(x, y, gather, argmax)
         return y
     N_total, K = w.shape
     N = N_total // 2 if gated else N_total
@@ -62,9 +100,16 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     default = INTERP_CONFIG if interpreting() else CONFIGS[0]
     bn, bk, nw = config or TUNED.get(_key(N, K, norm_w is not None, gated, residual is not None, x.dtype)) or default
     bk = min(bk, triton.next_power_of_2(K))
-    mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl)
+    mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,
+               gather=gather is not None, argmax=argmax is not None)
     grid = (triton.cdiv(N, bn),)
-    mod.gemv_kernel[grid](x, w, out, norm_w if norm_w is not None else x, residual if residual is not None else x,
-                          N, K, w.stride(0), eps, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=(K % bk == 0), FULL_K=bk >= K,
-                          num_warps=nw, **({"launch_pdl": True} if pdl else {}))
+    ends = []
+    if gather is not None:
+        ends += [gather[0], gather[1], xt.stride(0)]
+    if argmax is not None:
+        tok, st, pos, seq = argmax
+        ends += [st.slots, st.count, tok, pos, seq, triton.cdiv(grid[0], NSLOT), NSLOT]
+    mod.gemv_kernel[grid](xt, w, out, norm_w if norm_w is not None else x, residual if residual is not None else x,
+                          N, K, w.stride(0), eps, *ends, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=(K % bk == 0),
+                          FULL_K=bk >= K, num_warps=nw, **({"launch_pdl": True} if pdl else {}))
     return out

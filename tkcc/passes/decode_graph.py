@@ -11,8 +11,9 @@ first call and then replayed: inputs are copied on the device, so a decode
 loop has no host synchronisation. With ``pdl`` each kernel launches while the
 previous one drains (programmatic dependent launch, Hopper and later).
 ``fused_attention`` (norm + rotary + cache write + split-KV + combine in one
-launch) and ``routed_moe`` (routing once per layer in the router kernel) are
-the decoder's options; ``tune`` times each kernel kind alone over all layers
+launch), ``routed_moe`` (routing once per layer in the router kernel) and
+``fused_ends`` (embedding gather and argmax inside the first and last GEMVs)
+are the decoder's options; ``tune`` times each kernel kind alone over all layers
 and then the whole step per config (``FusedDecoder.tune_step``).
 Anything the fused step does not support (batch > 1, other families, CPU
 without the Triton interpreter) runs the original graph, with the reason
@@ -75,15 +76,16 @@ def _output_like(gm: torch.fx.GraphModule, graph: torch.fx.Graph, value: torch.f
 @register
 class DecodeFusedStep(Pass):
     name = "decode_fused_step"
-    version = "1"
+    version = "2"
     exact = False
     description = ("Decode phase -> one fused kernel sequence per step (MoE regrouped, KV staged in place, "
                    "norms/rotary/activations fused), captured as one CUDA graph.")
     params = {"cuda_graph": [True, False], "pdl": [True, False], "attn_chunk": [0, 64, 128, 256, 512],
-              "tune": [False, True], "fused_attention": [False, True], "routed_moe": [False, True]}
+              "tune": [False, True], "fused_attention": [False, True], "routed_moe": [False, True],
+              "fused_ends": [False, True]}
 
     def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=False, fused_attention=False,
-              routed_moe=False):
+              routed_moe=False, fused_ends=False):
         from tkcc.kernels.decoder import FusedDecoder
 
         info = RewriteInfo()
@@ -106,7 +108,7 @@ class DecodeFusedStep(Pass):
                 try:
                     dec = FusedDecoder(program.model, max_cache_len=kv.max_cache_len, attn_chunk=attn_chunk or None,
                                        pdl=None if pdl else False, kv=(keys, vals), fused_attention=fused_attention,
-                                       routed_moe=routed_moe)
+                                       routed_moe=routed_moe, fused_ends=fused_ends)
                     if tune and keys[0].is_cuda:
                         info.notes.append(f"tuned: {dec.tune()}")
                         # then the whole step per config (writes one position of the cache, before any prefill)
@@ -130,5 +132,5 @@ class DecodeFusedStep(Pass):
         info.provenance[f"decode:{call.name}"] = call.meta["tkcc_from"]
         info.notes.append(f"decode: fused step ({'original graph: ' + unsupported if unsupported else 'kernels'}; "
                           f"cuda_graph={cuda_graph}, pdl={pdl}, attn_chunk={attn_chunk or 'auto'}, "
-                          f"fused_attention={fused_attention}, routed_moe={routed_moe})")
+                          f"fused_attention={fused_attention}, routed_moe={routed_moe}, fused_ends={fused_ends})")
         return program.with_graphs({"decode": new_gm}), info
