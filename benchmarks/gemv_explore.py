@@ -192,7 +192,7 @@ def main():
         errs = [r for r in rows if r.get("shape") == name and "error" in r]
         for r in errs[:4]:
             print("   error:", r["kind"], r["config"], r["error"][:200], flush=True)
-        del ws, ys
+        ws = ys = None  # free before the next shape
         torch.cuda.empty_cache()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, sms=sms,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
