@@ -85,25 +85,9 @@ def gemv_tma(x_ptr, w_desc, y_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr, STA
 
 def graph_us(fns, reps=15):
     """Median µs of all ``fns`` run back to back, replayed from one CUDA graph."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    del g
-    return sorted(ts)[len(ts) // 2]
+    from tkcc.parallel.machine import graph_replay_us
+
+    return graph_replay_us(lambda: [f() for f in fns], torch.device("cuda"), reps)
 
 
 def main():

@@ -61,3 +61,24 @@ def test_kernels_match_reference_gpu_bf16(family, pdl):
     rows = run_checks("cuda", torch.bfloat16, [family], pdl=pdl)
     bad = [r for r in rows if not r["ok"]]
     assert rows and not bad, bad
+
+
+def test_gemv_ends_fall_back_with_the_same_meaning():
+    """Where no kernel can run (plain CPU, bf16), the gather and argmax hooks take the reference path with a
+    logged reason and keep their meaning: the row is gathered and copied out, the token is the first
+    maximal row, the position and sequence length advance by one."""
+    from tkcc.kernels.common import fallbacks
+    from tkcc.kernels.gemv import ArgmaxState, gemv
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(9, 32, generator=g).bfloat16()
+    w = torch.randn(50, 32, generator=g).bfloat16()
+    w[7] = w[11] = torch.sign(table[4])  # rows 7 and 11 tie at the maximum: the first wins
+    tok = torch.zeros(1, dtype=torch.long)
+    pos, seq = torch.tensor([5], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
+    xout = torch.empty(32).bfloat16()
+    y = gemv(table, w, gather=(torch.tensor([4]), xout), argmax=(tok, ArgmaxState("cpu"), pos, seq))
+    ref = torch.nn.functional.linear(table[4], w)
+    assert torch.equal(y, ref) and torch.equal(xout, table[4])
+    assert int(tok) == int(torch.argmax(ref)) == 7 and int(pos) == 6 and int(seq) == 7
+    assert any(k.startswith("gemv: ") for k in fallbacks()), fallbacks()

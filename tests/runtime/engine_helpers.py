@@ -12,6 +12,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCKS_MODEL = os.path.join(HERE, "blocks_model.py") + ":make_program"
 
 
+# a source candidate whose forward is one statement block ``body`` over the baseline graph ``base`` and input x
+WRAP = """
+import torch
+def build(program):
+    base = program.graphs["forward"]
+    def forward(x):
+        {body}
+    return {{"forward": forward}}
+"""
+
+
 class RunningEngine:
     def __init__(self, proc, ready: dict, socket_path: str, tmp):
         self.proc, self.ready, self.socket, self.tmp = proc, ready, socket_path, tmp
@@ -27,6 +38,10 @@ class RunningEngine:
         with open(path, "w") as f:
             f.write(textwrap.dedent(body))
         return path
+
+    def forward_source(self, name: str, body: str) -> str:
+        """A source candidate whose forward(x) is ``body`` (see WRAP)."""
+        return self.source(name, WRAP.format(body=body))
 
 
 def launch_engine(tmp, model: str, *extra: str):

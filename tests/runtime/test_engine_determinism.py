@@ -102,15 +102,6 @@ FACTORY = textwrap.dedent('''
 
 ARGS = ("--timeout", "60", "--threads", "1")
 
-WRAP = """
-import torch
-def build(program):
-    base = program.graphs["forward"]
-    def forward(x):
-        {body}
-    return {{"forward": forward}}
-"""
-
 
 @pytest.fixture(scope="module")
 def factory(tmp_path_factory):
@@ -141,7 +132,7 @@ def noisy_engine(factory, forced_exact, tmp_path_factory):
 
 
 def _cand(eng, name, body):
-    return {"source": eng.source(name, WRAP.format(body=body))}
+    return {"source": eng.forward_source(name, body)}
 
 
 def test_noisy_model_is_detected_and_switched_to_tolerance(noisy_engine):

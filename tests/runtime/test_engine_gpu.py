@@ -10,15 +10,6 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
-WRAP = """
-import torch
-def build(program):
-    base = program.graphs["forward"]
-    def forward(x):
-        {body}
-    return {{"forward": forward}}
-"""
-
 OOB = '''
 import torch
 import triton
@@ -87,7 +78,7 @@ def test_baseline_is_measured_from_cuda_graphs(gpu_engine):
 
 def test_out_of_memory_costs_only_the_candidate(gpu_engine):
     body = "big = torch.empty(1 << 46, device=x.device)\n        return base(x) + big[:1]"
-    path = gpu_engine.source("oom", WRAP.format(body=body))
+    path = gpu_engine.forward_source("oom", body)
     with gpu_engine.client() as c:
         before = c.status()["engine"]["restarts"]
         res = c.experiment({"source": path}, tiers="slow", reps=5)

@@ -12,18 +12,9 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-WRAP = """
-import torch
-def build(program):
-    base = program.graphs["forward"]
-    def forward(x):
-        {body}
-    return {{"forward": forward}}
-"""
-
 
 def _cand(eng, name, body, **extra):
-    return {"source": eng.source(name, WRAP.format(body=body)), **extra}
+    return {"source": eng.forward_source(name, body), **extra}
 
 
 def _ok_after(eng):

@@ -241,7 +241,7 @@ class FusedDecoder:
         Set the inputs of the step about to run first (``set_inputs``), so those writes are the ones that step
         makes anyway; captured with stale inputs they would overwrite a cache position that a caller with
         its own positions (a validation, a golden check) still reads."""
-        saved = (self.token.clone(), self.pos.clone(), self.seqlen.clone(), self.forced_step_clone())
+        saved = self._save()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -252,6 +252,18 @@ class FusedDecoder:
         with torch.cuda.graph(self.graph):
             self.step()
         self._restore(saved)
+
+    def _save(self):
+        """The step's device state (token, position, sequence length, forced-routing step), for _restore."""
+        return self.token.clone(), self.pos.clone(), self.seqlen.clone(), self.forced_step_clone()
+
+    def _step_from(self, saved):
+        """A step that first restores ``saved``: timed many times over, it does the same work every time and
+        never advances the cache."""
+        def whole():
+            self._restore(saved)
+            self.step()
+        return whole
 
     def forced_step_clone(self):
         return self.forced_step.clone() if self.is_moe else None
@@ -329,7 +341,8 @@ class FusedDecoder:
             # writes the cache at pos (as every step does); pos is past the context, so nothing read changes
             kinds["attention+rope+cache(fused)"] = (
                 lambda: [self.attn_rope(qkv, self.k_layers[i], self.v_layers[i], self.pos, self.inv_freq, L["q_norm"],
-                                        L["k_norm"], eps, out=self.attn, pdl=self.pdl) for i, L in enumerate(Ls)],
+                                        L["k_norm"], eps, out=self.attn, pdl=self.pdl, seqlen=self.seqlen)
+                         for i, L in enumerate(Ls)],
                 kv_bytes)
         else:
             kinds["rope+cache_write"] = (lambda: [rope(qkv, self.k_layers[i], self.v_layers[i], self.pos, self.inv_freq,
@@ -386,12 +399,8 @@ class FusedDecoder:
         for name, (fn, b) in kinds.items():
             us = self._graph_time(fn)
             out[name] = dict(us=round(us, 1), bytes=int(b), GBps=round(b / us / 1e3, 1) if b else None)
-        saved = (self.token.clone(), self.pos.clone(), self.seqlen.clone(), self.forced_step_clone())
-
-        def whole():
-            self._restore(saved)
-            self.step()
-        out["whole_step"] = dict(us=round(self._graph_time(whole), 1))
+        saved = self._save()
+        out["whole_step"] = dict(us=round(self._graph_time(self._step_from(saved)), 1))
         self._restore(saved)
         out["sum_of_kinds_us"] = round(sum(v["us"] for k, v in out.items() if k != "whole_step"), 1)
         return out
@@ -452,12 +461,8 @@ class FusedDecoder:
         its neighbours, L2 state and launch gaps as in decode), one kind at a time (coordinate descent from
         the current configs). Results go to this decoder's ``configs`` only; returns {kind: (config, µs per
         step)}. The state (token, position) is restored inside each replay, so the cache is not advanced."""
-        saved = (self.token.clone(), self.pos.clone(), self.seqlen.clone(), self.forced_step_clone())
-
-        def whole():
-            self._restore(saved)
-            self.step()
-
+        saved = self._save()
+        whole = self._step_from(saved)
         out = {}
         for _ in range(rounds):
             for kind, cands in self.step_kinds().items():
