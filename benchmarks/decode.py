@@ -15,6 +15,8 @@ objective (P90 per-user decode tokens/s) from the measured curve.
                                               # budget --compile-budget-s, shortest and longest context first)
   python benchmarks/decode.py --variants tkcc tkcc_v2   # a subset of the tkcc variants (VARIANTS below)
   TRITON_INTERPRET=1 python benchmarks/decode.py --smoke   # CPU: llama-tiny through every code path, ~1 min
+  python benchmarks/decode.py --compile-only --compile-fresh --contexts 2048 8192
+      # torch.compile rows only, each (model, context) compiled in a fresh process (see --compile-fresh)
   python benchmarks/decode.py --objective-from decode.json --compile-rows-from c1.json c2.json
       # no GPU needed: the trace-weighted objective of a run whose torch.compile rows were measured apart
       # (one fresh process per context), written to decode_objective.json beside the first file
@@ -456,6 +458,48 @@ def print_table(rows):
               f"{fl:>8.3f} {100 * fl / r['ms_per_token']:>7.1f} {r['peak_mem_bytes'] / 2**30:>8.2f}")
 
 
+def floor_rows(model, name, contexts, floors, weight_bytes):
+    return [dict(model=name, context=c, routing="-", variant="floor", ms_per_token=floors[c] or float("nan"),
+                 peak_mem_bytes=0, weight_bytes=weight_bytes, kv_bytes=kv_bytes(model, c)) for c in contexts]
+
+
+def fresh_compile_rows(a, name, contexts, tokens, budget_s, result):
+    """The torch.compile rows of ``name``, each context compiled and timed by this script in a fresh process
+    (``--compile-only``), within ``budget_s`` (no new process once it is spent); why a context is missing
+    goes to notes["compile_errors"]."""
+    import tempfile
+
+    rows, t_start = [], time.time()
+    for c in contexts:
+        left = budget_s - (time.time() - t_start) if budget_s else None
+        if rows and left is not None and left <= 0:
+            log(f"{name}: compile budget spent; ctx {c} not compiled")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "compile.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--compile-only", "--models", name, "--contexts",
+                   str(c), "--compile-mode", a.compile_mode, "--tokens", str(tokens), "--reps", str(a.reps),
+                   "--compile-cap-s", str(a.compile_cap_s), "--compile-budget-s", str(a.compile_budget_s),
+                   "--out", str(out)]
+            env = {k: v for k, v in os.environ.items() if k != "OUT"}  # the child's file is collected here
+            try:
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                   timeout=max(120.0, left) if left is not None else None)
+                got = json.loads(out.read_text())["rows"] if out.exists() else []
+            except subprocess.TimeoutExpired:
+                p, got = None, []
+            new = [dict(r, fresh_process=True) for r in got if r["variant"].startswith("hf_compile")]
+            if not new:
+                why = "timed out" if p is None else f"rc {p.returncode}: {p.stderr[-400:]}"
+                result["notes"].setdefault("compile_errors", {})[f"{name} ctx {c}"] = why
+                log(f"{name} ctx {c}: no torch.compile row from the fresh process ({why[:200]})")
+            for r in new:
+                log(f"{name} hf_compile (fresh process) ctx={c}: {r['ms_per_token']:.3f} ms/token "
+                    f"(warm-up {r.get('warmup_s')}s)")
+            rows += new
+    return rows
+
+
 def merged_objective(main_file: str, compile_files: list[str]) -> dict:
     """The objective rows of ``main_file``'s run with its torch.compile rows replaced by those of
     ``compile_files`` (runs that compiled one context each in a fresh process). The replaced rows are kept
@@ -501,6 +545,11 @@ def main(argv=None):
     ap.add_argument("--checks", action="store_true", help="also run every kernel's bf16 correctness check first")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny models, 2 short contexts, no HF timing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only the torch.compile rows (and the floors): no HF eager, greedy check or tkcc rows")
+    ap.add_argument("--compile-fresh", action="store_true",
+                    help="compile each (model, context) in its own fresh process (this script, --compile-only): "
+                         "in one process a later context's recompile need not match a fresh compile")
     ap.add_argument("--objective-from", default=None, help="recompute the objective of this result file (no GPU)")
     ap.add_argument("--compile-rows-from", nargs="*", default=[],
                     help="with --objective-from: result files whose torch.compile rows replace the first file's")
@@ -514,6 +563,8 @@ def main(argv=None):
             print(f"{o['model']:<13} {o['trace']:<34} {o['variant']}/{o['routing']}: "
                   + (f"{p90:.0f} tok/s" if p90 is not None else "-"))
         return res
+    if a.compile_only or a.compile_fresh:
+        a.compile = True
     if a.smoke:
         a.models = [m for m in a.models if m.endswith("tiny")] or ["llama-tiny"]
         a.contexts = a.contexts or [4, 12]
@@ -581,6 +632,12 @@ def main(argv=None):
         bw = meta.get("copy_bandwidth_GBps", 0) * 1e9
         floors[name] = {c: (wb + kv_bytes(model, c)) / bw * 1e3 if bw else None for c in contexts}
         rows = []
+        if a.compile_only:
+            rows = floor_rows(model, name, contexts, floors[name], wb)
+            finish(rows, name)
+            result["rows"] += rows
+            models[name] = model
+            continue
         if not a.no_eager:
             rows += hf_rows(model, name, contexts, tokens if CUDA else 2, a.reps, "hf_eager", model.forward)
         prompts = [[int(x) for x in torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator()
@@ -603,10 +660,7 @@ def main(argv=None):
         rows += r2
         result["notes"][name] = notes
         rows.sort(key=lambda r: (r["variant"], r["routing"], r["context"]))
-        for c in contexts:
-            fl = floors[name][c]
-            rows.append(dict(model=name, context=c, routing="-", variant="floor", ms_per_token=fl or float("nan"),
-                             peak_mem_bytes=0, weight_bytes=wb, kv_bytes=kv_bytes(model, c)))
+        rows += floor_rows(model, name, contexts, floors[name], wb)
         finish(rows, name)
         result["rows"] += rows
         save()
@@ -627,6 +681,13 @@ def main(argv=None):
             model = models[name]
             t0 = time.time()
             rows = []
+            if a.compile_fresh:
+                rows = fresh_compile_rows(a, name, ends_first(a.compile_contexts or contexts), tokens, budget, result)
+                result["notes"].setdefault("compile_s", {})[name] = round(time.time() - t0, 1)
+                rows.sort(key=lambda r: r["context"])
+                result["rows"] += rows
+                save()
+                continue
             try:
                 cf = torch.compile(model.forward, mode=a.compile_mode, fullgraph=True)
                 rows = hf_rows(model, name, ends_first(a.compile_contexts or contexts), tokens if CUDA else 2, a.reps,
