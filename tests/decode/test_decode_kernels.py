@@ -82,3 +82,11 @@ def test_gemv_ends_fall_back_with_the_same_meaning():
     assert torch.equal(y, ref) and torch.equal(xout, table[4])
     assert int(tok) == int(torch.argmax(ref)) == 7 and int(pos) == 6 and int(seq) == 7
     assert any(k.startswith("gemv: ") for k in fallbacks()), fallbacks()
+
+
+def test_gemv_gather_needs_a_table():
+    from tkcc.errors import TkccError
+    from tkcc.kernels.gemv import gemv
+
+    with pytest.raises(TkccError, match=r"\[rows, K\] table"):
+        gemv(torch.randn(32), torch.randn(8, 32), gather=(torch.tensor([0]), torch.empty(32)))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from tkcc.errors import TkccError
 from tkcc.kernels.common import fallback_reason, interpreting, note_fallback, rms_ref
 from tkcc.kernels.render import load
 
@@ -75,10 +76,12 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     (int64 [1]) and adds 1 to ``pos`` and ``seq`` (int32 [1]), after y is complete."""
     xt = x
     if gather is not None:
+        if x.dim() != 2:
+            raise TkccError(f"gemv(gather=...): x must be a [rows, K] table, got shape {tuple(x.shape)}")
         x = x[0]  # a row's shape, for the checks below; the kernel reads row idx[0]
     reason = fallback_reason(xt, w, norm_w, residual)
     if reason is None and (x.numel() != w.shape[-1] or w.stride(-1) != 1 or not x.is_contiguous()
-                           or (gather is not None and (xt.dim() != 2 or xt.stride(-1) != 1))):
+                           or (gather is not None and xt.stride(-1) != 1)):
         reason = f"shape/stride x {tuple(xt.shape)} w {tuple(w.shape)} stride {w.stride()} is not a batch-1 GEMV"
     if reason is None and argmax is not None and gated:
         reason = "argmax of a gated GEMV"
