@@ -1,10 +1,11 @@
 """A whole batch-1 decode step built from the fused kernels, capturable as one CUDA graph.
 
 Built from a transformers Llama-like or OLMoE-like model, sharing its weights:
-projections that read the same input are regrouped into one weight tensor
-(q|k|v, gate|up) by concatenating once and re-pointing the model's own
-parameters at views of it, so memory does not grow and the HF model still
-runs. Per layer (OLMoE): QKV GEMV with the RMSNorm prologue; q/k norm +
+projections that read the same input are read as one weight tensor
+(q|k|v, gate|up): a view when capture packed them side by side
+(``tkcc.frontend.weight_packing``), else one copy owned by the decoder; the
+model's parameters are never re-pointed (graphs captured earlier read them).
+Per layer (OLMoE): QKV GEMV with the RMSNorm prologue; q/k norm +
 rotary + cache write; split-KV attention (+ combine); o-proj GEMV + residual;
 router GEMV with the norm prologue; experts gate_up (routing in the
 prologue); experts down + residual. Llama: the MLP is two GEMVs (gated, then
