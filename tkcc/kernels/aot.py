@@ -19,18 +19,15 @@ def variants():
 
 def _variants(pdl):
     v = []
+    base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
+            "stride_wn": "i32", "eps": "fp32"}
+    blocks = {"BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "FULL_K": "constexpr"}
     for norm, gated, res in ((True, False, False), (False, False, True), (True, True, False)):
-        sig = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
-               "stride_wn": "i32", "eps": "fp32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr"}
-        sig = dict(sig, FULL_K="constexpr")
         for gpdl, bk in ((False, 512), (True, 2048)) if not pdl else ():
             v.append(("gemv.py.jinja", dict(norm=norm, gated=gated, residual=res, pdl=gpdl, gather=False, argmax=False),
-                      "gemv_kernel", sig,
+                      "gemv_kernel", {**base, **blocks},
                       dict(BLOCK_N=4, BLOCK_K=bk, EVEN_K=True, FULL_K=bk == 2048)))
     if not pdl:  # the decode step's two ends: layer 0's QKV (embedding gather), the lm_head (argmax)
-        base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
-                "stride_wn": "i32", "eps": "fp32"}
-        blocks = {"BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "FULL_K": "constexpr"}
         gather = {"idx_ptr": "*i64", "xout_ptr": _P, "stride_x": "i32"}
         amax = {"slots_ptr": "*i64", "count_ptr": "*i32", "tok_ptr": "*i64", "pos_ptr": "*i32", "seq_ptr": "*i32",
                 "GROUP": "i32", "NSLOT": "constexpr"}

@@ -172,11 +172,9 @@ class FusedDecoder:
             torch.index_select(self.embed, 0, self.token, out=self.h.view(1, H))
         c = self.configs.get
         for li, L in enumerate(self.layers):
-            if li == 0 and self.fused_ends:
-                gemv(self.embed, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"), pdl=self.pdl,
-                     gather=(self.token, self.h))
-            else:
-                gemv(self.h, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"), pdl=self.pdl)
+            gather = (self.token, self.h) if li == 0 and self.fused_ends else None  # x = embed[token], also to h
+            gemv(self.embed if gather else self.h, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"),
+                 pdl=self.pdl, gather=gather)
             if self.attn_rope is not None:
                 self.attn_rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, L["q_norm"],
                                L["k_norm"], eps, out=self.attn, pdl=self.pdl, seqlen=self.seqlen)
@@ -201,14 +199,13 @@ class FusedDecoder:
                 gemv(self.h, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True, out=self.act, config=c("mlp_gate_up"),
                      pdl=self.pdl)
                 gemv(self.act, L["down"], residual=self.h, out=self.h, config=c("mlp_down"), pdl=self.pdl)
-        if self.fused_ends:
-            gemv(self.h, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"),
-                 pdl=self.pdl, argmax=(self.token, self.argmax_state, self.pos, self.seqlen))
-            return
-        gemv(self.h, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"), pdl=self.pdl)
-        torch.argmax(self.logits, dim=0, keepdim=True, out=self.token)
-        self.pos.add_(1)
-        self.seqlen.add_(1)
+        ends = (self.token, self.argmax_state, self.pos, self.seqlen) if self.fused_ends else None
+        gemv(self.h, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"), pdl=self.pdl,
+             argmax=ends)
+        if ends is None:
+            torch.argmax(self.logits, dim=0, keepdim=True, out=self.token)
+            self.pos.add_(1)
+            self.seqlen.add_(1)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         """One decode step as a captured Program's decode graph takes it: (input_ids [1, 1], cache_position [1])
@@ -386,16 +383,16 @@ class FusedDecoder:
             kinds["mlp_down+residual"] = (lambda: [gemv(self.act, L["down"], residual=x, out=h2, config=c("mlp_down"),
                                                         pdl=self.pdl) for L in Ls],
                                           sum(nbytes(L["down"]) for L in Ls))
-        if self.fused_ends:  # the argmax epilogue on scratch token/position
-            tok, p1, p2 = self.token.clone(), self.pos.clone(), self.seqlen.clone()
-            kinds["lm_head+norm+argmax(fused)"] = (
-                lambda: gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"),
-                             pdl=self.pdl, argmax=(tok, self.argmax_state, p1, p2)), nbytes(self.lm_head))
-        else:
-            kinds["lm_head+norm+argmax"] = (lambda: (gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps,
-                                                          out=self.logits, config=c("lm_head"), pdl=self.pdl),
-                                                     torch.argmax(self.logits, dim=0, keepdim=True)),
-                                            nbytes(self.lm_head))
+        # with fused_ends, the argmax epilogue on a scratch token/position
+        ends = ((self.token.clone(), self.argmax_state, self.pos.clone(), self.seqlen.clone()) if self.fused_ends
+                else None)
+
+        def lm_head():
+            gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c("lm_head"), pdl=self.pdl,
+                 argmax=ends)
+            if ends is None:
+                torch.argmax(self.logits, dim=0, keepdim=True)
+        kinds["lm_head+norm+argmax" + ("(fused)" if ends else "")] = (lm_head, nbytes(self.lm_head))
         out = {}
         for name, (fn, b) in kinds.items():
             us = self._graph_time(fn)

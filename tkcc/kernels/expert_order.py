@@ -29,14 +29,15 @@ def check_order(order, num_experts: int) -> tuple[int, ...]:
 
 def permuted_experts(router_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, order) -> tuple:
     """(router_w, gate_up, down) with new expert i = old expert ``order[i]``; cached per weights and order."""
-    order = check_order(order, router_w.shape[0])
-    if order == tuple(range(len(order))):
-        return router_w, gate_up, down
+    order = tuple(order)
     key = (order, router_w.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
            router_w._version, gate_up._version, down._version)
     ref, old_key, hit = _PERMUTED.get(id(gate_up), (None, None, None))
     if ref is not None and ref() is gate_up and old_key == key:
-        return hit
+        return hit  # checked when it was made: the eager path calls this once per layer per token
+    order = check_order(order, router_w.shape[0])
+    if order == tuple(range(len(order))):
+        return router_w, gate_up, down
     idx = torch.tensor(order, device=router_w.device)
     with torch.no_grad():
         hit = tuple(w.detach().index_select(0, idx).contiguous() for w in (router_w, gate_up, down))
