@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from tkcc.frontend.models import build_model, get_spec  # noqa: E402
 from tkcc.frontend.weight_packing import pack_projections  # noqa: E402
-from tkcc.kernels.decoder import FusedDecoder  # noqa: E402
+from tkcc.kernels.decoder import ATTENTION_KINDS, FusedDecoder  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 T_START = time.time()
@@ -251,17 +251,26 @@ VARIANTS = [
     ("tkcc_v2", {"fused_attention": True, "routed_moe": True, "configs": "step"}),
     ("tkcc_ends", {"fused_ends": True}),
     ("tkcc_v3", {"fused_attention": True, "routed_moe": True, "fused_ends": True, "configs": "step"}),
+    # + the attention layout (positions per split, tile) tuned by whole-step timing at each context
+    ("tkcc_v4", {"fused_attention": True, "routed_moe": True, "fused_ends": True, "configs": "step",
+                 "attn_tune": True}),
+    ("tkcc_v4_sep", {"routed_moe": True, "fused_ends": True, "configs": "step", "attn_tune": True}),
 ]
 # variants also timed under the real OLMoE routing (MoE models); variants for MoE models only; variants that
 # differ from tkcc only on a GPU (PDL, tuning)
-REAL_ROUTING = ("tkcc", "tkcc_v3")
+REAL_ROUTING = ("tkcc", "tkcc_v3", "tkcc_v4")
 MOE_ONLY = ("tkcc_routed",)
 VARIANT_TOL = 0.1  # first-step logits, rel. err. vs the tkcc baseline, above which a variant is dropped
-GPU_ONLY = ("tkcc_nopdl", "tkcc_steptuned")
+GPU_ONLY = ("tkcc_nopdl", "tkcc_steptuned", "tkcc_v4", "tkcc_v4_sep")
+BENCH_OPTS = ("configs", "attn_tune")  # how a variant is tuned, not FusedDecoder options
 
 
 def _opts_key(opts):
-    return tuple(sorted((k, v) for k, v in opts.items() if k not in ("configs", "pdl")))
+    return tuple(sorted((k, v) for k, v in opts.items() if k not in BENCH_OPTS + ("pdl",)))
+
+
+def _decoder_kw(opts):
+    return {k: v for k, v in opts.items() if k not in BENCH_OPTS}
 
 
 def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=True, variants=None,
@@ -288,7 +297,7 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
     def prepare(variant, opts):
         """Tuning a variant needs, done just before its first rows (after the baseline's rows are saved):
         the routed-MoE kernels' configs, then the whole-step configs (tune_step) of its option set."""
-        kw = {k: v for k, v in opts.items() if k != "configs"}
+        kw = _decoder_kw(opts)
         if CUDA and tune and is_moe and opts.get("routed_moe") and not routed_tuned[0]:
             routed_tuned[0] = True
             t0 = time.time()
@@ -330,7 +339,7 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
         for c in contexts:
             if tag in failed:
                 break
-            kw = {k: v for k, v in opts.items() if k != "configs"}
+            kw = _decoder_kw(opts)
             kw["pdl"] = kw.get("pdl", True) if pdl_ok else False
             if opts.get("configs") == "step":
                 kw["configs"] = step_configs.get(_opts_key(opts), {})
@@ -345,6 +354,11 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
                 if routing == "real":
                     dec.set_forced_routing(forced)
                 dec.reset(11, c)
+                if CUDA and opts.get("attn_tune"):
+                    t0 = time.time()
+                    got = dec.tune_step(kinds=ATTENTION_KINDS, log=log)
+                    notes.setdefault("attention_tuning", {}).setdefault(tag, {})[str(c)] = dict(
+                        configs={k: [list(v), t] for k, (v, t) in got.items()}, seconds=round(time.time() - t0, 1))
                 start = (dec.token.clone(), dec.pos.clone(), dec.seqlen.clone())
                 if CUDA and c == contexts[0]:
                     # the first eager step must match the baseline's logits; the captured graph must produce the
@@ -399,7 +413,7 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
                              peak_mem_bytes=peak(), attn_splits=dec.splits, attn_chunk=dec.chunk, pdl=dec.pdl,
                              options={k: v for k, v in kw.items() if k != "configs"},
                              configs={k: list(v) for k, v in dec.configs.items()} or None))
-            if CUDA and routing == "router" and profile and variant in ("tkcc", "tkcc_v3"):
+            if CUDA and routing == "router" and profile and variant in ("tkcc", "tkcc_v3", "tkcc_v4"):
                 try:
                     key = "profile_us_per_token" if variant == "tkcc" else f"profile_us_per_token[{variant}]"
                     notes.setdefault(key, {})[str(c)] = prof = dec.profile()

@@ -2,7 +2,8 @@
 against the HF model on tiny models, fp32 on CPU. Prints one JSON line per model.
 
 An argument ``name:opt+opt`` turns decoder options on (``fused_attention``, ``routed_moe``; ``chunk4``: split-KV
-chunks of 4 positions, so the split/combine paths run on these short prompts)."""
+chunks of 4 positions, so the split/combine paths run on these short prompts; ``tile16``: attention kernels
+stepping 16 positions with 2 warps)."""
 import json
 import sys
 
@@ -15,9 +16,11 @@ from tkcc.kernels.decoder import FusedDecoder
 for arg in sys.argv[1:]:
     name, _, opts = arg.partition(":")
     opts = [o for o in opts.split("+") if o]
-    kw = {o: True for o in opts if o != "chunk4"}
+    kw = {o: True for o in opts if o not in ("chunk4", "tile16")}
     if "chunk4" in opts:
         kw["attn_chunk"] = 4
+    if "tile16" in opts:
+        kw["attn_tile"] = (16, 2)
     m = build_model(name, torch.float32, "cpu", seed=int(torch.randint(0, 1000, (1,))))
     prompt = torch.randint(0, m.config.vocab_size, (3,)).tolist()
     new = 2

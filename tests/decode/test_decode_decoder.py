@@ -23,7 +23,7 @@ def test_fused_decoder_matches_hf_under_the_interpreter():
     logits against HF with every kernel live."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, str(Path(__file__).parent / "interp_decoder_check.py"), "llama-tiny",
-                        "olmoe-tiny", "olmoe-tiny:fused_attention+routed_moe+chunk4+fused_ends"],
+                        "olmoe-tiny", "olmoe-tiny:fused_attention+routed_moe+chunk4+fused_ends+tile16"],
                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -44,6 +44,26 @@ def test_context_longer_than_the_cache_is_a_clear_error():
         dec.reset(1, 8)
     with pytest.raises(TkccError, match="exceed the cache"):
         dec.generate([1, 2, 3, 4, 5], 4)
+
+
+def test_attention_layout_follows_its_configs():
+    """attn_chunk / attn_tile configs pick the split-KV layout (scratch made once per chunk); tune_step
+    refuses kinds it does not know before touching the device."""
+    from tkcc.errors import TkccError
+    from tkcc.frontend.models import build_model
+    from tkcc.kernels.decoder import ATTENTION_KINDS, FusedDecoder
+
+    dec = FusedDecoder(build_model("llama-tiny", torch.float32, "cpu"), max_cache_len=100, attn_chunk=32)
+    assert (dec.chunk, dec.splits) == (32, 4)
+    dec.configs["attn_chunk"] = (128,)  # past the cache: one split over all of it
+    assert (dec.chunk, dec.splits) == (100, 1)
+    dec.configs["attn_chunk"] = (32,)
+    assert dec._layouts[32] is dec._layout() and len(dec._layouts) == 2
+    kinds = dec.attention_kinds()
+    assert set(kinds) == set(ATTENTION_KINDS) and (100,) in kinds["attn_chunk"]
+    assert all(c[0] <= 100 for c in kinds["attn_chunk"])
+    with pytest.raises(TkccError, match="unknown kinds"):
+        dec.tune_step(kinds=["attn_chunks"])
 
 
 @pytest.mark.gpu
@@ -111,7 +131,7 @@ def test_decoder_options_on_gpu(name, opts):
     to 4e-4 everywhere); a wrong kernel is off at every position."""
     from tkcc.frontend.models import build_model
     from tkcc.kernels import gemv as gemv_mod
-    from tkcc.kernels.decoder import FusedDecoder
+    from tkcc.kernels.decoder import ATTENTION_KINDS, FusedDecoder
 
     name, _, layers = name.partition(":")  # "model:N": the model's real layer shapes, its first N layers
     m = build_model(name, torch.bfloat16, "cuda", **({"num_hidden_layers": int(layers)} if layers else {}))
@@ -144,3 +164,12 @@ def test_decoder_options_on_gpu(name, opts):
     got = dec.tune_step(reps=3)
     assert set(got) == set(dec.step_kinds()) and dec.configs
     assert gemv_mod.TUNED == before
+    # the attention layout, tuned at the decoder's context, then the step still matches the baseline
+    dec.reset(7, 40)
+    got = dec.tune_step(reps=3, kinds=ATTENTION_KINDS)
+    assert set(got) == set(ATTENTION_KINDS)
+    assert dec.chunk * dec.splits >= dec.max_cache_len
+    for d in (base, dec):
+        d.reset(7, 40)
+        d.step()
+    assert float((dec.logits.float() - base.logits.float()).norm() / base.logits.float().norm()) < 0.1

@@ -82,6 +82,14 @@ def test_decode_fused_step_falls_back_with_a_reason_off_gpu(llama):
     assert step.fallback_calls == 3
 
 
+def test_decode_fused_step_rejects_a_malformed_attention_tile(llama):
+    from tkcc.errors import TkccError
+
+    for bad in ("64", "12x4", "64x3", "ax4"):
+        with pytest.raises(TkccError, match="attn_tile"):
+            get_pass("decode_fused_step")().apply(llama, attn_tile=bad)
+
+
 def test_pass_params_are_checked():
     from tkcc.errors import PlanError
 

@@ -33,6 +33,8 @@ VARIANTS = [
     ("decode_fused_step", {"fused_attention": True}), ("decode_fused_step", {"routed_moe": True}),
     ("decode_fused_step", {"fused_ends": True}),
     ("decode_fused_step", {"fused_attention": True, "routed_moe": True, "fused_ends": True, "attn_chunk": 64}),
+    ("decode_fused_step", {"attn_tile": "32x4", "attn_chunk": 64}),
+    ("decode_fused_step", {"fused_attention": True, "attn_tile": "128x8", "attn_chunk": 512}),
 ]
 
 

@@ -56,9 +56,11 @@ class AttentionRope:
         self.merge = self.splits <= MERGE_MAX_SPLITS
 
     def __call__(self, qkv, k_cache, v_cache, pos, inv_freq, q_norm=None, k_norm=None, eps=1e-5, scale=None,
-                 out=None, pdl=False, seqlen=None):
+                 out=None, pdl=False, seqlen=None, block_s=None, num_warps=None):
         """qkv [(hq + 2 hkv) D]; caches [hkv, S_max, D] (written at pos); pos: int32 device tensor [1];
-        ``seqlen``: pos + 1 on the device (the combine launch reads it; computed here when not given)."""
+        ``seqlen``: pos + 1 on the device (the combine launch reads it; computed here when not given);
+        ``block_s`` / ``num_warps``: this call's tile (positions per loop step, at least 16) over the
+        instance's."""
         hq, hkv, D = self.hq, self.hkv, self.D
         S_max = k_cache.shape[1]
         reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
@@ -88,9 +90,9 @@ class AttentionRope:
             qkv, k_cache, v_cache, out, self.po, self.plse, self.count, pos, inv_freq,
             q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, self.chunk,
             k_cache.stride(0), k_cache.stride(1), self.splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
-            HALF=D // 2, BLOCK_S=self.block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
+            HALF=D // 2, BLOCK_S=block_s or self.block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
             SINGLE=self.splits == 1, BLOCK_SP=min(16, max(2, next_pow2(self.splits))), MERGE=self.merge,
-            num_warps=self.num_warps, **({"launch_pdl": True} if pdl else {}))
+            num_warps=num_warps or self.num_warps, **({"launch_pdl": True} if pdl else {}))
         if self.splits > 1 and not self.merge:
             seqlen = seqlen if seqlen is not None else pos.to(torch.int32) + 1
             combine(self.po, self.plse, out, seqlen, self.chunk, self.splits, pdl)

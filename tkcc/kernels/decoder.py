@@ -26,7 +26,6 @@ from __future__ import annotations
 
 
 import torch
-import triton
 
 from tkcc.errors import TkccError
 from tkcc.kernels import gemv as gemv_mod
@@ -37,6 +36,17 @@ from tkcc.kernels.gemv import gemv
 from tkcc.kernels.moe import moe
 from tkcc.kernels.moe_routed import RoutedMoE
 from tkcc.kernels.rotary import rope
+
+
+# the attention kernels' (positions per loop step, warps) by default, and the candidates tune_step times
+ATTN_TILE_DEFAULT = (64, 4)
+ATTN_TILES = [(64, 4), (32, 4), (16, 4), (128, 4), (128, 8), (256, 8), (32, 2)]
+# positions per split-KV program tune_step times (below the cache length), and one split over the whole
+# cache when the cache is at most ATTN_SINGLE_MAX long
+ATTN_CHUNKS = [64, 128, 256, 512, 1024, 2048]
+ATTN_SINGLE_MAX = 8192
+# the attention layout depends on the context, not on the weights: tuned at the context it will serve
+ATTENTION_KINDS = ("attn_chunk", "attn_tile")
 
 
 def _regroup(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -54,11 +64,14 @@ class FusedDecoder:
 
     def __init__(self, model, max_cache_len: int, attn_chunk: int | None = None, forced_routing: bool = False,
                  pdl: bool | None = None, kv: tuple[list, list] | None = None, fused_attention: bool = False,
-                 routed_moe: bool = False, configs: dict | None = None, fused_ends: bool = False):
+                 routed_moe: bool = False, configs: dict | None = None, fused_ends: bool = False,
+                 attn_tile: tuple[int, int] | None = None):
         """``kv``: optional per-layer (keys, values) tensors [H_kv, S, D] to use as the cache in place (e.g. a
         captured Program's static cache, so its prefill graph and this decode step share one cache).
         ``configs``: {kind: kernel config} for this decoder only (``tune_step`` fills it), over the modules'
-        TUNED tables."""
+        TUNED tables. ``attn_chunk`` (positions per split-KV program) and ``attn_tile`` ((positions per
+        loop step, warps) of the attention kernels) are the defaults of the ``attn_chunk`` and ``attn_tile``
+        configs, which ``tune_step(kinds=ATTENTION_KINDS)`` picks at the context the decoder is at."""
         cfg = model.config
         self.model = model
         self.cfg = cfg
@@ -112,10 +125,9 @@ class FusedDecoder:
                     raise TkccError(f"FusedDecoder: cache tensor {tuple(t.shape)} {t.dtype} stride {t.stride()} "
                                     f"does not match [H_kv, S, D] = {want} {dt}")
             self.k_cache = self.v_cache = None
-        self.chunk = attn_chunk or (256 if self.Hkv >= 16 else 128)
-        self.splits = triton.cdiv(max_cache_len, self.chunk)
-        if self.splits == 1:
-            self.chunk = max_cache_len
+        self.attn_chunk = attn_chunk or (256 if self.Hkv >= 16 else 128)
+        self.attn_tile = tuple(attn_tile or ATTN_TILE_DEFAULT)
+        self._layouts: dict[int, AttentionRope] = {}
         # device-side state: the step reads these and writes the next values back
         self.token = torch.zeros(1, device=dev, dtype=torch.long)
         self.pos = torch.zeros(1, device=dev, dtype=torch.int32)
@@ -125,8 +137,6 @@ class FusedDecoder:
         self.qkv = torch.empty((self.Hq + 2 * self.Hkv) * D, device=dev, dtype=dt)
         self.q = torch.empty(self.Hq, D, device=dev, dtype=dt)
         self.attn = torch.empty(self.Hq, D, device=dev, dtype=dt)
-        self.po = torch.empty(self.Hq, self.splits, D, device=dev, dtype=torch.float32)
-        self.plse = torch.empty(self.Hq, self.splits, device=dev, dtype=torch.float32)
         self.logits = torch.empty(model.lm_head.weight.shape[0], device=dev, dtype=dt)
         if self.is_moe:
             E = self.layers[0]["router"].shape[0]
@@ -145,8 +155,6 @@ class FusedDecoder:
         self.argmax_state = gemv_mod.ArgmaxState(dev) if fused_ends else None
         self.routed_moe = routed_moe and self.is_moe
         self.configs = dict(configs or {})
-        self.attn_rope = AttentionRope(self.Hq, self.Hkv, self.D, max_cache_len, self.chunk, dev) \
-            if fused_attention else None
         if self.routed_moe:
             L0 = self.layers[0]
             self.routed = RoutedMoE(L0["router"].shape[0], H, L0["down"].shape[2], L0["top_k"], dev, dt)
@@ -162,6 +170,42 @@ class FusedDecoder:
         self.forced_all = ids.to(self.device, torch.int32).contiguous()
         self.forced_step.zero_()
 
+    # -- attention layout ---------------------------------------------------------------------------
+    def _layout(self) -> AttentionRope:
+        """The split-KV layout of the current ``attn_chunk`` config: chunk, splits and their scratch (partials,
+        the fused kernel's counters), made once per chunk; the separate attention path uses the same."""
+        chunk = self._attn_config("attn_chunk")[0]
+        lay = self._layouts.get(chunk)
+        if lay is None:
+            lay = self._layouts[chunk] = AttentionRope(self.Hq, self.Hkv, self.D, self.max_cache_len, chunk,
+                                                       self.device)
+        return lay
+
+    def _attn_config(self, kind: str) -> tuple:
+        return self.configs.get(kind) or ((self.attn_chunk,) if kind == "attn_chunk" else self.attn_tile)
+
+    @property
+    def chunk(self) -> int:
+        return self._layout().chunk
+
+    @property
+    def splits(self) -> int:
+        return self._layout().splits
+
+    def _attend(self, li, qkv, out, q_norm, k_norm) -> None:
+        """This token's attention in layer ``li`` (cache written at pos): the fused launch, or rotary then
+        split-KV (+ combine), at the current ``attn_chunk`` / ``attn_tile`` configs."""
+        lay = self._layout()
+        bs, nw = self._attn_config("attn_tile")
+        if self.fused_attention:
+            lay(qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, q_norm, k_norm, self.eps,
+                out=out, pdl=self.pdl, seqlen=self.seqlen, block_s=bs, num_warps=nw)
+        else:
+            rope(qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, self.Hq, self.Hkv, q_norm,
+                 k_norm, self.eps, q_out=self.q, pdl=self.pdl)
+            attention(self.q, self.k_layers[li], self.v_layers[li], self.seqlen, splits=lay.splits, chunk=lay.chunk,
+                      out=out, partials=(lay.po, lay.plse), pdl=self.pdl, block_s=bs, num_warps=nw)
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> None:
         eps, H = self.eps, self.H
@@ -175,14 +219,7 @@ class FusedDecoder:
             gather = (self.token, self.h) if li == 0 and self.fused_ends else None  # x = embed[token], also to h
             gemv(self.embed if gather else self.h, L["qkv"], norm_w=L["ln1"], eps=eps, out=self.qkv, config=c("qkv"),
                  pdl=self.pdl, gather=gather)
-            if self.attn_rope is not None:
-                self.attn_rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, L["q_norm"],
-                               L["k_norm"], eps, out=self.attn, pdl=self.pdl, seqlen=self.seqlen)
-            else:
-                rope(self.qkv, self.k_layers[li], self.v_layers[li], self.pos, self.inv_freq, self.Hq, self.Hkv,
-                     L["q_norm"], L["k_norm"], eps, q_out=self.q, pdl=self.pdl)
-                attention(self.q, self.k_layers[li], self.v_layers[li], self.seqlen, splits=self.splits,
-                          chunk=self.chunk, out=self.attn, partials=(self.po, self.plse), pdl=self.pdl)
+            self._attend(li, self.qkv, self.attn, L["q_norm"], L["k_norm"])
             gemv(self.attn.view(-1), L["o"], residual=self.h, out=self.h, config=c("o_proj"), pdl=self.pdl)
             forced = None if self.forced is None else self.forced[li]
             if self.routed is not None:
@@ -335,21 +372,9 @@ class FusedDecoder:
                                   sum(nbytes(L["qkv"]) for L in Ls))
         ctx = int(self.seqlen)
         kv_bytes = 2 * len(Ls) * self.Hkv * ctx * self.D * self.k_layers[0].element_size()
-        if self.attn_rope is not None:
-            # writes the cache at pos (as every step does); pos is past the context, so nothing read changes
-            kinds["attention+rope+cache(fused)"] = (
-                lambda: [self.attn_rope(qkv, self.k_layers[i], self.v_layers[i], self.pos, self.inv_freq, L["q_norm"],
-                                        L["k_norm"], eps, out=self.attn, pdl=self.pdl, seqlen=self.seqlen)
-                         for i, L in enumerate(Ls)],
-                kv_bytes)
-        else:
-            kinds["rope+cache_write"] = (lambda: [rope(qkv, self.k_layers[i], self.v_layers[i], self.pos, self.inv_freq,
-                                                       self.Hq, self.Hkv, L["q_norm"], L["k_norm"], eps, q_out=self.q,
-                                                       pdl=self.pdl) for i, L in enumerate(Ls)], 0)
-            kinds["attention(split-KV)"] = (
-                lambda: [attention(self.q, self.k_layers[i], self.v_layers[i], self.seqlen, splits=self.splits,
-                                   chunk=self.chunk, out=self.attn, partials=(self.po, self.plse), pdl=self.pdl)
-                         for i in range(len(Ls))], kv_bytes)
+        # writes the cache at pos (as every step does); pos is past the context, so nothing read changes
+        kinds["attention+rope+cache" + ("(fused)" if self.fused_attention else "")] = (
+            lambda: [self._attend(i, qkv, self.attn, L["q_norm"], L["k_norm"]) for i, L in enumerate(Ls)], kv_bytes)
         kinds["o_proj+residual"] = (lambda: [gemv(self.attn.view(-1), L["o"], residual=x, out=h2, config=c("o_proj"),
                                                   pdl=self.pdl) for L in Ls],
                                     sum(nbytes(L["o"]) for L in Ls))
@@ -439,6 +464,13 @@ class FusedDecoder:
                 log(f"tune {kind}: {best[0]} {best[1]:.2f} us/layer (router + gate_up + down)")
         return out
 
+    def attention_kinds(self) -> dict:
+        """{kind: candidate configs} of the attention layout: positions per split-KV program (``attn_chunk``,
+        1-tuples) and the kernels' tile (``attn_tile``: positions per loop step, warps)."""
+        S = self.max_cache_len
+        chunks = [c for c in ATTN_CHUNKS if c < S] + ([S] if S <= ATTN_SINGLE_MAX else [])
+        return {"attn_chunk": [(c,) for c in chunks], "attn_tile": list(ATTN_TILES)}
+
     def step_kinds(self) -> dict:
         """{kind: candidate configs} of the kernels this decoder's step launches with a tunable config."""
         from tkcc.kernels import moe_routed as mr
@@ -454,17 +486,26 @@ class FusedDecoder:
         kinds["lm_head"] = gemv_mod.CONFIGS
         return kinds
 
-    def tune_step(self, reps: int = 9, rounds: int = 1, log=None) -> dict:
+    def tune_step(self, reps: int = 9, rounds: int = 1, log=None, kinds=None) -> dict:
         """Pick each kernel's config by timing the WHOLE step replayed from a CUDA graph (PDL overlap with
         its neighbours, L2 state and launch gaps as in decode), one kind at a time (coordinate descent from
         the current configs). Results go to this decoder's ``configs`` only; returns {kind: (config, µs per
-        step)}. The state (token, position) is restored inside each replay, so the cache is not advanced."""
+        step)}. The state (token, position) is restored inside each replay, so the cache is not advanced.
+        ``kinds``: which to tune (default: every ``step_kinds``; ``ATTENTION_KINDS`` are tuned only when
+        named, at the context the decoder is at, since their best value moves with it). A graph captured
+        before is dropped (it ran the old configs, on scratch tuning may free): ``capture()`` again."""
+        every = {**self.step_kinds(), **self.attention_kinds()}
+        unknown = set(kinds or ()) - set(every)
+        if unknown:
+            raise TkccError(f"tune_step: unknown kinds {sorted(unknown)}; known: {sorted(every)}")
+        todo = {k: every[k] for k in kinds} if kinds is not None else self.step_kinds()
+        self.graph = None
         saved = self._save()
         whole = self._step_from(saved)
         out = {}
         for _ in range(rounds):
-            for kind, cands in self.step_kinds().items():
-                cur = self.configs.get(kind)
+            for kind, cands in todo.items():
+                cur = self.configs.get(kind) or (self._attn_config(kind) if kind in ATTENTION_KINDS else None)
                 best = None
                 for cand in ([cur] if cur is not None else []) + [c for c in cands if c != cur]:
                     self.configs[kind] = cand
@@ -484,6 +525,8 @@ class FusedDecoder:
                 if log:
                     log(f"tune_step {kind}: {best[0]} -> step {best[1]:.1f} us")
         self._restore(saved)
+        chunk = self._attn_config("attn_chunk")[0]
+        self._layouts = {chunk: self._layout()}  # the other chunks' scratch is not used again
         return out
 
     def tune(self, reps: int = 5, log=None) -> dict:

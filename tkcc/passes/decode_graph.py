@@ -13,8 +13,11 @@ previous one drains (programmatic dependent launch, Hopper and later).
 ``fused_attention`` (norm + rotary + cache write + split-KV + combine in one
 launch), ``routed_moe`` (routing once per layer in the router kernel) and
 ``fused_ends`` (embedding gather and argmax inside the first and last GEMVs)
-are the decoder's options; ``tune`` times each kernel kind alone over all layers
-and then the whole step per config (``FusedDecoder.tune_step``).
+are the decoder's options; ``attn_chunk`` (positions per split-KV program) and
+``attn_tile`` (positions per loop step x warps of the attention kernels) its
+attention layout, which moves with the context the traffic brings; ``tune``
+times each kernel kind alone over all layers and then the whole step per
+config (``FusedDecoder.tune_step``).
 Anything the fused step does not support (batch > 1, other families, CPU
 without the Triton interpreter) runs the original graph, with the reason
 logged.
@@ -76,17 +79,25 @@ def _output_like(gm: torch.fx.GraphModule, graph: torch.fx.Graph, value: torch.f
 @register
 class DecodeFusedStep(Pass):
     name = "decode_fused_step"
-    version = "2"
+    version = "3"
     exact = False
     description = ("Decode phase -> one fused kernel sequence per step (MoE regrouped, KV staged in place, "
                    "norms/rotary/activations fused), captured as one CUDA graph.")
     params = {"cuda_graph": [True, False], "pdl": [True, False], "attn_chunk": [0, 64, 128, 256, 512],
               "tune": [False, True], "fused_attention": [False, True], "routed_moe": [False, True],
-              "fused_ends": [False, True]}
+              "fused_ends": [False, True], "attn_tile": ["64x4", "32x4", "128x4", "128x8", "256x8"]}
 
     def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=False, fused_attention=False,
-              routed_moe=False, fused_ends=False):
+              routed_moe=False, fused_ends=False, attn_tile="64x4"):
         from tkcc.kernels.decoder import FusedDecoder
+
+        try:
+            tile = tuple(int(v) for v in str(attn_tile).split("x"))
+            if len(tile) != 2 or tile[0] < 16 or tile[0] & (tile[0] - 1) or tile[1] not in (1, 2, 4, 8, 16):
+                raise ValueError
+        except ValueError:
+            raise TkccError(f"decode_fused_step: attn_tile {attn_tile!r} is not 'POSITIONSxWARPS' (positions a "
+                            f"power of two >= 16, warps 1-16), e.g. '64x4'") from None
 
         info = RewriteInfo()
         if "decode" not in program.graphs:
@@ -108,7 +119,7 @@ class DecodeFusedStep(Pass):
                 try:
                     dec = FusedDecoder(program.model, max_cache_len=kv.max_cache_len, attn_chunk=attn_chunk or None,
                                        pdl=None if pdl else False, kv=(keys, vals), fused_attention=fused_attention,
-                                       routed_moe=routed_moe, fused_ends=fused_ends)
+                                       routed_moe=routed_moe, fused_ends=fused_ends, attn_tile=tile)
                     if tune and keys[0].is_cuda:
                         info.notes.append(f"tuned: {dec.tune()}")
                         # then the whole step per config (writes one position of the cache, before any prefill)
@@ -131,6 +142,6 @@ class DecodeFusedStep(Pass):
         info.replaced = 0 if unsupported else 1
         info.provenance[f"decode:{call.name}"] = call.meta["tkcc_from"]
         info.notes.append(f"decode: fused step ({'original graph: ' + unsupported if unsupported else 'kernels'}; "
-                          f"cuda_graph={cuda_graph}, pdl={pdl}, attn_chunk={attn_chunk or 'auto'}, "
+                          f"cuda_graph={cuda_graph}, pdl={pdl}, attn_chunk={attn_chunk or 'auto'}, attn_tile={attn_tile}, "
                           f"fused_attention={fused_attention}, routed_moe={routed_moe}, fused_ends={fused_ends})")
         return program.with_graphs({"decode": new_gm}), info
