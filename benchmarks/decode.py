@@ -17,8 +17,8 @@ objective (P90 per-user decode tokens/s) from the measured curve.
   TRITON_INTERPRET=1 python benchmarks/decode.py --smoke   # CPU: llama-tiny through every code path, ~1 min
   python benchmarks/decode.py --compile-only --compile-fresh --contexts 2048 8192
       # torch.compile rows only, each (model, context) compiled in a fresh process (see --compile-fresh)
-  python benchmarks/decode.py --objective-from decode.json --compile-rows-from c1.json c2.json
-      # no GPU needed: the trace-weighted objective of a run whose torch.compile rows were measured apart
+  python benchmarks/decode.py --objective-from decode.json later.json --compile-rows-from c1.json c2.json
+      # no GPU needed: the trace-weighted objective of runs whose torch.compile rows were measured apart
       # (one fresh process per context), written to decode_objective.json beside the first file
 Rows go to benchmarks/results/decode.json (and $OUT/decode.json when $OUT is set).
 """
@@ -120,16 +120,29 @@ def time_steps(fn, n: int, reps: int) -> float:
     return float(np.median(out))
 
 
-def peak_reset():
+def peak_reset() -> int:
+    """Reset the peak-memory counter; returns the bytes still allocated (what ``peak`` subtracts)."""
     if CUDA:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        return int(torch.cuda.memory_allocated())
+    return 0
 
 
-def peak() -> int:
-    return int(torch.cuda.max_memory_allocated()) if CUDA else 0
+def model_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def peak(model=None, before: int = 0) -> int:
+    """Peak bytes allocated since the reset. With ``model`` and the reset's ``before``: the model's weights
+    plus what this row allocated on top of what was alive at the reset, so that anything an earlier row
+    left allocated (freed late) is not charged to this one."""
+    if not CUDA:
+        return 0
+    p = int(torch.cuda.max_memory_allocated())
+    return p if model is None else model_bytes(model) + p - before
 
 
 # -- HF baselines --------------------------------------------------------------------------------
@@ -168,7 +181,7 @@ def hf_rows(model, name, contexts, tokens, reps, variant, fwd, compile_cap_s=Non
         if budget_s and rows and time.time() - t_start > budget_s:
             log(f"{variant}: {time.time() - t_start:.0f}s spent (budget {budget_s:.0f}s); skipping ctx {c}")
             continue
-        peak_reset()
+        before = peak_reset()
         run, cache = hf_decode_timer(model, c, tokens, fwd)
         t0 = time.time()
         run(min(3, tokens))  # warm-up (compiles on the first context for torch.compile)
@@ -177,7 +190,7 @@ def hf_rows(model, name, contexts, tokens, reps, variant, fwd, compile_cap_s=Non
         warm = time.time() - t0
         ms = time_steps(run, tokens, reps)
         rows.append(dict(model=name, context=c, routing="router", variant=variant, ms_per_token=ms,
-                         peak_mem_bytes=peak(), warmup_s=round(warm, 2)))
+                         peak_mem_bytes=peak(model, before), peak_mem_bytes_raw=peak(), warmup_s=round(warm, 2)))
         log(f"{name} {variant} ctx={c}: {ms:.3f} ms/token (warm-up {warm:.1f}s)")
         del run, cache
         if compile_cap_s and warm > compile_cap_s:
@@ -343,7 +356,7 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
             kw["pdl"] = kw.get("pdl", True) if pdl_ok else False
             if opts.get("configs") == "step":
                 kw["configs"] = step_configs.get(_opts_key(opts), {})
-            peak_reset()
+            before = peak_reset()
             try:
                 dec = FusedDecoder(model, max_cache_len=c + tokens + 8, attn_chunk=chunk,
                                    forced_routing=routing == "real", **kw)
@@ -410,7 +423,8 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
                 peak_reset()
                 continue
             rows.append(dict(model=name, context=c, routing=routing, variant=variant, ms_per_token=ms,
-                             peak_mem_bytes=peak(), attn_splits=dec.splits, attn_chunk=dec.chunk, pdl=dec.pdl,
+                             peak_mem_bytes=peak(model, before), peak_mem_bytes_raw=peak(), attn_splits=dec.splits,
+                             attn_chunk=dec.chunk, pdl=dec.pdl,
                              options={k: v for k, v in kw.items() if k != "configs"},
                              configs={k: list(v) for k, v in dec.configs.items()} or None))
             if CUDA and routing == "router" and profile and variant in ("tkcc", "tkcc_v3", "tkcc_v4"):
@@ -514,22 +528,46 @@ def fresh_compile_rows(a, name, contexts, tokens, budget_s, result):
     return rows
 
 
-def merged_objective(main_file: str, compile_files: list[str]) -> dict:
-    """The objective rows of ``main_file``'s run with its torch.compile rows replaced by those of
-    ``compile_files`` (runs that compiled one context each in a fresh process). The replaced rows are kept
-    under ``replaced_rows`` so nothing measured disappears."""
-    main = json.loads(Path(main_file).read_text())
+def merged_objective(main_files: list[str], compile_files: list[str]) -> dict:
+    """The objective rows of the runs in ``main_files`` (a later file's row replaces an earlier one's of the
+    same model, variant, routing and context) with their torch.compile rows replaced by those of
+    ``compile_files`` (runs that compiled one context each in a fresh process). Replaced rows are kept under
+    ``replaced_rows`` so nothing measured disappears; ``ratios`` gives, per model and trace, the best tkcc
+    variant's P90 over torch.compile's, for the router's own routing and for real routing."""
     is_compile = lambda r: r["variant"].startswith("hf_compile")  # noqa: E731
+    key = lambda r: (r["model"], r["variant"], r.get("routing"), r["context"])  # noqa: E731
+    rows, replaced = {}, []
+    for f in main_files:
+        for r in json.loads(Path(f).read_text())["rows"]:
+            r = dict(r, source=Path(f).name)
+            if key(r) in rows:
+                replaced.append(rows[key(r)])
+            rows[key(r)] = r
     extra = []
     for f in compile_files:
         d = json.loads(Path(f).read_text())
         extra += [dict(r, source=Path(f).name) for r in d["rows"] if is_compile(r)]
-    keys = {(r["model"], r["variant"], r["context"]) for r in extra}
-    replaced = [r for r in main["rows"] if is_compile(r) and (r["model"], r["variant"], r["context"]) in keys]
-    rows = [r for r in main["rows"] if r not in replaced] + extra
+    ckeys = {(r["model"], r["variant"], r["context"]) for r in extra}
+    for k in [k for k, r in rows.items() if is_compile(r) and (k[0], k[1], k[3]) in ckeys]:
+        replaced.append(rows.pop(k))
+    rows = list(rows.values()) + extra
     models = sorted({r["model"] for r in rows})
-    return dict(main=Path(main_file).name, compile_rows_from=[Path(f).name for f in compile_files],
-                compile_rows=extra, replaced_rows=replaced, objective=objective_rows(rows, models))
+    obj = objective_rows(rows, models)
+    ratios = []
+    for m in models:
+        for trace in sorted({o["trace"] for o in obj}):
+            mine = [o for o in obj if o["model"] == m and o["trace"] == trace and o["p90_decode_tokens_per_s"]]
+            comp = [o for o in mine if o["variant"].startswith("hf_compile")]
+            for routing in ("router", "real"):
+                tk = [o for o in mine if o["variant"].startswith("tkcc") and o["routing"] == routing]
+                if comp and tk:
+                    best = max(tk, key=lambda o: o["p90_decode_tokens_per_s"])
+                    c = comp[0]["p90_decode_tokens_per_s"]
+                    ratios.append(dict(model=m, trace=trace, routing=routing, best_variant=best["variant"],
+                                       tkcc_p90=best["p90_decode_tokens_per_s"], compile_p90=c,
+                                       ratio=best["p90_decode_tokens_per_s"] / c))
+    return dict(main=[Path(f).name for f in main_files], compile_rows_from=[Path(f).name for f in compile_files],
+                compile_rows=extra, replaced_rows=replaced, objective=obj, ratios=ratios)
 
 
 def main(argv=None):
@@ -564,18 +602,23 @@ def main(argv=None):
     ap.add_argument("--compile-fresh", action="store_true",
                     help="compile each (model, context) in its own fresh process (this script, --compile-only): "
                          "in one process a later context's recompile need not match a fresh compile")
-    ap.add_argument("--objective-from", default=None, help="recompute the objective of this result file (no GPU)")
+    ap.add_argument("--objective-from", nargs="+", default=None,
+                    help="recompute the objective of these result files (no GPU; a later file's row replaces an "
+                         "earlier one's for the same model, variant, routing and context)")
     ap.add_argument("--compile-rows-from", nargs="*", default=[],
                     help="with --objective-from: result files whose torch.compile rows replace the first file's")
     a = ap.parse_args(argv)
     if a.objective_from:
         res = merged_objective(a.objective_from, a.compile_rows_from)
-        out = Path(a.objective_from).with_name("decode_objective.json")
+        out = Path(a.objective_from[0]).with_name("decode_objective.json")
         out.write_text(json.dumps(res, indent=1))
         for o in res["objective"]:
             p90 = o["p90_decode_tokens_per_s"]
             print(f"{o['model']:<13} {o['trace']:<34} {o['variant']}/{o['routing']}: "
                   + (f"{p90:.0f} tok/s" if p90 is not None else "-"))
+        for r in res["ratios"]:
+            print(f"{r['model']:<13} {r['trace']:<34} best {r['best_variant']}/{r['routing']}: "
+                  f"{r['tkcc_p90']:.0f} / compile {r['compile_p90']:.0f} tok/s = {r['ratio']:.2f}x")
         return res
     if a.compile_only or a.compile_fresh:
         a.compile = True

@@ -26,3 +26,34 @@ def test_decode_benchmark_smoke(tmp_path):
     g = res["greedy"]["llama-tiny"][0]["tkcc_vs_hf"]
     assert g["identical"] and g["logits_rel_err"] < 1e-4
     assert res["meta"]["torch"] and res["meta"]["command"]
+
+
+def test_objective_merges_runs_later_rows_win(tmp_path):
+    """--objective-from with several runs: a later run's row replaces an earlier one's (same model, variant,
+    routing, context), compile rows come from the fresh-process files, nothing replaced is dropped, and
+    the ratio is the best tkcc variant's P90 over compile's."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode as bench
+
+    def row(variant, ctx, ms, routing="router"):
+        return dict(model="m", variant=variant, routing=routing, context=ctx, ms_per_token=ms, peak_mem_bytes=0)
+
+    files = {
+        "a.json": [row("tkcc", 128, 2.0), row("tkcc", 8192, 3.0), row("hf_compile[x]", 128, 9.0),
+                   row("hf_compile[x]", 8192, 9.0)],
+        "b.json": [row("tkcc", 128, 1.0), row("tkcc", 8192, 1.5), row("tkcc_v4", 128, 1.2), row("tkcc_v4", 8192, 1.2)],
+        "c.json": [row("hf_compile[x]", 128, 4.0), row("hf_compile[x]", 8192, 4.0)],
+    }
+    for name, rows in files.items():
+        (tmp_path / name).write_text(json.dumps(dict(rows=rows)))
+    res = bench.merged_objective([str(tmp_path / "a.json"), str(tmp_path / "b.json")], [str(tmp_path / "c.json")])
+    assert len(res["replaced_rows"]) == 4  # a's two tkcc rows and its two compile rows
+    assert {r["source"] for r in res["replaced_rows"]} == {"a.json"}
+    p90 = {(o["trace"], o["variant"]): o["p90_decode_tokens_per_s"] for o in res["objective"]}
+    assert p90 and all(v is not None for v in p90.values())
+    for r in res["ratios"]:
+        assert r["compile_p90"] == pytest.approx(p90[(r["trace"], "hf_compile[x]")])
+        assert r["tkcc_p90"] == max(p90[(r["trace"], "tkcc")], p90[(r["trace"], "tkcc_v4")])
+        assert r["ratio"] == pytest.approx(r["tkcc_p90"] / r["compile_p90"])
+    # at every context tkcc (b) is faster than compile (c) by 2.7-4x: so is its P90
+    assert all(2.5 < r["ratio"] < 4.1 for r in res["ratios"]) and res["ratios"]
