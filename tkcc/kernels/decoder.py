@@ -18,9 +18,11 @@ write + split-KV + combine in one launch (``attention_rope.py``);
 expert weights with no per-program prologue (``moe_routed.py``); ``fused_ends``
 gathers the token's embedding in layer 0's QKV kernel and takes the argmax
 (and advances the position) in the lm_head kernel, so the step is Triton
-launches only, all chained by PDL. The step reads the token and the position from device
-buffers and writes the next token and position back, so replays chain with
-no host synchronisation.
+launches only, all chained by PDL. The attention layout (positions per
+split-KV program, the kernels' tile) is a pair of step configs, tuned at the
+context served: the best one moves with the context, not with the weights.
+The step reads the token and the position from device buffers and writes the
+next token and position back, so replays chain with no host synchronisation.
 """
 from __future__ import annotations
 
