@@ -14,7 +14,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ["gemv", "rmsnorm", "silu_mul", "router", "moe", "attention", "rope", "moe_routed", "attention_rope"]
+FAMILIES = ["gemv", "rmsnorm", "silu_mul", "router", "moe", "attention", "rope", "moe_routed", "attention_rope",
+            "cache_bounds"]
 
 
 def _run_interp(families, dtype):

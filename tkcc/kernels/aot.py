@@ -56,7 +56,7 @@ def _variants(pdl):
                   dict(route, FORCED=forced, BLOCK_N=4, BLOCK_K=512, RESIDUAL=True, EVEN_K=True)))
     sig = {"q_ptr": _P, "k_ptr": _P, "v_ptr": _P, "out_ptr": _P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
            "seqlen_ptr": "*i32", "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32",
-           "SPLITS": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "BLOCK_S": "constexpr",
+           "S_MAX": "i32", "SPLITS": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "BLOCK_S": "constexpr",
            "SINGLE": "constexpr"}
     for G, single in ((1, True), (4, False)):
         v.append(("attention.py.jinja", dict(pdl=pdl), "attn_partial_kernel", sig,
@@ -66,7 +66,7 @@ def _variants(pdl):
     v.append(("attention.py.jinja", dict(pdl=pdl), "attn_combine_kernel", sig, dict(D=128, BLOCK_SP=16)))
     sig = {"qkv_ptr": _P, "q_out_ptr": _P, "k_cache_ptr": _P, "v_cache_ptr": _P, "pos_ptr": "*i64",
            "inv_freq_ptr": "*fp32", "qn_ptr": _P, "kn_ptr": _P, "eps": "fp32", "stride_ch": "i32", "stride_cs": "i32",
-           "HQ": "i32", "HKV": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr",
+           "S_MAX": "i32", "HQ": "i32", "HKV": "i32", "D": "constexpr", "HALF": "constexpr", "QK_NORM": "constexpr",
            "BLOCK_K": "constexpr"}
     for qk in (True, False):
         v.append(("rotary.py.jinja", dict(pdl=pdl), "qkv_rope_kernel", sig, dict(D=128, HALF=64, QK_NORM=qk, BLOCK_K=2048)))
@@ -108,7 +108,8 @@ def _routed_variants(pdl):
                   dict(BLOCK_N=bn, BLOCK_K=1024 if full else 512, TOPK=8, K_PAD=8, RESIDUAL=True, FULL_K=full)))
     sig = {"qkv_ptr": _P, "k_ptr": _P, "v_ptr": _P, "out_ptr": _P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
            "count_ptr": "*i32", "pos_ptr": "*i32", "inv_freq_ptr": "*fp32", "qn_ptr": _P, "kn_ptr": _P, "eps": "fp32",
-           "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "SPLITS": "i32", "HQ": "i32",
+           "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "S_MAX": "i32", "SPLITS": "i32",
+           "HQ": "i32",
            "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "HALF": "constexpr",
            "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr", "SINGLE": "constexpr",
            "BLOCK_SP": "constexpr", "MERGE": "constexpr"}

@@ -84,7 +84,8 @@ def attention(q, k_cache, v_cache, seqlen, scale=None, splits=None, chunk=None, 
         plse = torch.empty(Hq, splits, device=q.device, dtype=torch.float32)
     mod.attn_partial_kernel[(Hkv, splits)](
         q, k_cache, v_cache, out, po, plse, seqlen_t, scale * LOG2E, chunk, k_cache.stride(0), k_cache.stride(1),
-        splits, G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_S=block_s, SINGLE=single, num_warps=num_warps, **launch)
+        S_max, splits, G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_S=block_s, SINGLE=single, num_warps=num_warps,
+        **launch)
     if not single:
         combine(po, plse, out, seqlen_t, chunk, splits, pdl)
     return out

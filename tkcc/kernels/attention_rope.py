@@ -89,7 +89,7 @@ class AttentionRope:
         mod.attn_rope_kernel[(hkv, self.splits)](
             qkv, k_cache, v_cache, out, self.po, self.plse, self.count, pos, inv_freq,
             q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, self.chunk,
-            k_cache.stride(0), k_cache.stride(1), self.splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
+            k_cache.stride(0), k_cache.stride(1), S_max, self.splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
             HALF=D // 2, BLOCK_S=block_s or self.block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
             SINGLE=self.splits == 1, BLOCK_SP=min(16, max(2, next_pow2(self.splits))), MERGE=self.merge,
             num_warps=num_warps or self.num_warps, **({"launch_pdl": True} if pdl else {}))

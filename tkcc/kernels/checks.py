@@ -268,6 +268,50 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
     return rows
 
 
+def check_cache_bounds(device, dtype, g, pdl=False, shapes=((4, 2, 32, 40, 16), (8, 2, 16, 24, 24),
+                                                             (32, 8, 64, 300, 128))):
+    """A position at or past the cache (a raw graph replay the host did not check): rope, attention_rope and
+    attention write nothing and read nothing outside it. The caches are carved out of a larger buffer whose
+    tail is a guard; cache and guard must come out bit-identical. Outputs: q rotated at that position
+    (rope), attention of that q over the S cached positions only (attention_rope), attention over the S
+    positions (attention told seqlen > S)."""
+    from tkcc.kernels.attention import attention, attention_ref
+    from tkcc.kernels.attention_rope import AttentionRope
+    from tkcc.kernels.rotary import rope, rope_ref
+
+    rows = []
+    for hq, hkv, D, S, chunk in shapes:
+        splits = -(-S // chunk)
+        for pos in sorted({S, S + 1, splits * chunk - 1} - {p for p in (splits * chunk - 1,) if p < S}):
+            qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
+            inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+            guard = 3 * S * D
+            bufs = [_rand(hkv * S * D + guard, device=device, dtype=dtype, g=g) for _ in range(2)]
+            kc, vc = (b[: hkv * S * D].view(hkv, S, D) for b in bufs)
+            before = [b.clone() for b in bufs]
+            scratch = [torch.zeros(hkv, pos + 1, D, device=device, dtype=dtype) for _ in range(2)]
+            q_ref = rope_ref(qkv, *scratch, pos, inv_freq, hq, hkv)  # q does not depend on the cache
+            p = torch.tensor([pos], device=device, dtype=torch.int32)
+            untouched = lambda: all(torch.equal(b, b0) for b, b0 in zip(bufs, before))  # noqa: E731
+
+            q = rope(qkv, kc, vc, p, inv_freq, hq, hkv, pdl=pdl)
+            err = rel_err(q, q_ref) if untouched() else float("inf")
+            rows.append(_row("cache_bounds:rope", (hq, hkv, D, S, pos), dtype, err))
+
+            ar = AttentionRope(hq, hkv, D, S, chunk, device, block_s=16)
+            out = torch.full((hq, D), float("nan"), device=device, dtype=dtype)
+            ar(qkv, kc, vc, p, inv_freq, out=out, pdl=pdl)
+            ref = attention_ref(q_ref, kc, vc, S)
+            err = rel_err(out, ref) if untouched() and int(ar.count.sum()) == 0 else float("inf")
+            rows.append(_row("cache_bounds:attention_rope", (hq, hkv, D, S, pos, f"splits={ar.splits}"), dtype, err))
+
+            qa = _rand(hq, D, device=device, dtype=dtype, g=g)
+            out = attention(qa, kc, vc, p + 1, splits=ar.splits, chunk=ar.chunk, block_s=16, pdl=pdl)
+            err = rel_err(out, attention_ref(qa, kc, vc, S)) if untouched() else float("inf")
+            rows.append(_row("cache_bounds:attention", (hq, hkv, D, S, pos + 1, f"splits={ar.splits}"), dtype, err))
+    return rows
+
+
 FAMILIES = {
     "gemv": check_gemv,
     "rmsnorm": check_rmsnorm,
@@ -278,6 +322,7 @@ FAMILIES = {
     "rope": check_rope,
     "moe_routed": check_moe_routed,
     "attention_rope": check_attention_rope,
+    "cache_bounds": check_cache_bounds,
 }
 
 

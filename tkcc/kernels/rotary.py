@@ -59,6 +59,6 @@ def rope(qkv, k_cache, v_cache, pos, inv_freq, hq, hkv, q_norm=None, k_norm=None
     qk_norm = q_norm is not None
     mod.qkv_rope_kernel[(hq + hkv,)](
         qkv, q_out, k_cache, v_cache, pos_t, inv_freq, q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps,
-        k_cache.stride(0), k_cache.stride(1), hq, hkv, D=D, HALF=D // 2, QK_NORM=qk_norm,
+        k_cache.stride(0), k_cache.stride(1), k_cache.shape[1], hq, hkv, D=D, HALF=D // 2, QK_NORM=qk_norm,
         BLOCK_K=min(4096, next_pow2(hq * D)), num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return q_out
