@@ -286,6 +286,15 @@ def _decoder_kw(opts):
     return {k: v for k, v in opts.items() if k not in BENCH_OPTS}
 
 
+def random_cache(dec, seed: int) -> None:
+    """Random K/V in every layer's cache (the context a row is timed at). A function, so that no loop
+    variable outlives it: a view of the last layer's cache left bound in the caller kept the whole cache of
+    the previous row's decoder allocated into the next row."""
+    g = torch.Generator(device=dec.device).manual_seed(seed)
+    for t in dec.k_layers + dec.v_layers:
+        t.normal_(generator=g)
+
+
 def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=True, variants=None,
               step_tune=True, on_rows=None):
     """Rows for every tkcc variant at every context. A variant that fails on the device (an exception, a
@@ -360,10 +369,7 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
             try:
                 dec = FusedDecoder(model, max_cache_len=c + tokens + 8, attn_chunk=chunk,
                                    forced_routing=routing == "real", **kw)
-                g = torch.Generator(device=dec.device).manual_seed(c)
-                for kc, vc in zip(dec.k_layers, dec.v_layers):
-                    kc.normal_(generator=g)
-                    vc.normal_(generator=g)
+                random_cache(dec, c)
                 if routing == "real":
                     dec.set_forced_routing(forced)
                 dec.reset(11, c)

@@ -57,3 +57,34 @@ def test_objective_merges_runs_later_rows_win(tmp_path):
         assert r["ratio"] == pytest.approx(r["tkcc_p90"] / r["compile_p90"])
     # at every context tkcc (b) is faster than compile (c) by 2.7-4x: so is its P90
     assert all(2.5 < r["ratio"] < 4.1 for r in res["ratios"]) and res["ratios"]
+
+
+PROBE = """
+import gc, sys, weakref, torch
+sys.path.insert(0, "benchmarks")
+import decode as bench
+from tkcc.frontend.models import build_model
+caches = []
+init = bench.FusedDecoder.__init__
+def tracked(self, *a, **k):
+    init(self, *a, **k)
+    caches.append(weakref.ref(self.k_cache))
+bench.FusedDecoder.__init__ = tracked
+def reset():
+    gc.collect()
+    print("alive", sum(r() is not None for r in caches), flush=True)
+    return 0
+bench.peak_reset = reset
+bench.tkcc_rows(build_model("llama-tiny", torch.float32, "cpu"), "llama-tiny", [4, 12], 1, 1, False, tune=False,
+                profile=False, variants=["tkcc"])
+"""
+
+
+def test_no_row_keeps_an_earlier_rows_cache_alive():
+    """Each row's peak memory is its own: when the counter is reset for a row, no earlier row's decoder
+    cache is still allocated (a leftover view of one once charged a 32k cache to the next row)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    alive = [int(ln.split()[1]) for ln in p.stdout.splitlines() if ln.startswith("alive")]
+    assert alive == [0, 0]
