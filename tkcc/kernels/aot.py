@@ -114,11 +114,13 @@ def _routed_variants(pdl):
            "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr", "SINGLE": "constexpr",
            "BLOCK_SP": "constexpr", "MERGE": "constexpr"}
     # olmoe-16l (G=1, D=128, q/k norm), llama-1b-16l (G=4, D=64)
-    for G, D, qk, single, merge in ((1, 128, True, True, True), (1, 128, True, False, True),
-                                    (4, 64, False, False, True), (4, 64, False, True, True),
-                                    (4, 64, False, False, False)):
+    # (and the attention tiles tune_step picks at the ends of its range: 32 positions for olmoe, 256 for llama)
+    for G, D, qk, single, merge, bs in ((1, 128, True, True, True, 64), (1, 128, True, False, True, 64),
+                                        (4, 64, False, False, True, 64), (4, 64, False, True, True, 64),
+                                        (4, 64, False, False, False, 64), (1, 128, True, False, False, 32),
+                                        (4, 64, False, True, True, 256)):
         v.append(("attention_rope.py.jinja", dict(pdl=pdl), "attn_rope_kernel", sig,
-                  dict(G=G, G_PAD=16, D=D, HALF=D // 2, BLOCK_S=64, BLOCK_Q=2048, QK_NORM=qk, SINGLE=single,
+                  dict(G=G, G_PAD=16, D=D, HALF=D // 2, BLOCK_S=bs, BLOCK_Q=2048, QK_NORM=qk, SINGLE=single,
                        BLOCK_SP=16, MERGE=merge)))
     return v
 

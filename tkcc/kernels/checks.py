@@ -164,11 +164,21 @@ def check_attention(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 77), (8
         vc[:, L:] = float("nan")
         seqlen = torch.tensor([L], device=device, dtype=torch.int32)
         ref = attention_ref(q, kc, vc, L)
-        for splits in (1, 3, 8, 40, 300):  # 300: more splits than one combine tile holds
+        for i, splits in enumerate((1, 3, 8, 40, 300)):  # 300: more splits than one combine tile holds
+            bs, nw = _attn_tile(i)
             out = torch.full((Hq, D), float("nan"), device=device, dtype=dtype)
-            attention(q, kc, vc, seqlen, splits=splits, out=out, block_s=16, pdl=pdl)
-            rows.append(_row("attention", (Hq, Hkv, D, S, L, f"splits={splits}"), dtype, rel_err(out, ref)))
+            attention(q, kc, vc, seqlen, splits=splits, out=out, block_s=bs, num_warps=nw, pdl=pdl)
+            rows.append(_row("attention", (Hq, Hkv, D, S, L, f"splits={splits}", f"tile={bs}x{nw}"), dtype,
+                             rel_err(out, ref)))
     return rows
+
+
+def _attn_tile(i: int) -> tuple[int, int]:
+    """The i-th of the tiles the decoder's tune_step may pick for the attention kernels, cyclically: every
+    tile is checked without multiplying the cases."""
+    from tkcc.kernels.decoder import ATTN_TILES
+
+    return ATTN_TILES[i % len(ATTN_TILES)]
 
 
 def check_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32), (8, 2, 64), (2, 1, 16))):
@@ -243,8 +253,9 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
     from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref
 
     rows = []
-    for hq, hkv, D, S, pos, chunk in shapes:
+    for j, (hq, hkv, D, S, pos, chunk) in enumerate(shapes):
         for norm in (False, True):
+            bs, nw = _attn_tile(2 * j + norm)
             qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
             inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
             qn = _rand(hq * D, device=device, dtype=dtype, g=g) if norm else None
@@ -253,7 +264,7 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
             kc[:, pos:] = float("nan")
             vc[:, pos:] = float("nan")
             kr, vr = kc.clone(), vc.clone()
-            ar = AttentionRope(hq, hkv, D, S, chunk, device, block_s=16 if str(device) == "cpu" else 64)
+            ar = AttentionRope(hq, hkv, D, S, chunk, device, block_s=bs, num_warps=nw)
             p = torch.tensor([pos], device=device, dtype=torch.int32)
             for _rep in range(2):
                 out = torch.full((hq, D), float("nan"), device=device, dtype=dtype)
@@ -263,8 +274,8 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
                       rel_err(vc[:, :pos + 1], vr[:, :pos + 1]))
             if int(ar.count.sum()) != 0 or not torch.isnan(kc[:, pos + 1:]).all():
                 err = float("inf")
-            rows.append(_row(f"attention_rope{'+qknorm' * norm}", (hq, hkv, D, S, pos, f"splits={ar.splits}"), dtype,
-                             err))
+            rows.append(_row(f"attention_rope{'+qknorm' * norm}",
+                             (hq, hkv, D, S, pos, f"splits={ar.splits}", f"tile={bs}x{nw}"), dtype, err))
     return rows
 
 
