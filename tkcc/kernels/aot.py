@@ -36,9 +36,9 @@ def _variants(pdl):
                 consts = dict(BLOCK_N=2, BLOCK_K=bk, EVEN_K=True, FULL_K=bk == 2048)
                 if hook == "argmax":
                     consts["NSLOT"] = 256
-                v.append(("gemv.py.jinja", dict(norm=True, gated=False, residual=False, pdl=gpdl, gather=hook == "gather",
-                                                   argmax=hook == "argmax"),
-                          "gemv_kernel", {**base, **extra, **blocks}, consts))
+                hooks = dict(norm=True, gated=False, residual=False, pdl=gpdl, gather=hook == "gather",
+                             argmax=hook == "argmax")
+                v.append(("gemv.py.jinja", hooks, "gemv_kernel", {**base, **extra, **blocks}, consts))
     route = dict(TOPK=8, E_PAD=64, NORM_TOPK=False, FORCED=False)
     sig = {"x_ptr": _P, "nw_ptr": _P, "logits_ptr": _P, "forced_ptr": "*i32", "w_ptr": _P, "act_ptr": _P, "I": "i32",
            "H": "i32", "E": "i32", "eps": "fp32", "stride_we": "i64", "stride_wn": "i32", "BLOCK_N": "constexpr",
@@ -56,8 +56,8 @@ def _variants(pdl):
                   dict(route, FORCED=forced, BLOCK_N=4, BLOCK_K=512, RESIDUAL=True, EVEN_K=True)))
     sig = {"q_ptr": _P, "k_ptr": _P, "v_ptr": _P, "out_ptr": _P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
            "seqlen_ptr": "*i32", "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32",
-           "S_MAX": "i32", "SPLITS": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "BLOCK_S": "constexpr",
-           "SINGLE": "constexpr"}
+           "S_MAX": "i32", "SPLITS": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr",
+           "BLOCK_S": "constexpr", "SINGLE": "constexpr"}
     for G, single in ((1, True), (4, False)):
         v.append(("attention.py.jinja", dict(pdl=pdl), "attn_partial_kernel", sig,
                   dict(G=G, G_PAD=16, D=128, BLOCK_S=64, SINGLE=single)))
@@ -109,8 +109,7 @@ def _routed_variants(pdl):
     sig = {"qkv_ptr": _P, "k_ptr": _P, "v_ptr": _P, "out_ptr": _P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
            "count_ptr": "*i32", "pos_ptr": "*i32", "inv_freq_ptr": "*fp32", "qn_ptr": _P, "kn_ptr": _P, "eps": "fp32",
            "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "S_MAX": "i32", "SPLITS": "i32",
-           "HQ": "i32",
-           "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "HALF": "constexpr",
+           "HQ": "i32", "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "HALF": "constexpr",
            "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr", "SINGLE": "constexpr",
            "BLOCK_SP": "constexpr", "MERGE": "constexpr"}
     # olmoe-16l (G=1, D=128, q/k norm), llama-1b-16l (G=4, D=64)

@@ -181,6 +181,11 @@ def _attn_tile(i: int) -> tuple[int, int]:
     return ATTN_TILES[i % len(ATTN_TILES)]
 
 
+def _inv_freq(D: int, device) -> torch.Tensor:
+    """Rotary frequencies of a head of D (base 10000), fp32, as the models' rotary embedding has them."""
+    return (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+
+
 def check_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32), (8, 2, 64), (2, 1, 16))):
     from tkcc.kernels.rotary import rope, rope_ref
 
@@ -190,7 +195,7 @@ def check_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32), (8, 2, 64), (2, 
             S = 40
             pos = int(torch.randint(0, S, (1,), generator=g))
             qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
-            inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+            inv_freq = _inv_freq(D, device)
             qn = _rand(hq * D, device=device, dtype=dtype, g=g) if norm else None
             kn = _rand(hkv * D, device=device, dtype=dtype, g=g) if norm else None
             kc, vc = (_rand(hkv, S, D, device=device, dtype=dtype, g=g) for _ in range(2))
@@ -248,8 +253,9 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
                                                                 (32, 8, 64, 300, 299, 1024),
                                                                 (32, 8, 64, 4100, 4000, 128))):
     """Norm + rotary + cache write + split-KV + combine (in the kernel up to MERGE_MAX_SPLITS splits, else
-    attention's combine launch: shapes with 4, 20, 5, 1 and 33 splits) against rope_ref then attention_ref. Cache positions from pos on are NaN before the launch (pos must be written, never read;
-    later ones never touched); two launches in a row (the self-resetting per-head counters)."""
+    attention's combine launch: shapes with 4, 20, 5, 1 and 33 splits) against rope_ref then attention_ref.
+    Cache positions from pos on are NaN before the launch (pos must be written, never read; later ones
+    never touched); two launches in a row (the self-resetting per-head counters)."""
     from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref
 
     rows = []
@@ -257,7 +263,7 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
         for norm in (False, True):
             bs, nw = _attn_tile(2 * j + norm)
             qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
-            inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+            inv_freq = _inv_freq(D, device)
             qn = _rand(hq * D, device=device, dtype=dtype, g=g) if norm else None
             kn = _rand(hkv * D, device=device, dtype=dtype, g=g) if norm else None
             kc, vc = (_rand(hkv, S, D, device=device, dtype=dtype, g=g) for _ in range(2))
@@ -293,9 +299,9 @@ def check_cache_bounds(device, dtype, g, pdl=False, shapes=((4, 2, 32, 40, 16), 
     rows = []
     for hq, hkv, D, S, chunk in shapes:
         splits = -(-S // chunk)
-        for pos in sorted({S, S + 1, splits * chunk - 1} - {p for p in (splits * chunk - 1,) if p < S}):
+        for pos in sorted({S, S + 1, max(S, splits * chunk - 1)}):  # the last: inside the last split's range
             qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
-            inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+            inv_freq = _inv_freq(D, device)
             guard = 3 * S * D
             bufs = [_rand(hkv * S * D + guard, device=device, dtype=dtype, g=g) for _ in range(2)]
             kc, vc = (b[: hkv * S * D].view(hkv, S, D) for b in bufs)

@@ -507,7 +507,7 @@ class FusedDecoder:
         out = {}
         for _ in range(rounds):
             for kind, cands in todo.items():
-                cur = self.configs.get(kind) or (self._attn_config(kind) if kind in ATTENTION_KINDS else None)
+                cur = self._attn_config(kind) if kind in ATTENTION_KINDS else self.configs.get(kind)
                 best = None
                 for cand in ([cur] if cur is not None else []) + [c for c in cands if c != cur]:
                     self.configs[kind] = cand
