@@ -279,6 +279,18 @@ class CompiledModel:
         with torch.no_grad():
             return greedy(self.program, prompt_ids, new_tokens, forwards=self.forwards)
 
+    def stream(self, prompt_ids: torch.Tensor, max_new_tokens: int):
+        """Greedy decoding one token at a time: yields each new token as a [B] tensor (the serving path).
+
+        Stopping the iteration (a stop sequence, a cancelled request) stops the decoding there."""
+        if not _is_lm(self.program):
+            raise TkccError("stream() is for causal LMs (a Program with prefill and decode phases)")
+        from tkcc.frontend import greedy_steps
+
+        with torch.no_grad():
+            for tok, _ in greedy_steps(self.program, prompt_ids, max_new_tokens, forwards=self.forwards):
+                yield tok
+
     def report(self, print_report: bool = True) -> CompileReport:
         if print_report:
             print(self._report.text())

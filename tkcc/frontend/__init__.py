@@ -8,7 +8,7 @@
 See docs/frontend.md for the input conventions of each phase.
 """
 from tkcc.frontend.capture import capture, capture_model, reset_state
-from tkcc.frontend.generate import greedy
+from tkcc.frontend.generate import greedy, greedy_steps
 from tkcc.frontend.program import Program
 
-__all__ = ["Program", "capture", "capture_model", "greedy", "reset_state"]
+__all__ = ["Program", "capture", "capture_model", "greedy", "greedy_steps", "reset_state"]

@@ -6,7 +6,7 @@ same loop drives the reference and every candidate.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -23,6 +23,22 @@ def greedy(program: Program, prompt_ids: torch.Tensor, new_tokens: int,
     token, feeding back the argmax. Returns tokens [B, new_tokens] (int64, on
     the program's device), and with ``return_logits`` also the logits that
     chose each token, [B, new_tokens, vocab] in float32.
+    """
+    tokens, logits_out = [], []
+    for tok, last in greedy_steps(program, prompt_ids, new_tokens, forwards):
+        tokens.append(tok)
+        if return_logits:
+            logits_out.append(last.float())
+    out = torch.stack(tokens, dim=1)
+    return (out, torch.stack(logits_out, dim=1)) if return_logits else out
+
+
+def greedy_steps(program: Program, prompt_ids: torch.Tensor, new_tokens: int,
+                 forwards: dict[str, Callable] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The one greedy loop, one token at a time: yields (token [B], the logits [B, vocab] that chose it).
+
+    A consumer that stops iterating (a stop sequence, a cancelled request) stops the decoding there; the
+    KV cache is reset at the start of every call, so nothing carries over to the next one.
     """
     fwd = {p: program.graphs[p] for p in ("prefill", "decode") if p in program.graphs}
     fwd.update(forwards or {})
@@ -44,9 +60,11 @@ def greedy(program: Program, prompt_ids: torch.Tensor, new_tokens: int,
                         f"max_cache_len is {max_len}")
     device = torch.device(meta.get("device", prompt_ids.device))
     prompt_ids = prompt_ids.to(device=device, dtype=torch.long)
+    return _steps(program, fwd, prompt_ids, plen, new_tokens, device)
 
+
+def _steps(program, fwd, prompt_ids, plen, new_tokens, device):
     program.reset_state()
-    tokens, logits_out = [], []
     with torch.no_grad():
         if plen == 1:
             logits = fwd["decode"](prompt_ids, torch.zeros(1, dtype=torch.long, device=device))
@@ -55,12 +73,8 @@ def greedy(program: Program, prompt_ids: torch.Tensor, new_tokens: int,
         last = logits[:, -1]
         for i in range(new_tokens):
             tok = last.argmax(-1)
-            tokens.append(tok)
-            if return_logits:
-                logits_out.append(last.float())
+            yield tok, last
             if i + 1 == new_tokens:
                 break
             logits = fwd["decode"](tok[:, None], torch.tensor([plen + i], dtype=torch.long, device=device))
             last = logits[:, -1]
-    out = torch.stack(tokens, dim=1)
-    return (out, torch.stack(logits_out, dim=1)) if return_logits else out
