@@ -1,9 +1,9 @@
 """tkcc: a continual compiler for inference.
 
     import tkcc
-    compiled = tkcc.compile(model, trace)
-    compiled(...)
-    compiled.report()
+    compiled = tkcc.compile(model, trace)       # runs the loop for a budget; returns the winner
+    compiled.generate(ids, 64)                  # at the speed the engine measured
+    compiled.save("out/"); tkcc.load("out/", model)
 """
 from tkcc.errors import TkccError
 
@@ -11,23 +11,17 @@ __version__ = "0.1.0"
 
 
 def compile(model, trace=None, **kwargs):  # noqa: A001 - the public name is the point
-    """Capture ``model``, optimise it for the traffic in ``trace`` and return a golden-checked callable.
-
-    ``trace`` is a traffic trace (path or Trace) for language models, or a
-    Workload of input shapes (``Workload.from_shapes``) for any other model:
-    those get the bit-exact compile of :func:`tkcc.science.compile_exact`
-    (whole-forward or per-region CUDA graphs, golden-checked on every shape).
-    See :func:`tkcc.compiler.compile` for the language-model arguments.
-    """
-    from tkcc.traffic.workload import Workload
-
-    if isinstance(trace, Workload) and trace.phases() <= {"forward"}:
-        from tkcc.science import compile_exact
-
-        return compile_exact(model, trace, **kwargs)
+    """Capture ``model``, run the optimisation loop on ``trace`` and return the winner (:func:`tkcc.compiler.compile`)."""
     from tkcc.compiler import compile as _compile
 
     return _compile(model, trace, **kwargs)
 
 
-__all__ = ["compile", "TkccError", "__version__"]
+def load(path, model, **kwargs):
+    """The compiled model saved at ``path`` (``compiled.save(path)``), rebuilt on ``model`` without any search."""
+    from tkcc.compiled import load as _load
+
+    return _load(path, model, **kwargs)
+
+
+__all__ = ["compile", "load", "TkccError", "__version__"]

@@ -52,6 +52,10 @@ class CampaignConfig:
     promote: int = 1  # fast-tier winners confirmed on the slow tier per round
     aa_pairs: int = 3  # A/A pairs measured before anything can ship
     resume: bool = False
+    # candidates measured beside the baseline before any search: the best of them and the baseline serves
+    # first, so nothing later ships unless it beats them all past the noise (tkcc.compile: the model's eager)
+    starts: tuple = ()
+    compare: tuple = ()  # candidates measured once on the slow tier for the side-by-side report, never shipped
     extra: dict = field(default_factory=dict)
 
 
@@ -100,6 +104,10 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
         if state.shipped is None:
             state.shipped = (baseline.key, base_obj)
             store.record_ship(cid, baseline.key, [], base_obj, "ship", "baseline")
+        _serve_best_start(cfg, store, state, evaluator, wfp, bar)
+        for cand in cfg.compare:
+            _evaluate(store, state, evaluator, cand, "slow", wfp, bar)
+            state.history[-1].start = True
         if len(cfg.tiers) > 1:  # what serves must be known on the screening tier, or nothing can be screened out
             _evaluate(store, state, evaluator, baseline, cfg.tiers[0], wfp, bar)
         _calibrate_noise(cfg, store, state, evaluator, baseline, wfp, bar)
@@ -136,6 +144,33 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
     return state
 
 
+def _serve_best_start(cfg, store, state, evaluator, wfp, bar) -> None:
+    """Measure ``cfg.starts`` on the slow tier; serve the best of them and what serves now, by measurement.
+
+    No noise rule here: these are the references the result must never lose to, so the faster one serves
+    even by a hair, and every later candidate has to beat it past the noise."""
+    for cand in cfg.starts:
+        if cand.key == state.shipped[0]:
+            continue
+        obj = _evaluate(store, state, evaluator, cand, "slow", wfp, bar)
+        state.history[-1].start = True  # a reference, not a plan the search should learn from
+        if obj is None or obj <= state.shipped[1]:
+            continue
+        if len(cfg.tiers) > 1:  # what serves must be known on the screening tier too
+            _evaluate(store, state, evaluator, cand, cfg.tiers[0], wfp, bar)
+            state.history[-1].start = True
+        try:
+            evaluator.ship(evaluator.build(cand, "slow"))
+        except TkccError as e:
+            store.record_ship(state.campaign_id, cand.key, cand.plan.to_json(), obj, "refused", str(e))
+            _say(state, f"not serving {cand.key}: {e}", bar)
+            continue
+        why = f"starting point: {cand.key} measured {obj:.4g} against {state.shipped[0]}'s {state.shipped[1]:.4g}"
+        store.record_ship(state.campaign_id, cand.key, cand.plan.to_json(), obj, "ship", why)
+        state.shipped = (cand.key, obj)
+        _say(state, f"serving {cand.key}: {why}", bar)
+
+
 def validation_modes(evaluator) -> dict:
     """{tier: {"mode", "why", self-disagreement, bound}} from an evaluator that knows it (the engine's), else {}."""
     out = {}
@@ -148,7 +183,8 @@ def validation_modes(evaluator) -> dict:
 
 
 def _restore(store: ExperimentStore, cid: int) -> CampaignState:
-    history = [Outcome(PassPlan.from_json(e.plan), e.objective, e.tier) for e in store.experiments(cid)]
+    history = [Outcome(PassPlan.from_json(e.plan), e.objective, e.tier, key=e.candidate,
+                       start=e.proposer == "eager") for e in store.experiments(cid)]
     ships = [s for s in store.ships(cid)]
     shipped = None
     for s in ships:  # replay ship/revert history
@@ -168,20 +204,21 @@ def _evaluate(store, state, evaluator, cand: Candidate, tier: str, wfp: str, bar
     except TkccError as e:
         store.record(state.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=cand.proposer,
                      workload_fp=wfp, tier=tier, verdict="invalid", reason=f"build failed: {e}", started=started)
-        state.history.append(Outcome(cand.plan, None, tier))
+        state.history.append(Outcome(cand.plan, None, tier, key=cand.key))
         _say(state, f"[{tier}] {cand.key} build failed: {e}", bar)
         return None
     if reuse:
         old = store.reusable(ahash, wfp, tier)
         if old is not None:
-            state.history.append(Outcome(cand.plan, old.objective, tier))
+            state.history.append(Outcome(cand.plan, old.objective, tier, key=cand.key))
             return old.objective
     res = evaluator.measure(ahash, tier)
     store.record(state.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=cand.proposer,
                  workload_fp=wfp, tier=tier, verdict=res.verdict, objective=res.objective,
                  measurement=res.measurement, artifact_hash=ahash, reason=res.reason, started=started)
     state.evaluated[tier] = state.evaluated.get(tier, 0) + 1
-    state.history.append(Outcome(cand.plan, res.objective if res.verdict == "measured" else None, tier))
+    state.history.append(Outcome(cand.plan, res.objective if res.verdict == "measured" else None, tier,
+                                 key=cand.key))
     if bar is not None:
         bar.update(1)
         bar.set_postfix_str(f"{tier} {cand.key[:8]} {res.verdict} {res.objective or 0:.4g}")
@@ -206,7 +243,7 @@ def _calibrate_noise(cfg, store, state, evaluator, baseline, wfp, bar) -> None:
 
 def _fast_objective_of_shipped(state: CampaignState) -> float | None:
     key = state.shipped[0] if state.shipped else None
-    vals = [h.objective for h in state.history if h.tier == "fast" and h.objective and h.plan.hash() == key]
+    vals = [h.objective for h in state.history if h.tier == "fast" and h.objective and (h.key or h.plan.hash()) == key]
     return max(vals) if vals else None
 
 

@@ -49,6 +49,10 @@ class EngineEvaluator:
         return self.workload.fingerprint()
 
     def _spec(self, cand: Candidate) -> dict:
+        if cand.eager:
+            return {"eager": True}
+        if cand.compare:
+            return {"compare": cand.compare}
         if cand.artifact_dir is not None:
             src = Path(cand.artifact_dir) / "candidate.py"
             if not src.exists():

@@ -22,10 +22,16 @@ class Candidate:
     plan: PassPlan = field(default_factory=PassPlan)
     artifact_dir: Path | None = None  # set when the proposer returns ready source
     note: str = ""
+    eager: bool = False  # the model's own eager forward (no plan): what tkcc.compile must never be slower than
+    compare: str = ""    # a forward measured beside, never shipped: "inductor" (torch.compile of the eager forward)
 
     @property
     def key(self) -> str:
         """What names the candidate in the store: the plan hash, or the artifact's own hash."""
+        if self.eager:
+            return "eager"
+        if self.compare:
+            return self.compare
         if self.artifact_dir is not None:
             from tkcc.agents.external import source_hash
 
@@ -40,6 +46,8 @@ class Outcome:
     plan: PassPlan
     objective: float | None
     tier: str
+    key: str = ""        # the candidate's key, when it is not its plan's hash (eager, agent source)
+    start: bool = False  # a starting reference (the model's eager forward), not a plan the search proposed
 
 
 class Proposer(Protocol):

@@ -117,6 +117,7 @@ class BayesianSearch:
 
     def posterior(self, history: list[Outcome]) -> tuple[np.ndarray, np.ndarray, float]:
         """Mean and covariance of the weights, and the baseline log objective (intercept)."""
+        history = [h for h in history if not h.start]  # references (eager) are not plans: nothing to learn
         d = len(self.feats)
         ok = [h for h in history if h.objective is not None and h.objective > 0]
         base = float(np.median([math.log(h.objective) for h in ok if len(h.plan) == 0] or
@@ -134,7 +135,7 @@ class BayesianSearch:
     def propose(self, n: int, history: list[Outcome]) -> list[Candidate]:
         seen = {h.plan.hash() for h in history}
         mean, cov, _ = self.posterior(history)
-        ranked = sorted((h for h in history if h.objective), key=lambda h: -h.objective)[:4]
+        ranked = sorted((h for h in history if h.objective and not h.start), key=lambda h: -h.objective)[:4]
         pool = [PassPlan()] + [self.space.random_plan(self.rng) for _ in range(self.pool // 2)]
         for h in ranked:
             pool += [self.space.mutate(h.plan, self.rng) for _ in range(self.pool // (2 * max(1, len(ranked))))]

@@ -105,21 +105,29 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
     constants: dict[str, torch.Tensor] = {}
     calls: list[tuple[str, dict]] = []
     used_targets: set[str] = set()
+    runtime: set[str] = set()  # kernel-library modules the forwards import (tkcc.kernels.*, never the compiler)
     for phase, gm in program.graphs.items():
         header = (f"Phase {phase!r} of program {program.fingerprint}, plan {plan_hash}.\n\n"
                   f"Load with tkcc.codegen.Artifact.open(path).load(program_or_model)[{phase!r}].")
         fs = emit_forward(gm, phase, program.model, getattr(program, "state", None), header)
         fname = f"forward_{phase}.py"
-        files[fname] = fs.source.encode()
-        for k, v in fs.constants.items():
-            if k in constants and not torch.equal(constants[k], v):
-                raise ArtifactError(f"phase {phase!r}: constant {k!r} differs from another phase's")
-            constants[k] = v
-        kernels.update(fs.kernels)
-        calls += [(phase, c) for c in fs.kernel_calls]
-        used_targets |= fs.targets
+        aux = []  # in execution order (a list: the manifest's JSON sorts the keys of objects)
+        for mod_name, afs in _with_aux(fs, fname[:-3]):
+            files[f"{mod_name}.py"] = afs.source.encode()
+            for k, v in afs.constants.items():
+                if k in constants and not torch.equal(constants[k], v):
+                    raise ArtifactError(f"phase {phase!r}: constant {k!r} differs from another phase's")
+                constants[k] = v
+            kernels.update(afs.kernels)
+            calls += [(phase, c) for c in afs.kernel_calls]
+            used_targets |= afs.targets
+            runtime |= set(afs.runtime) | ({"tkcc.kernels.ops"} if afs.op_calls else set())
+            if afs is not fs:
+                aux.append({"module": f"{mod_name}.py", "bindings": afs.bindings, "kernels": sorted(afs.kernels),
+                            "ops": afs.op_calls})
         phases[phase] = {"module": fname, "inputs": fs.inputs, "bindings": fs.bindings,
-                         "kernels": sorted(fs.kernels), "ops": fs.op_calls, "targets": sorted(fs.targets)}
+                         "kernels": sorted(fs.kernels), "ops": fs.op_calls, "targets": sorted(fs.targets),
+                         "aux": aux, "runtime": sorted(fs.runtime), "captures_itself": fs.captures_itself}
     for name, k in sorted(kernels.items()):
         files[f"kernels/{name}.py"] = k.source.encode()
     if constants:
@@ -158,7 +166,7 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
         "format": FORMAT,
         "target": (targets[0] if len(targets) == 1 else "mixed") if targets else target,
         "targets": targets,
-        "runtime": ["tkcc.kernels.ops"] if any(m["ops"] for m in phases.values()) else [],
+        "runtime": sorted(runtime),
         "tier": tier,
         "plan": plan_json,
         "plan_hash": plan_hash,
@@ -177,6 +185,14 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
     files[MANIFEST] = json.dumps(manifest, indent=2, sort_keys=True).encode()
     _write_atomically(out_dir, files)
     return Artifact.open(out_dir)
+
+
+def _with_aux(fs, name: str):
+    """(module name, ForwardSource) of every fallback module a phase's forward imports, depth first, then of the
+    forward itself: the order to execute them in (a module after those it imports)."""
+    for aux_name, afs in fs.aux.items():
+        yield from _with_aux(afs, aux_name)
+    yield name, fs
 
 
 def _write_atomically(out_dir: Path, files: dict[str, bytes]) -> None:
@@ -277,6 +293,8 @@ class Artifact:
             raise ArtifactError(f"{self.path}: built for a {want}, got a {type(model).__name__}")
         for phase, meta in self.manifest["phases"].items():
             self._check_bindings(phase, meta, model, state)
+            for aux in meta.get("aux") or []:
+                self._check_bindings(phase, aux, model, state)
         pkg = self._import()
         constants = {}
         if "constants.pt" in self._blobs:
@@ -370,6 +388,8 @@ class Artifact:
                         setattr(kpkg, rel[8:-3], shared)
                     made.append(fullname)
             for meta in self.manifest["phases"].values():
+                for aux in meta.get("aux") or []:  # in the order written: each after the fallbacks it imports
+                    made.append(self._exec(f"{pkg_name}.{aux['module'][:-3]}", aux["module"]).__name__)
                 made.append(self._exec(f"{pkg_name}.{meta['module'][:-3]}", meta["module"]).__name__)
         except ArtifactError:
             for m in made:

@@ -36,6 +36,9 @@ class ForwardSource:
     inputs: list[str] = field(default_factory=list)
     kernel_calls: list[dict] = field(default_factory=list)  # {kernel, node, shapes, dtypes} for AOT
     op_calls: list[dict] = field(default_factory=list)  # {op, node, target}: calls to tkcc.kernels.ops
+    aux: dict[str, "ForwardSource"] = field(default_factory=dict)  # module name -> a fallback graph's forward
+    runtime: list[str] = field(default_factory=list)  # kernel-library modules the forward imports
+    captures_itself: bool = False  # a node replays its own CUDA graph: callers must not capture the forward
 
     @property
     def targets(self) -> set[str]:
@@ -85,8 +88,14 @@ def _fetch(gm, target: str):
     return obj
 
 
-def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str) -> ForwardSource:
-    """Write ``gm`` as a module with ``bind(model, state, constants) -> forward``."""
+def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str,
+                 name: str | None = None) -> ForwardSource:
+    """Write ``gm`` as a module with ``bind(model, state, constants) -> forward``.
+
+    A ``call_module`` node is written only when its module describes itself (``tkcc_source()``: the
+    kernel-library function that rebuilds it from a JSON config, and the graph it falls back to, which
+    becomes a module of its own beside this one, in ``aux``). ``name``: this module's name in the artifact."""
+    name = name or f"forward_{phase}"
     if type(gm.graph._codegen) is not torch.fx.graph.CodeGen:
         raise ArtifactError(f"phase {phase!r}: graph uses {type(gm.graph._codegen).__name__} (pytree inputs); "
                             "capture through tkcc.frontend, which gives plain positional graphs")
@@ -167,7 +176,13 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
             if n.target == "_guards_fn" and not n.users:
                 body.append("# (export input guard _guards_fn omitted: inputs come from Program.make_inputs)")
                 continue
-            raise ArtifactError(f"{where}: call_module {n.target!r} is not supported by codegen (aten graphs only)")
+            sub = _fetch(gm, n.target)
+            describe = getattr(sub, "tkcc_source", None)
+            if not callable(describe):
+                raise ArtifactError(f"{where}: call_module {n.target!r} ({type(sub).__name__}) is not supported by "
+                                    "codegen: a module node must describe itself with tkcc_source()")
+            call = _module_call(n, describe(), name, model, state, header, names, imports, taken, bind_lines, out)
+            out.captures_itself |= bool(getattr(sub, "captures_itself", False))
         else:
             raise ArtifactError(f"{where}: unknown node kind {n.op!r}")
         body.append(f"{names[n]} = {call}")
@@ -186,6 +201,8 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
     lines.append("from . import _rt")
     if out.op_calls:
         lines.append(f"from {OPS_MODULE.rpartition('.')[0]} import ops as _ops  # the decode ops' kernel runtime")
+    for line in module_imports(out):
+        lines.append(line)
     for kname, alias in sorted(kernel_alias.items()):
         lines.append(f"from .kernels import {kname} as {alias}")
     lines += ["", "", "def bind(model, state, constants):",
@@ -196,3 +213,32 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
     lines += ["", "    return forward", ""]
     out.source = "\n".join(lines)
     return out
+
+
+def _module_call(n, desc: dict, name: str, model, state, header: str, names, imports, taken, bind_lines,
+                 out: ForwardSource) -> str:
+    """A self-describing module node: built once in ``bind`` by its kernel-library factory, then called."""
+    import importlib
+
+    mod, factory = desc["module"], desc["factory"]
+    if not mod.startswith("tkcc.kernels.") or not callable(getattr(importlib.import_module(mod), factory, None)):
+        raise ArtifactError(f"node {n.name!r}: {mod}.{factory} is not a function of the kernel library "
+                            "(tkcc.kernels): an artifact imports nothing else of tkcc")
+    fb_name = f"{name}__{n.target.replace('.', '_')}"
+    out.aux[fb_name] = emit_forward(desc["fallback"], f"{name}:{n.target}", model, state,
+                                    f"{header}\n\nThe graph node {n.target!r} falls back to.", name=fb_name)
+    if mod not in out.runtime:
+        out.runtime.append(mod)
+    built = emit.safe_name(n.target.replace(".", "_"), taken)
+    bind_lines.append(f"{built} = _rt_{mod.rsplit('.', 1)[1]}.{factory}(model, state, {desc['config']!r}, "
+                      f"_fb_{fb_name}.bind(model, state, constants))")
+    args = [emit.literal(a, names, imports) for a in n.args]
+    args += [f"{k}={emit.literal(v, names, imports)}" for k, v in n.kwargs.items()]
+    return f"{built}({', '.join(args)})"
+
+
+def module_imports(out: ForwardSource) -> list[str]:
+    lines = [f"from {m.rpartition('.')[0]} import {m.rpartition('.')[2]} as _rt_{m.rpartition('.')[2]}"
+             f"  # kernel library" for m in out.runtime]
+    lines += [f"from . import {fb} as _fb_{fb}" for fb in out.aux]
+    return lines

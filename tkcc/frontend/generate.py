@@ -64,6 +64,8 @@ def greedy_steps(program: Program, prompt_ids: torch.Tensor, new_tokens: int,
 
 
 def _steps(program, fwd, prompt_ids, plen, new_tokens, device):
+    """The loop itself. The token and the position stay on the device (the position advances there), so no
+    step waits for the one before: the host queues step i+1 while the device runs step i."""
     program.reset_state()
     with torch.no_grad():
         if plen == 1:
@@ -71,10 +73,12 @@ def _steps(program, fwd, prompt_ids, plen, new_tokens, device):
         else:
             logits = fwd["prefill"](prompt_ids, torch.arange(plen, device=device))
         last = logits[:, -1]
+        pos = torch.full((1,), plen, dtype=torch.long, device=device)
         for i in range(new_tokens):
             tok = last.argmax(-1)
             yield tok, last
             if i + 1 == new_tokens:
                 break
-            logits = fwd["decode"](tok[:, None], torch.tensor([plen + i], dtype=torch.long, device=device))
+            logits = fwd["decode"](tok[:, None], pos)
             last = logits[:, -1]
+            pos = pos + 1

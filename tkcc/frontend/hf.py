@@ -98,9 +98,33 @@ def _check_model(model) -> None:
 def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: int = 1, exact: bool = True,
                _parent: Program | None = None, _kv=None) -> Program:
     """Capture an HF causal LM as a Program (see module docstring for the phase conventions)."""
+    t0 = time.perf_counter()
+    prog = prepare_hf(model, phases=phases, max_cache_len=max_cache_len, batch=batch, exact=exact, _parent=_parent,
+                      _kv=_kv)
+    step, examples = prog.eager, prog.example_inputs
+    graphs, layer_maps = {}, {}
+    for phase in prog.meta["phases"]:
+        dyn = None
+        if phase == "prefill":
+            t = torch.export.Dim("T", min=1, max=prog.meta["max_cache_len"])
+            dyn = ({1: t}, {0: t})
+        with torch.no_grad():
+            gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, what=f"{phase} step of")
+        graphs[phase] = gm
+        layer_maps[phase] = layer_map(gm, prog.meta["block_container"])
+    step._cache.bind(prog.state, None)  # drop references to traced tensors
+    prog.graphs, prog.layer_map = graphs, layer_maps
+    prog.meta["capture_seconds"] = round(time.perf_counter() - t0, 3)
+    return prog
+
+
+def prepare_hf(model, *, phases=None, max_cache_len: int | None = None, batch: int = 1, exact: bool = True,
+               _parent: Program | None = None, _kv=None) -> Program:
+    """Everything of a captured Program but its graphs: packed weights, the KV cache, the eager step, the
+    fingerprint and the input makers. ``capture_hf`` adds the exported graphs; ``tkcc.load`` needs none
+    (an artifact brings its forwards), so a loaded model is ready without exporting anything."""
     from tkcc.frontend.kv_cache import KVCache
 
-    t0 = time.perf_counter()
     phases = tuple(phases or PHASES)
     bad = [p for p in phases if p not in PHASES]
     if bad:
@@ -131,23 +155,11 @@ def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
         "prefill": (ids, torch.arange(example_t, device=device)),
         "decode": (ids[:, :1].clone(), torch.tensor([example_t], device=device)),
     }
-    graphs, layer_maps = {}, {}
-    for phase in phases:
-        dyn = None
-        if phase == "prefill":
-            t = torch.export.Dim("T", min=1, max=max_cache_len)
-            dyn = ({1: t}, {0: t})
-        with torch.no_grad():
-            gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, what=f"{phase} step of")
-        graphs[phase] = gm
-        layer_maps[phase] = layer_map(gm, "lm." + container)
-    step._cache.bind(_kv, None)  # drop references to traced tensors
-
     settings = dict(phases=list(phases), batch=batch, max_cache_len=max_cache_len)
     prog = Program(
-        graphs=graphs,
+        graphs={},
         example_inputs={p: examples[p] for p in phases},
-        layer_map=layer_maps,
+        layer_map={},
         num_blocks=num_layers,
         model=model,
         fingerprint=model_fingerprint(model, settings),
@@ -164,9 +176,9 @@ def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
             num_layers=num_layers,
             num_params=sum(p.numel() for p in model.parameters()),
             exact=exact,
+            phases=list(phases),
             inputs={p: list(INPUT_NAMES) for p in phases},
             block_container="lm." + container,
-            capture_seconds=round(time.perf_counter() - t0, 3),
             torch_version=torch.__version__,
             truncated_from=_parent.meta["num_layers"] if _parent is not None else None,
         ),

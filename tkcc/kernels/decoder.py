@@ -70,8 +70,8 @@ class FusedDecoder:
                  attn_tile: tuple[int, int] | None = None):
         """``kv``: optional per-layer (keys, values) tensors [H_kv, S, D] to use as the cache in place (e.g. a
         captured Program's static cache, so its prefill graph and this decode step share one cache).
-        ``configs``: {kind: kernel config} for this decoder only (``tune_step`` fills it), over the modules'
-        TUNED tables. ``attn_chunk`` (positions per split-KV program) and ``attn_tile`` ((positions per
+        ``configs``: {kind: kernel config} for this decoder only (``tune`` and ``tune_step`` fill it; a kind not
+        in it takes the kernel's default). ``attn_chunk`` (positions per split-KV program) and ``attn_tile`` ((positions per
         loop step, warps) of the attention kernels) are the defaults of the ``attn_chunk`` and ``attn_tile``
         configs, which ``tune_step(kinds=ATTENTION_KINDS)`` picks at the context the decoder is at."""
         cfg = model.config
@@ -440,7 +440,6 @@ class FusedDecoder:
         x = torch.randn(self.H, device=self.device, dtype=self.dtype)
         h = torch.empty(self.H, device=self.device, dtype=self.dtype)
         E, I2, Hh = Ls[0]["gate_up"].shape
-        rkey = (E, I2 // 2, Hh, str(self.dtype))
         for kind, cl, arg in (("routed_router", mr.ROUTER_CONFIGS, "router_config"),
                               ("routed_gate_up", mr.GATE_UP_CONFIGS, "gate_up_config"),
                               ("routed_down", mr.DOWN_CONFIGS, "down_config")):
@@ -460,7 +459,7 @@ class FusedDecoder:
                     best = (c, t)
             if best is None:
                 continue
-            mr.TUNED[(kind.split("_", 1)[1],) + rkey] = best[0]
+            self.configs[kind] = best[0]  # this decoder's own: no process-global table
             out[kind] = best
             if log:
                 log(f"tune {kind}: {best[0]} {best[1]:.2f} us/layer (router + gate_up + down)")
@@ -533,8 +532,9 @@ class FusedDecoder:
 
     def tune(self, reps: int = 5, log=None) -> dict:
         """Pick each GEMV/MoE kernel's block shape by timing it over all layers' weights (so the L2 does
-        not serve them), replayed from a CUDA graph as in the real step. Results go to the kernel modules'
-        TUNED tables; returns {kind: (config, µs per layer, or per call for lm_head)}."""
+        not serve them), replayed from a CUDA graph as in the real step. Results go to this
+        decoder's ``configs`` (never a process-global table: they travel with the artifact); returns
+        {kind: (config, µs per layer, or per call for lm_head)}."""
         eps = self.eps
         x = torch.randn(self.H, device=self.device, dtype=self.dtype)
         out = {}
@@ -542,7 +542,7 @@ class FusedDecoder:
         def bench(fn, per=len(self.layers)):
             return self._graph_time(fn, reps) / per
 
-        def pick(kind, key, table, configs, make, per=len(self.layers)):
+        def pick(kind, configs, make, per=len(self.layers)):
             best = None
             for c in configs:
                 try:
@@ -557,7 +557,7 @@ class FusedDecoder:
                 if log:
                     log(f"tune {kind}: no config ran; keeping the default")
                 return
-            table[key] = best[0]
+            self.configs[kind] = best[0]  # this decoder's own configs: they travel with its artifact
             out[kind] = best
             if log:
                 log(f"tune {kind}: {best[0]} {best[1]:.2f} us/{'layer' if per > 1 else 'call'}")
@@ -565,40 +565,39 @@ class FusedDecoder:
         Ls = self.layers
         qkv_out = torch.empty_like(self.qkv)
         N, K = Ls[0]["qkv"].shape
-        pick("qkv", gemv_mod._key(N, K, True, False, False, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+        pick("qkv", gemv_mod.CONFIGS,
              lambda c: lambda: [gemv(x, L["qkv"], norm_w=L["ln1"], eps=eps, out=qkv_out, config=c, pdl=self.pdl) for L in Ls])
         a = torch.randn(self.Hq * self.D, device=self.device, dtype=self.dtype)
         h = torch.empty(self.H, device=self.device, dtype=self.dtype)
         N, K = Ls[0]["o"].shape
-        pick("o_proj", gemv_mod._key(N, K, False, False, True, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+        pick("o_proj", gemv_mod.CONFIGS,
              lambda c: lambda: [gemv(a, L["o"], residual=x, out=h, config=c, pdl=self.pdl) for L in Ls])
         if self.is_moe:
             lg = torch.empty_like(self.router_logits)
             N, K = Ls[0]["router"].shape
-            pick("router", gemv_mod._key(N, K, True, False, False, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+            pick("router", gemv_mod.CONFIGS,
                  lambda c: lambda: [gemv(x, L["router"], norm_w=L["ln2"], eps=eps, out=lg, config=c, pdl=self.pdl) for L in Ls])
             E, I2, Hh = Ls[0]["gate_up"].shape
             k = Ls[0]["top_k"]
             lgs = [torch.randn(E, device=self.device, dtype=self.dtype) for _ in Ls]
             act = torch.empty_like(self.act)
-            pick("moe_gate_up", ("gate_up", (E, I2 // 2, Hh), str(self.dtype)), moe_mod.TUNED, moe_mod.GATE_UP_CONFIGS,
+            pick("moe_gate_up", moe_mod.GATE_UP_CONFIGS,
                  lambda c: lambda: [moe(x, lgs[i], L["gate_up"], L["down"], k, L["norm_topk"], residual=x,
                                         norm_w=L["ln2"], act_buf=act, out=h, gate_up_config=c, pdl=self.pdl)
                                     for i, L in enumerate(Ls)])
-            pick("moe_down", ("down", (E, I2 // 2, Hh), str(self.dtype)), moe_mod.TUNED, moe_mod.DOWN_CONFIGS,
+            pick("moe_down", moe_mod.DOWN_CONFIGS,
                  lambda c: lambda: [moe(x, lgs[i], L["gate_up"], L["down"], k, L["norm_topk"], residual=x,
                                         norm_w=L["ln2"], act_buf=act, out=h, down_config=c, pdl=self.pdl)
                                     for i, L in enumerate(Ls)])
         else:
             N2, K = Ls[0]["gate_up"].shape
             act = torch.empty_like(self.act)
-            pick("mlp_gate_up", gemv_mod._key(N2 // 2, K, True, True, False, self.dtype), gemv_mod.TUNED,
-                 gemv_mod.CONFIGS,
+            pick("mlp_gate_up", gemv_mod.CONFIGS,
                  lambda c: lambda: [gemv(x, L["gate_up"], norm_w=L["ln2"], eps=eps, gated=True, out=act, config=c, pdl=self.pdl)
                                     for L in Ls])
             N, K = Ls[0]["down"].shape
             ai = torch.randn(K, device=self.device, dtype=self.dtype)
-            pick("mlp_down", gemv_mod._key(N, K, False, False, True, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+            pick("mlp_down", gemv_mod.CONFIGS,
                  lambda c: lambda: [gemv(ai, L["down"], residual=x, out=h, config=c, pdl=self.pdl) for L in Ls])
         # reference points: cuBLAS for the same batch-1 products (no norm/residual fused)
         import torch.nn.functional as F
@@ -613,7 +612,7 @@ class FusedDecoder:
         if self.routed is not None:
             out.update(self.tune_routed(reps, log))
         N, K = self.lm_head.shape
-        pick("lm_head", gemv_mod._key(N, K, True, False, False, self.dtype), gemv_mod.TUNED, gemv_mod.CONFIGS,
+        pick("lm_head", gemv_mod.CONFIGS,
              lambda c: lambda: [gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c,
                                      pdl=self.pdl)], per=1)
         return out

@@ -31,38 +31,10 @@ import torch.fx
 
 from tkcc.errors import TkccError
 from tkcc.kernels.common import fallback_reason
+from tkcc.kernels.fused_step import FusedDecodeStep, decoder_for, parse_tile
 from tkcc.passes.base import Pass, RewriteInfo, register
 
 log = logging.getLogger("tkcc.passes.decode_graph")
-
-
-class FusedDecodeStep(torch.nn.Module):
-    """(input_ids [1, 1], cache_position [1]) -> logits [1, 1, vocab] through the fused decoder."""
-
-    def __init__(self, decoder, original: torch.fx.GraphModule, cuda_graph: bool, unsupported: str | None):
-        super().__init__()
-        self.decoder = decoder
-        self.original = original
-        self.cuda_graph = cuda_graph
-        self.unsupported = unsupported
-        self.calls = 0
-        self.fallback_calls = 0
-
-    def forward(self, input_ids, cache_position):
-        reason = self.unsupported
-        if reason is None and (input_ids.numel() != 1 or cache_position.numel() != 1):
-            reason = f"input_ids {tuple(input_ids.shape)} is not one token of one sequence"
-        if reason is not None:
-            if self.fallback_calls == 0:
-                log.info("decode_fused_step: running the original graph (%s)", reason)
-            self.fallback_calls += 1
-            return self.original(input_ids, cache_position)
-        self.calls += 1
-        dec = self.decoder
-        if self.cuda_graph and dec.graph is None and input_ids.is_cuda and self.calls >= 2:
-            dec.set_inputs(input_ids, cache_position)  # capture's steps then write what this step writes anyway
-            dec.capture()
-        return dec.forward(input_ids, cache_position)
 
 
 def _output_like(gm: torch.fx.GraphModule, graph: torch.fx.Graph, value: torch.fx.Node):
@@ -89,16 +61,9 @@ class DecodeFusedStep(Pass):
 
     def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=False, fused_attention=False,
               routed_moe=False, fused_ends=False, attn_tile="64x4"):
-        from tkcc.kernels.decoder import FusedDecoder
-
-        try:
-            tile = tuple(int(v) for v in str(attn_tile).split("x"))
-            if len(tile) != 2 or tile[0] < 16 or tile[0] & (tile[0] - 1) or tile[1] not in (1, 2, 4, 8, 16):
-                raise ValueError
-        except ValueError:
-            raise TkccError(f"decode_fused_step: attn_tile {attn_tile!r} is not 'POSITIONSxWARPS' (positions a "
-                            f"power of two >= 16, warps 1-16), e.g. '64x4'") from None
-
+        parse_tile(attn_tile)  # a malformed tile fails here, with its format
+        opts = dict(attn_chunk=attn_chunk, pdl=pdl, fused_attention=fused_attention, routed_moe=routed_moe,
+                    fused_ends=fused_ends, attn_tile=attn_tile)
         info = RewriteInfo()
         if "decode" not in program.graphs:
             info.notes.append("no decode phase; nothing to do")
@@ -117,9 +82,7 @@ class DecodeFusedStep(Pass):
             unsupported = fallback_reason(keys[0])
             if unsupported is None:
                 try:
-                    dec = FusedDecoder(program.model, max_cache_len=kv.max_cache_len, attn_chunk=attn_chunk or None,
-                                       pdl=None if pdl else False, kv=(keys, vals), fused_attention=fused_attention,
-                                       routed_moe=routed_moe, fused_ends=fused_ends, attn_tile=tile)
+                    dec = decoder_for(program.model, kv.max_cache_len, (keys, vals), opts)
                     if tune and keys[0].is_cuda:
                         info.notes.append(f"tuned: {dec.tune()}")
                         # then the whole step per config (writes one position of the cache, before any prefill)
@@ -133,7 +96,7 @@ class DecodeFusedStep(Pass):
         for new, old in zip(ph, [n for n in gm.graph.nodes if n.op == "placeholder"]):
             new.meta = dict(old.meta)
         root = torch.nn.Module()
-        root.add_module("fused_decode", FusedDecodeStep(dec, gm, cuda_graph, unsupported))
+        root.add_module("fused_decode", FusedDecodeStep(dec, gm, cuda_graph, unsupported, opts))
         call = graph.call_module("fused_decode", tuple(ph))
         call.meta["tkcc_from"] = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
         _output_like(gm, graph, call)

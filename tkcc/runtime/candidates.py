@@ -12,6 +12,14 @@ A candidate spec (JSON, as sent over RPC) is one of:
   ``build(program) -> {phase: callable}`` (e.g. an external agent's edited
   forward); the file's bytes are hashed and must match before they run.
 - ``{"baseline": true}``: the captured, un-rewritten forward.
+- ``{"eager": true}``: the model's own eager forward (``Program.eager``), the
+  same call as each phase's graph. Always inexact: it is the model's code, not
+  the captured graph (HF's prefill, say, attends over the filled part of the
+  cache only), so it is validated within the tier's tolerance. It is what
+  ``tkcc.compile`` must never be slower than.
+- ``{"compare": "inductor"}``: ``torch.compile`` (Inductor, max-autotune
+  without its own CUDA graphs: the engine captures every forward the same way)
+  of the eager forward: measured beside, for the report; never shipped.
 
 ``exact`` (optional, default from the passes/manifest/module) declares
 whether outputs must be bit-exact; ``atol``/``rtol`` override tolerances.
@@ -30,7 +38,8 @@ from dataclasses import dataclass, field
 
 from tkcc.errors import ArtifactError, EngineError, TkccError
 
-KINDS = ("plan", "artifact", "artifacts", "source", "baseline")
+KINDS = ("plan", "artifact", "artifacts", "source", "baseline", "eager", "compare")
+COMPARE = ("inductor",)
 
 
 @dataclass
@@ -56,8 +65,10 @@ def spec_kind(spec) -> str:
 def candidate_id(spec: dict) -> str:
     """Names what will run: the plan, or the artifacts' own hashes (so a rebuilt artifact is a new candidate)."""
     kind = spec_kind(spec)
-    if kind == "baseline":
-        return "baseline"
+    if kind in ("baseline", "eager"):
+        return kind
+    if kind == "compare":
+        return f"compare-{spec['compare']}"
     if kind == "source":
         return f"src-{str(spec.get('sha256', ''))[:12]}"
     key = {k: v for k, v in spec.items() if k in ("plan", "artifact", "artifacts", "pass_modules", "exact", "atol",
@@ -132,6 +143,20 @@ def build_for_tier(cand: Candidate, tier: str, programs: dict, work_dir: str, ma
     kind, spec = cand.kind, cand.spec
     if kind == "baseline":
         fwd, info = dict(program.graphs), {"kind": "baseline"}
+    elif kind == "eager":
+        if program.eager is None:
+            raise EngineError(f"candidate eager: the {tier} tier's Program has no eager forward (Program.eager)")
+        fwd, info = {p: program.eager for p in program.phases}, {"kind": "eager"}
+        cand.exact = False
+    elif kind == "compare":
+        if spec["compare"] not in COMPARE or program.eager is None:
+            raise EngineError(f"candidate compare: {spec['compare']!r} is not one of {list(COMPARE)} (or the "
+                              f"Program has no eager forward)")
+        import torch
+
+        fn = torch.compile(program.eager, mode="max-autotune-no-cudagraphs", dynamic=False)
+        fwd, info = {p: fn for p in program.phases}, {"kind": "compare", "compare": spec["compare"]}
+        cand.exact = False
     elif kind == "plan":
         fwd, info = _build_plan(spec, tier, program, work_dir, max_bytes, cand)
     elif kind in ("artifact", "artifacts"):
@@ -156,59 +181,29 @@ def build_for_tier(cand: Candidate, tier: str, programs: dict, work_dir: str, ma
 
 
 def _build_plan(spec, tier, program, work_dir, max_bytes, cand):
-    from tkcc.passes.manager import PassManager
     from tkcc.passes.plan import PassPlan
+    from tkcc.pipeline import build
 
-    t0 = time.perf_counter()
     load_pass_modules(spec.get("pass_modules"), max_bytes)
     plan = PassPlan.from_json(spec["plan"])
     cand.exact = bool(spec.get("exact", plan_is_exact(plan)))
-    # No per-pass numerics check and no FX Python per pass: the engine validates the whole rewritten forward
-    # (fresh inputs, several shapes, poisoned, twice) before anything is swapped in or measured, and codegen
-    # reads the graphs, not FX's Python. Graph lint and the placeholder check still run after every pass.
-    rewritten, logs = PassManager(check_numerics=False, log_code=False).run(program, plan)
-    t1 = time.perf_counter()
-    info = {"kind": "plan", "plan": plan.to_json(), "plan_hash": plan.hash(),
-            "passes": [_log_summary(lg) for lg in (logs or [])],
-            "numerics": "checked by the engine's validation, not per pass",
-            "phases_s": {"passes_s": t1 - t0}}
-    try:
-        from tkcc.codegen.artifact import build_artifact
-    except ModuleNotFoundError as e:
-        if not (e.name or "").startswith("tkcc.codegen"):
-            raise
-        info["codegen"] = "unavailable: running the rewritten FX graphs"
-        return _generated(rewritten, info), info
     out_dir = os.path.join(work_dir, f"{cand.id}-{tier}")
     if os.path.isdir(out_dir):
         import shutil
 
         shutil.rmtree(out_dir)  # a stale build of the same id (e.g. before a worker restart)
-    try:
-        art = build_artifact(rewritten, plan, out_dir, tier=program.num_blocks)
-    except ArtifactError as e:
-        # The rewritten graph holds runtime objects codegen cannot write as source (e.g. the fused decode
-        # step's captured decoder). The candidate still runs, is validated and measured here, in the
-        # worker, from the rewritten graphs; it just has no artifact to ship across processes.
-        info["codegen"] = f"in-process, no artifact: {e}"
-        info["phases_s"]["codegen_s"] = time.perf_counter() - t1
-        return _generated(rewritten, info), info
-    t2 = time.perf_counter()
-    info["artifact"] = out_dir
-    info["artifact_hash"] = art.hash
+    # No per-pass numerics check and no FX Python per pass: the engine validates the whole rewritten forward
+    # (fresh inputs, several shapes, poisoned, twice) before anything is swapped in or measured, and codegen
+    # reads the graphs, not FX's Python. Graph lint and the placeholder check still run after every pass.
+    # A graph codegen cannot emit fails the build (ArtifactError): what the engine measures, it can ship.
+    b = build(program, plan, out_dir, check_numerics=False, log_code=False, tier=program.num_blocks)
+    art = b.artifact
+    info = {"kind": "plan", "plan": plan.to_json(), "plan_hash": plan.hash(),
+            "passes": [_log_summary(lg) for lg in (b.logs or [])],
+            "numerics": "checked by the engine's validation, not per pass", "phases_s": dict(b.seconds),
+            "artifact": out_dir, "artifact_hash": art.hash}
     cand.exact = cand.exact and all(k.get("exact", True) for k in art.manifest.get("kernels", {}).values())
-    fwd = dict(art.load(rewritten))
-    info["phases_s"].update(codegen_s=t2 - t1, load_s=time.perf_counter() - t2)
-    return fwd, info
-
-
-def _generated(rewritten, info: dict) -> dict:
-    """The rewritten FX graphs as the forwards, their Python generated now (counted as compile time)."""
-    t = time.perf_counter()
-    for gm in rewritten.graphs.values():
-        _ = gm.code  # a lazy GraphModule (tkcc.passes.manager) generates its Python here
-    info["phases_s"]["fx_codegen_s"] = time.perf_counter() - t
-    return dict(rewritten.graphs)
+    return b.forwards, info
 
 
 def _log_summary(log) -> dict:

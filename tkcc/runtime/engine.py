@@ -70,8 +70,11 @@ class EngineCore:
         if cfg.get("threads"):
             torch.set_num_threads(int(cfg["threads"]))  # CPU timing: a fixed, stated thread count
         t1 = time.perf_counter()
-        self.program = load_program(cfg["model"], self.dtype, str(self.device), cfg.get("max_cache_len"),
-                                    int(cfg.get("batch", 1)))
+        if cfg.get("program") is not None:  # an in-process engine (tkcc.compile): the Program captured there
+            self.program = cfg["program"]
+        else:
+            self.program = load_program(cfg["model"], self.dtype, str(self.device), cfg.get("max_cache_len"),
+                                        int(cfg.get("batch", 1)))
         t2 = time.perf_counter()
         self.fast_blocks = fast_blocks_for(self.program.num_blocks, cfg.get("fast_blocks"))
         self.programs = self._serving_tiers(self.program)

@@ -324,8 +324,8 @@ class TPEngineCore(EngineCore):
             return
         import time
 
-        from tkcc.passes.manager import PassManager
         from tkcc.passes.plan import PassPlan
+        from tkcc.pipeline import build
 
         t0 = time.perf_counter()
         cands.load_pass_modules(cand.spec.get("pass_modules"), self.max_bytes)
@@ -337,7 +337,8 @@ class TPEngineCore(EngineCore):
         self.golden[tier].reset_state()
         # every rank at once; no per-pass numerics check (elementwise, in prefill): the engine's validation of the
         # whole forward (tolerance mode, greedy agreement) judges the candidate, as on one GPU
-        rewritten, logs = PassManager(check_numerics=False, log_code=False).run(self.golden[tier], plan)
+        b = build(self.golden[tier], plan, check_numerics=False, log_code=False, codegen=False)
+        rewritten, logs = b.program, b.logs
         rewritten = rebind_state(rewritten, self.programs[tier].state, f"candidate {cand.id} on the {tier} tier")
         cand.forwards[tier] = dict(rewritten.graphs)
         cand.compile_s[tier] = time.perf_counter() - t0

@@ -1,0 +1,58 @@
+"""The one build: plan -> passes -> artifact -> loaded forwards. Every caller uses it.
+
+``tkcc.compile`` (its plan, and the winner it ships), the engine's plan
+candidates (``tkcc.runtime.candidates``), the ``torch.compile`` backend and
+the tensor-parallel ranks all turn a plan into forwards here, so a candidate
+the engine measured is built by exactly the code that builds what the user
+gets. What differs between callers is a setting, not a copy of the steps:
+
+- ``check_numerics`` / ``log_code``: the PassManager compares every pass's
+  output with the previous graph's and keeps each graph's code for the pass
+  log (off in the engine, which validates the whole forward on fresh inputs
+  and several shapes before anything is measured);
+- ``codegen``: off only where a forward's tensors are not the model's by name
+  (a rank's weight shards), where the rewritten FX graphs are the forwards.
+
+A rewritten graph that codegen cannot emit is a build failure: every
+candidate that can be served is an artifact that loads in another process.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Build:
+    """What one plan became: the rewritten Program, its pass logs, its artifact and the forwards to call."""
+
+    program: object                 # the rewritten Program
+    logs: list
+    forwards: dict                  # phase -> callable
+    artifact: object | None = None  # tkcc.codegen.artifact.Artifact (None when codegen is off)
+    seconds: dict = field(default_factory=dict)
+
+
+def build(program, plan, out_dir=None, *, mode: str | None = None, check_numerics: bool = True, log_code: bool = True,
+          codegen: bool = True, tier: int | None = None, aot_targets: tuple[str, ...] = ()) -> Build:
+    """Apply ``plan`` to ``program`` and lower the result to an artifact at ``out_dir`` (required with codegen).
+
+    ``mode``: the PassManager's: "exact" refuses passes that are not bit-exact, "tolerance" allows them, None
+    (the engine) checks each pass by its own flag and leaves the verdict to the engine's validation."""
+    from tkcc.passes.manager import PassManager
+
+    t0 = time.perf_counter()
+    rewritten, logs = PassManager(mode=mode, check_numerics=check_numerics, log_code=log_code).run(program, plan)
+    t1 = time.perf_counter()
+    if not codegen:
+        return Build(rewritten, logs, dict(rewritten.graphs), None, {"passes_s": t1 - t0})
+    from tkcc.codegen.artifact import build_artifact
+
+    if out_dir is None:
+        raise ValueError("pipeline.build: codegen needs out_dir")
+    art = build_artifact(rewritten, plan, Path(out_dir), tier=tier, aot_targets=aot_targets)
+    t2 = time.perf_counter()
+    forwards = dict(art.load(rewritten))
+    return Build(rewritten, logs, forwards, art,
+                 {"passes_s": t1 - t0, "codegen_s": t2 - t1, "load_s": time.perf_counter() - t2})
