@@ -161,7 +161,8 @@ class CompiledModel:
 
             rel = Path(self.artifact.path).relative_to(old)
             self.artifact = Artifact.open(new / rel)
-            self._report.artifact = str(self.artifact.path)
+        if self._report.artifact and self._report.artifact.startswith(str(old)):
+            self._report.artifact = str(new / Path(self._report.artifact).relative_to(old))
         loop = self._report.loop
         if loop and str(loop.get("store", "")).startswith(str(old)):
             loop["store"] = str(new / Path(loop["store"]).relative_to(old))

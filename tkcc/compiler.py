@@ -276,8 +276,10 @@ def parse_budget(budget) -> float:
         text = str(budget).strip()
         if text in ("0", "0s", "0m"):
             return 0.0
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("-").strip()
         try:
-            secs = float(text) if text.replace(".", "", 1).lstrip("-").isdigit() else float(parse_window(text))
+            secs = sign * (float(body) if body.replace(".", "", 1).isdigit() else float(parse_window(body)))
         except Exception:  # noqa: BLE001 - re-raised with the value and the forms that work
             raise TkccError(f"budget {budget!r} is not a duration: give seconds or e.g. '90s', '3m', '1h'") from None
     if not math.isfinite(secs) or secs < 0:
@@ -366,8 +368,10 @@ def _compile_by_loop(program, trace_obj, user_plan, mode, compare, budget_s, sta
         say(f"tkcc.compile: serving {loop['serving']} ({loop['why']})")
     finally:
         client.close()
+    shutil.rmtree(work / "engine", ignore_errors=True)  # the candidates' builds; the winner is built again below
     t = time.perf_counter()
-    compiled = _build_winner(program, spec, mode, work, check, loop, timings, workload)
+    compiled = _build_winner(program, spec, mode, work, check, loop, timings, workload, user_plan)
+    compiled._report.speed = _speed_table(db, state, winner)
     timings["build"] = time.perf_counter() - t
     compiled._report.timings = {k: round(v, 3) for k, v in timings.items()}
     return compiled
@@ -440,9 +444,41 @@ def _loop_summary(store, state, budget_s, ev, workload, seconds, search) -> dict
             "workload": workload.source, "store": str(store.path), "campaign": state.campaign_id}
 
 
-def _build_winner(program, spec: dict, mode, work: Path, check: bool, loop: dict, timings, workload
-                  ) -> CompiledModel:
-    """The served forwards: the winner's plan through the one build pipeline into ``work/artifact``."""
+def _speed_table(store, state, winner: str) -> dict | None:
+    """Per bucket, the served forward against the model's eager forward, from the loop's own slow-tier
+    measurements (one run, same engine): what ``report()`` prints and ``report.json`` keeps."""
+    last = {}
+    for e in store.experiments(state.campaign_id):
+        if e.tier == "slow" and e.verdict == "measured" and e.proposer != "aa" and e.measurement:
+            last[e.candidate] = e.measurement
+    eager, served = last.get("eager"), last.get(winner)
+    if not eager or not served:
+        return None
+    eb = {b["key"]: b for b in eager.get("buckets", [])}
+    rows = []
+    for b in served.get("buckets", []):
+        e = eb.get(b["key"])
+        if e is None:
+            continue
+        rows.append({"bucket": b["key"], "phase": b["phase"], "weight": b["weight"], "eager_s": e["median_s"],
+                     "compiled_s": b["median_s"], "speedup": e["median_s"] / b["median_s"] if b["median_s"] else None,
+                     "samples": min(e["reps"], b["reps"]), "cuda_graph": b.get("cuda_graph")})
+    env = dict(served.get("env") or {})
+    env.update({"baseline": "the model's own eager forward, measured in the same run",
+                "timing": "the engine's: median per bucket, rotated fresh inputs"
+                + (", CUDA graphs" if any(r["cuda_graph"] for r in rows) else ""),
+                "samples_per_bucket": min((r["samples"] for r in rows), default=None),
+                "buckets_measured": len(rows), "workload": served.get("workload_fingerprint")})
+    timed = [r for r in rows if r["speedup"]]
+    wsum = sum(r["weight"] for r in timed)
+    geo = math.exp(sum(r["weight"] * math.log(r["speedup"]) for r in timed) / wsum) if wsum > 0 else None
+    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env, "serving": winner}
+
+
+def _build_winner(program, spec: dict, mode, work: Path, check: bool, loop: dict, timings, workload,
+                  user_plan=None) -> CompiledModel:
+    """The served forwards: the winner's plan through the one build pipeline into ``work/artifact``. A plan the
+    user gave is built (and reported, with its pass logs) even when a reference serves instead."""
     from tkcc.compiled import CompileReport, CompiledModel, output_type_of
 
     info = {k: program.meta.get(k) for k in ("name", "family", "dtype", "device", "max_cache_len", "batch",
@@ -451,20 +487,27 @@ def _build_winner(program, spec: dict, mode, work: Path, check: bool, loop: dict
     settings = {"kind": program.meta.get("kind"), "max_cache_len": program.meta.get("max_cache_len"),
                 "batch": program.meta.get("batch"), "exact": program.meta.get("exact", True), "mode": mode}
     name = str(program.meta.get("name") or type(program.model).__name__)
-    if "eager" in spec:
-        forwards, artifact, logs, plan, serves = {p: program.eager for p in program.phases}, None, [], PassPlan(), "eager"
-    else:
-        from tkcc.pipeline import build
+    from tkcc.pipeline import build
 
+    built = None
+    if user_plan is not None:
+        built = build(program, user_plan, work / "artifact", mode=mode, check_numerics=False)
+        write_logs(built.logs, work / "logs")
+    if "eager" in spec:
+        forwards, artifact, serves = {p: program.eager for p in program.phases}, None, "eager"
+        plan, logs = (user_plan, built.logs) if built is not None else (PassPlan(), [])
+    else:
         plan = PassPlan.from_json(spec["plan"])
-        b = build(program, plan, work / "artifact", mode=mode, check_numerics=False)
-        write_logs(b.logs, work / "logs")
-        forwards, artifact, logs, serves = b.forwards, b.artifact, b.logs, "artifact"
+        if built is None or plan.hash() != user_plan.hash():
+            built = build(program, plan, work / "artifact", mode=mode, check_numerics=False)
+            write_logs(built.logs, work / "logs")
+        forwards, artifact, logs, serves = built.forwards, built.artifact, built.logs, "artifact"
     golden, extra = None, {}
     if check:
         golden, extra = _golden(program, forwards, "tolerance" if serves == "eager" else mode)
+    shown = artifact if artifact is not None else (built.artifact if built is not None else None)
     report = CompileReport(model=name, plan=plan.to_json(), plan_hash=plan.hash(), mode=mode, logs=logs,
-                           golden=golden, speed=None, artifact=str(artifact.path) if artifact else None,
+                           golden=golden, speed=None, artifact=str(shown.path) if shown else None,
                            timings={}, program=info, checks=extra, loop=loop)
     return CompiledModel(program, forwards, report, artifact, serves=serves, settings=settings,
                          output_type=output_type_of(program))

@@ -46,8 +46,12 @@ def test_compile_main_job_writes_report_logs_artifact(compiled_out):
     assert speed["measured_on"]["device"] == "cpu" and speed["measured_on"]["torch"]
     timed = [b for b in speed["buckets"] if "speedup" in b]
     assert {b["phase"] for b in timed} == {"prefill", "decode"} and all(b["speedup"] > 0 for b in timed)
-    for name in ("report.json", "plan.json", "logs/index.json", "artifact/manifest.json"):
+    for name in ("report.json", "plan.json", "logs/index.json", "model/tkcc.json", "experiments.db"):
         assert (out / name).exists(), name
+    saved = json.loads((out / "model" / "tkcc.json").read_text())
+    # the plan is measured beside the references; whichever was faster serves, and is what model/ holds
+    assert saved["serves"] in ("artifact", "eager") and data["loop"]["serving"]
+    assert (out / "model" / "artifact" / "manifest.json").exists() == (saved["serves"] == "artifact")
     assert json.loads((out / "report.json").read_text())["plan_hash"] == data["plan_hash"]
     assert not list(out.parent.glob(".tkcc-out.tmp-*"))  # no temporary directory left behind
 

@@ -50,7 +50,7 @@ def test_compile_plain_module_with_a_user_pass(tmp_path):
 def test_compile_hf_model_call_and_generate(llama_program, tmp_path):
     compiled = tkcc.compile(llama_program.model, program=llama_program, measure=False, check=False, out_dir=tmp_path)
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))
-    logits = compiled(ids)
+    logits = compiled(ids).logits  # what the model returns: an HF CausalLMOutput
     llama_program.reset_state()
     with torch.no_grad():
         ref = llama_program.graphs["prefill"](ids, torch.arange(5))

@@ -10,9 +10,11 @@ from tkcc.kernels.common import fallbacks
 from tkcc.passes.manager import apply_plan
 from tkcc.passes.plan import PassPlan
 
-PLANS = {"fused_step": [("decode_fused_step", {"cuda_graph": False})],
+PLAIN = {"fused_attention": False, "routed_moe": False, "fused_ends": False}  # every option off: the base path
+PLANS = {"fused_step": [("decode_fused_step", {"cuda_graph": False, **PLAIN})],
          "fused_step_v2": [("decode_fused_step", {"cuda_graph": False, "fused_attention": True, "routed_moe": True,
-                                                  "attn_chunk": 64})],
+                                                  "fused_ends": False, "attn_chunk": 64})],
+         "fused_step_defaults": [("decode_fused_step", {"cuda_graph": False})],
          "graph_passes": [("decode_fusion", {}), ("kv_split_attention", {"chunk": 64}), ("moe_regroup", {})]}
 
 

@@ -30,10 +30,12 @@ VARIANTS = [
     ("fuse_elementwise", {}), ("fuse_elementwise", {"include_norms": False, "intermediates": "fp32"}),
     ("decode_fused_step", {}), ("decode_fused_step", {"cuda_graph": False}), ("decode_fused_step", {"pdl": False}),
     ("decode_fused_step", {"attn_chunk": 64}), ("decode_fused_step", {"attn_chunk": 512}),
-    ("decode_fused_step", {"fused_attention": True}), ("decode_fused_step", {"routed_moe": True}),
-    ("decode_fused_step", {"fused_ends": True}),
+    ("decode_fused_step", {"fused_attention": False, "routed_moe": False, "fused_ends": False}),
+    ("decode_fused_step", {"fused_attention": True, "routed_moe": False, "fused_ends": False}),
+    ("decode_fused_step", {"fused_attention": False, "routed_moe": True, "fused_ends": False}),
+    ("decode_fused_step", {"fused_attention": False, "routed_moe": False, "fused_ends": True}),
     ("decode_fused_step", {"fused_attention": True, "routed_moe": True, "fused_ends": True, "attn_chunk": 64}),
-    ("decode_fused_step", {"attn_tile": "32x4", "attn_chunk": 64}),
+    ("decode_fused_step", {"attn_tile": "32x4", "attn_chunk": 64, "fused_attention": False}),
     ("decode_fused_step", {"fused_attention": True, "attn_tile": "128x8", "attn_chunk": 512}),
 ]
 

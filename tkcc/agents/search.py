@@ -132,7 +132,17 @@ class BayesianSearch:
         mean = cov @ X.T @ y / self.noise_var
         return mean, cov, base
 
+    def screening(self, history: list[Outcome]) -> list[PassPlan]:
+        """Each pass alone, at its own defaults, not yet measured: the first design points, so that a short
+        budget learns every pass's own effect before it combines them (one-factor-at-a-time screening)."""
+        seen = {h.plan.hash() for h in history}
+        plans = [PassPlan((PassStep(p.name, {}),)) for p in self.space.passes]
+        return [p for p in plans if p.hash() not in seen]
+
     def propose(self, n: int, history: list[Outcome]) -> list[Candidate]:
+        first = self.screening(history)[:n]
+        if first:
+            return [Candidate(self.name, p, note="screening: one pass at its defaults") for p in first]
         seen = {h.plan.hash() for h in history}
         mean, cov, _ = self.posterior(history)
         ranked = sorted((h for h in history if h.objective and not h.start), key=lambda h: -h.objective)[:4]

@@ -60,27 +60,41 @@ def cmd_compile(args) -> dict:
     import torch
 
     import tkcc
-    from tkcc.frontend.models import DEFAULT_MODEL, build_model
+    from tkcc.compiler import parse_budget
+    from tkcc.frontend.models import DEFAULT_MODEL
+    from tkcc.frontend.user_models import build_user_model, kind_of
 
     model_name = args.model or DEFAULT_MODEL
+    kind_of(model_name)  # a model argument that names nothing fails before any work
     _check_device(args.device)
     _load_pass_modules(args.pass_module)
     from tkcc.compiler import resolve_plan, resolve_trace
     from tkcc.passes.manager import resolve_plan as check_plan
 
-    plan = resolve_plan(args.plan, args.mode)
-    check_plan(plan)  # fail on a bad plan before any output or capture
+    plan = None
+    if args.plan is not None:
+        plan = resolve_plan(args.plan, args.mode)
+        check_plan(plan)  # fail on a bad plan before any output or capture
+    budget = parse_budget(args.budget) if args.budget is not None else None
     trace = resolve_trace(args.trace)  # fail on a bad trace before any output
     dest = Path(args.out)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     os.chmod(tmp, 0o755)
     try:
-        model = build_model(model_name, dtype=_dtype(args.dtype), device=args.device)
+        model = build_user_model(model_name, dtype=_dtype(args.dtype), device=args.device)
         with torch.no_grad():
             compiled = tkcc.compile(model, trace, plan=plan, mode=args.mode, measure=not args.no_measure,
-                                    out_dir=tmp, max_buckets=args.max_buckets)
+                                    out_dir=tmp / "work", max_buckets=args.max_buckets, budget=budget,
+                                    progress=not args.json)
+        compiled.save(tmp / "model")
+        work = tmp / "work"
+        for keep in ("logs", "experiments.db"):
+            if (work / keep).exists():
+                os.rename(work / keep, tmp / keep)
+        shutil.rmtree(work, ignore_errors=True)  # the engine's candidate builds; the winner is in model/
         report = compiled.report(print_report=False)
+        report.artifact = str(tmp / "model" / "artifact") if compiled.artifact is not None else None
         data = report.to_json()
         data["trace"] = args.trace or "azure-conv"
         art = Path(report.artifact) if report.artifact else None
@@ -95,7 +109,8 @@ def cmd_compile(args) -> dict:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     text = report.text().replace(str(tmp), str(dest))
-    text += f"\nwrote {dest}/ (report.json, plan.json, logs/, artifact/); see the logs with: tkcc passes show {dest}/logs"
+    text += (f"\nwrote {dest}/ (report.json, plan.json, logs/, model/); load the winner with "
+             f"tkcc.load('{dest}/model', model); see the pass logs with: tkcc passes show {dest}/logs")
     data["ok"] = bool(report.golden.ok) if report.golden is not None else True
     data["text"] = text
     return data
@@ -231,14 +246,20 @@ def register(subparsers) -> None:
                                           "eager on fresh inputs, measure the speedup on shapes from the trace. "
                                           f"Writes report.json, plan.json, logs/ and artifact/ under --out. "
                                           f"Models: {models}.")
-    p.add_argument("--model", default=None, help=f"built-in model name (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help=f"a built-in model, a local Hugging Face directory "
+                                                 f"(config + weights) or module:factory (default: {DEFAULT_MODEL})")
     p.add_argument("--trace", default=None, help="trace file or bundled trace name (default: azure-conv)")
-    p.add_argument("--plan", default=None, help="pass plan: JSON text or a JSON file (default: the default plan)")
-    p.add_argument("--mode", default="exact", choices=["exact", "tolerance"])
+    p.add_argument("--plan", default=None, help="measure this pass plan (JSON text or file) beside the references "
+                                                "instead of searching")
+    p.add_argument("--budget", default=None, help="wall-clock bound on the whole compile, e.g. 90s or 3m (default: "
+                                                  "2m on a GPU, 30s on CPU; 0: measure the references only)")
+    p.add_argument("--mode", default="exact", choices=["exact", "tolerance"],
+                   help="exact: candidates bit-exact with the captured graphs; tolerance: rounding may change, "
+                        "validated within the engine's bound with identical greedy tokens")
     p.add_argument("--out", default="tkcc-out", help="output directory (default: tkcc-out)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--no-measure", action="store_true", help="skip the speed measurement")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
+    p.add_argument("--no-measure", action="store_true", help="build the plan (or the default plan) without the loop")
     p.add_argument("--max-buckets", type=int, default=None,
                    help="heaviest workload buckets to measure (default: 2 on CPU, 6 on GPU)")
     _add_pass_module(p)

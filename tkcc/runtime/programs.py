@@ -1,7 +1,9 @@
 """What the engine serves: the model's Program and its two tiers, and checks of the device it runs on.
 
-A model is either a built-in name (``tkcc.frontend.models``: captured by
-``tkcc.frontend.capture_model``) or ``path/to/file.py:factory``, a function
+A model is a built-in name (``tkcc.frontend.models``), a local Hugging Face
+directory or ``module:factory`` returning the ``nn.Module``
+(``tkcc.frontend.user_models``), each captured here; or
+``path/to/file.py:factory``, a function
 ``factory(dtype=, device=, max_cache_len=, batch=) -> Program`` for any
 model the frontend can capture (a scientific model, a plain module).
 
@@ -58,10 +60,11 @@ def check_model_name(model: str) -> None:
         if not os.path.isfile(path):
             raise EngineError(f"model factory file {path!r} does not exist")
         return
-    from tkcc.frontend.models import get_spec
+    from tkcc.frontend.user_models import check_hf_dir, kind_of
 
     try:
-        get_spec(model)
+        if kind_of(model) == "hf_dir":
+            check_hf_dir(model)
     except TkccError as e:
         raise EngineError(str(e)) from None
 
@@ -80,13 +83,14 @@ def load_program(model: str, dtype, device: str, max_cache_len: int | None, batc
         if not hasattr(mod, func):
             raise EngineError(f"model factory {path!r} has no function {func!r}")
         program = getattr(mod, func)(dtype=dtype, device=device, max_cache_len=max_cache_len, batch=batch)
-    else:
-        from tkcc.frontend import capture_model
+    else:  # a built-in name, a local Hugging Face directory, or module:factory returning the nn.Module
+        from tkcc.frontend import capture
+        from tkcc.frontend.user_models import build_user_model
 
         kw = {"batch": batch}
         if max_cache_len:
             kw["max_cache_len"] = max_cache_len
-        program = capture_model(model, dtype, device, **kw)
+        program = capture(build_user_model(model, dtype, device), **kw)
     program.meta.setdefault("model", model)
     program.meta.setdefault("batch", batch)
     return program
