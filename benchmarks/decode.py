@@ -305,12 +305,14 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
     pdl_ok = CUDA and torch.cuda.get_device_capability()[0] >= 9
     want = [v for v in VARIANTS if variants is None or v[0] in variants]
     want = [(v, o) for v, o in want if (is_moe or v not in MOE_ONLY) and (CUDA or v not in GPU_ONLY)]
+    tuned = {}  # per-kernel configs FusedDecoder.tune picked: every later decoder starts from them
     if CUDA and tune:
         dec = FusedDecoder(model, max_cache_len=4096)
         t0 = time.time()
         notes["tuning_us_per_layer"] = {k: [list(v[0]) if v[0] else "cublas", round(v[1], 2)]
                                          for k, v in dec.tune(log=log).items()}
         notes["tune_s"] = round(time.time() - t0, 1)
+        tuned.update(dec.configs)
         del dec
     step_configs = {}
     failed = notes.setdefault("variant_fallbacks", {})
@@ -323,14 +325,15 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
         if CUDA and tune and is_moe and opts.get("routed_moe") and not routed_tuned[0]:
             routed_tuned[0] = True
             t0 = time.time()
-            dec = FusedDecoder(model, max_cache_len=4096, routed_moe=True)
+            dec = FusedDecoder(model, max_cache_len=4096, routed_moe=True, configs=dict(tuned))
             notes.setdefault("tuning_us_per_layer", {}).update(
                 {k: [list(v[0]), round(v[1], 2)] for k, v in dec.tune_routed(log=log).items()})
             notes["tune_routed_s"] = round(time.time() - t0, 1)
+            tuned.update(dec.configs)
             del dec
         if CUDA and step_tune and opts.get("configs") == "step" and _opts_key(opts) not in step_configs:
             t0 = time.time()
-            dec = FusedDecoder(model, max_cache_len=4096, **kw)
+            dec = FusedDecoder(model, max_cache_len=4096, configs=dict(tuned), **kw)
             dec.reset(11, 128)
             got = dec.tune_step(log=log)
             step_configs[_opts_key(opts)] = dict(dec.configs)
@@ -363,8 +366,9 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
                 break
             kw = _decoder_kw(opts)
             kw["pdl"] = kw.get("pdl", True) if pdl_ok else False
+            kw["configs"] = dict(tuned)
             if opts.get("configs") == "step":
-                kw["configs"] = step_configs.get(_opts_key(opts), {})
+                kw["configs"].update(step_configs.get(_opts_key(opts), {}))
             before = peak_reset()
             try:
                 dec = FusedDecoder(model, max_cache_len=c + tokens + 8, attn_chunk=chunk,

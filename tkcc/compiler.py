@@ -84,7 +84,7 @@ def resolve_plan(plan, mode: str) -> PassPlan:
     return PassPlan.from_json(plan)
 
 
-def capture(model, example_inputs=None, device=None):
+def capture(model, example_inputs=None, device=None, max_cache_len=None):
     """The frontend's capture (HF causal LMs: prefill + decode over a static KV cache; plain modules: forward)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"tkcc.compile: model must be a torch.nn.Module, got {type(model).__module__}."
@@ -94,6 +94,8 @@ def capture(model, example_inputs=None, device=None):
     from tkcc.frontend import capture as frontend_capture
 
     kwargs = {} if example_inputs is None else {"example_inputs": example_inputs}
+    if max_cache_len is not None:
+        kwargs["max_cache_len"] = int(max_cache_len)
     return frontend_capture(model, **kwargs)
 
 
@@ -175,7 +177,7 @@ def compile(model, trace=None, *, budget=None, plan=None, example_inputs=None, d
             mode: str = "exact", compare=(), measure: bool = True, pass_modules=(), out_dir=None,
             check: bool = True, codegen: bool = True, progress: bool = True, max_buckets: int | None = None,
             measure_max_context: int | None = None, program=None, seed: int = 0, store=None,
-            clock=None) -> CompiledModel:
+            max_cache_len: int | None = None, clock=None) -> CompiledModel:
     """Capture ``model``, run the optimisation loop on ``trace``'s shapes for ``budget``, return the winner.
 
     model:         an ``nn.Module`` (an HF causal LM, or a plain module with ``example_inputs``).
@@ -190,6 +192,7 @@ def compile(model, trace=None, *, budget=None, plan=None, example_inputs=None, d
     measure:       False builds ``plan`` (default: :func:`default_plan`) with no loop and no timing.
     out_dir:       where to keep the artifact, pass logs and the experiment store (default: a temporary dir).
     store:         the experiment store's path (default: in ``out_dir``), to resume or inspect the loop.
+    max_cache_len: causal LMs: the static KV cache's length (default min(max_position_embeddings, 4096)).
 
     The loop is the campaign's (``tkcc.agents.campaign``): the model's own eager forward, the captured graphs
     and ``plan`` (if given) are measured first and the fastest serves; then the built-in search proposes,
@@ -232,7 +235,7 @@ def compile(model, trace=None, *, budget=None, plan=None, example_inputs=None, d
     timings["trace"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    program = program if program is not None else capture(model, example_inputs, device)
+    program = program if program is not None else capture(model, example_inputs, device, max_cache_len)
     timings["capture"] = time.perf_counter() - t
 
     final = Path(out_dir) if out_dir is not None else None
@@ -354,6 +357,7 @@ def _compile_by_loop(program, trace_obj, user_plan, mode, compare, budget_s, sta
         name = f"compile-{program.fingerprint}-{time.strftime('%Y%m%d-%H%M%S')}"
         cfg = CampaignConfig(name=name, model=str(program.meta.get("name") or program.meta.get("model_class")),
                              budget_s=max(left, 1e-3), starts=tuple(starts), compare=tuple(compare_cands),
+                             aa_pairs=3 if search else 0,  # no search candidate to ship: no noise to calibrate
                              extra={"trace": workload.source, "objective": workload.objective, "mode": mode,
                                     "budget_total_s": budget_s})
         db = ExperimentStore(str(store) if store is not None else str(work / "experiments.db"))

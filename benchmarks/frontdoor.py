@@ -1,0 +1,219 @@
+"""The front door against what a user would run instead, in one run: HF eager, torch.compile, the lab path.
+
+    python benchmarks/frontdoor.py --models llama-1b-16l olmoe-16l --out benchmarks/results/frontdoor.json
+    python benchmarks/frontdoor.py --smoke       # CPU: llama-tiny, tiny contexts, a few-second budget
+
+Per model (bf16, batch 1, greedy, on the GPU):
+- ``hf_eager``: HF's own decode step over its StaticCache (``benchmarks/decode.py``'s timer);
+- ``torch_compile``: the same with ``torch.compile(max-autotune)``, each context compiled in a fresh
+  process (``decode.py --compile-only``), as BENCH.md asks;
+- ``lab_best``: ``decode.py``'s best variant (``tkcc_v4``: the fused decoder with every option, step- and
+  attention-tuned at each context), driven directly;
+- ``frontdoor``: ``tkcc.compile(model, "azure-conv", mode="tolerance")`` at its default budget, then
+  ``compiled.generate``: ms/token = (time of 1 + N new tokens - time of 1) / N, after a warm-up, at each
+  context (a prompt of that length);
+- ``loaded``: ``compiled.save`` then ``tkcc.load`` in a fresh process: time to first token (load included)
+  and ms/token the same way;
+- ``objective``: P90 per-user decode tokens/s on the Azure conv trace from each variant's ms/token curve
+  (``decode.py``'s ``objective_rows``), front door against torch.compile.
+Raw rows go to ``--out`` (a list of rows, see ``issues show 17``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CUDA = torch.cuda.is_available()
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def ms_per_token(gen, ids, n: int, reps: int) -> float:
+    """(time for 1 + n new tokens - time for 1) / n, median over ``reps``, after one warm-up of each."""
+    def t(k):
+        sync()
+        t0 = time.perf_counter()
+        gen(ids, k)
+        sync()
+        return time.perf_counter() - t0
+    t(1), t(n + 1)
+    ones = sorted(t(1) for _ in range(reps))
+    fulls = sorted(t(n + 1) for _ in range(reps))
+    return (fulls[reps // 2] - ones[reps // 2]) / n * 1e3
+
+
+def prompt(context: int, vocab: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(context)
+    return torch.randint(0, vocab, (1, context), generator=g).to(device)
+
+
+_CHILD = r"""
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/benchmarks")
+t_start = time.perf_counter()
+import tkcc
+from tkcc.frontend.models import build_model
+from frontdoor import ms_per_token, prompt, sync
+name, path, contexts, n, reps, dtype = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), \
+    int(sys.argv[6]), getattr(torch, sys.argv[7])
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+model = build_model(name, dtype=dtype, device=dev, max_position_embeddings=max(contexts) + n + 64)
+t_model = time.perf_counter()
+c = tkcc.load(path, model)
+ids = prompt(contexts[0], model.config.vocab_size, dev)
+c.generate(ids, 1); sync()
+out = {"ttft_s": time.perf_counter() - t_model, "process_s": time.perf_counter() - t_start, "serves": c.serves,
+       "ms_per_token": {}}
+for ctx in contexts:
+    out["ms_per_token"][str(ctx)] = ms_per_token(c.generate, prompt(ctx, model.config.vocab_size, dev), n, reps)
+print(json.dumps(out))
+"""
+
+
+def loaded_rows(name, path, contexts, n, reps, dtype) -> tuple[list, dict]:
+    cmd = [sys.executable, "-c", _CHILD, str(ROOT), name, str(path), json.dumps(contexts), str(n), str(reps),
+           str(dtype).replace("torch.", "")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        log(f"{name}: the loaded artifact failed in a fresh process: {r.stderr[-2000:]}")
+        return [], {"error": r.stderr[-2000:]}
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = [dict(model=name, context=int(c), variant="loaded", ms_per_token=ms, ttft_s=got["ttft_s"],
+                 fresh_process_s=got["process_s"]) for c, ms in got["ms_per_token"].items()]
+    return rows, got
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["llama-1b-16l", "olmoe-16l"])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[128, 2048, 8192])
+    ap.add_argument("--compile-contexts", nargs="*", type=int, default=None,
+                    help="contexts for torch.compile, one fresh process each (default: --contexts)")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per timed generate")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budget", default=None, help="tkcc.compile budget (default: its own default)")
+    ap.add_argument("--mode", default="tolerance")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["hf_eager", "torch_compile", "lab_best", "loaded"])
+    ap.add_argument("--smoke", action="store_true", help="CPU: llama-tiny, contexts 8 16, budget 3 s")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontdoor.json"))
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.models, a.contexts, a.tokens, a.reps = ["llama-tiny"], [8, 16], 4, 1
+        a.budget = a.budget or "3s"
+        a.skip = sorted(set(a.skip) | {"torch_compile", "lab_best"})
+    import decode as lab
+    import tkcc
+    from tkcc.frontend.models import build_model
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    dev = "cuda" if CUDA else "cpu"
+    meta = dict(device=torch.cuda.get_device_name() if CUDA else "cpu", torch=torch.__version__,
+                commit=lab.commit(), command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                dtype=str(dtype).replace("torch.", ""), batch=1, tokens=a.tokens, reps=a.reps, mode=a.mode)
+    rows, notes = [], {}
+    out_paths = [Path(a.out)] + ([Path(os.environ["OUT"]) / Path(a.out).name] if os.environ.get("OUT") else [])
+
+    def save():
+        for p in out_paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps({"meta": meta, "rows": rows, "notes": notes}, indent=1, default=str))
+
+    for name in a.models:
+        cap = max(a.contexts) + a.tokens + 64
+        model = build_model(name, dtype=dtype, device=dev, max_position_embeddings=cap)
+        vocab = model.config.vocab_size
+        if "hf_eager" not in a.skip:
+            for r in lab.hf_rows(model, name, a.contexts, 32, a.reps, "hf_eager", model.forward):
+                rows.append(dict(model=name, context=r["context"], variant="hf_eager", ms_per_token=r["ms_per_token"]))
+            save()
+        t0 = time.perf_counter()
+        compiled = tkcc.compile(model, "azure-conv", mode=a.mode, budget=a.budget, max_cache_len=cap)
+        wall = time.perf_counter() - t0
+        rep = compiled.report(print_report=False)
+        log(rep.text())
+        notes[name] = {"loop": rep.loop, "serves": compiled.serves, "plan": rep.plan, "speed": rep.speed}
+        for c in a.contexts:
+            ms = ms_per_token(compiled.generate, prompt(c, vocab, dev), a.tokens, a.reps)
+            rows.append(dict(model=name, context=c, variant="frontdoor", ms_per_token=ms, compile_wall_s=wall,
+                             serves=compiled.serves, plan_hash=rep.plan_hash))
+            log(f"{name} frontdoor ctx={c}: {ms:.3f} ms/token (compile {wall:.0f} s, serves {compiled.serves})")
+        save()
+        if "loaded" not in a.skip:
+            with tempfile.TemporaryDirectory() as tmp:
+                compiled.save(Path(tmp) / "saved")
+                got, info = loaded_rows(name, Path(tmp) / "saved", a.contexts, a.tokens, a.reps, dtype)
+                rows += got
+                notes.setdefault(name, {})["loaded"] = info
+            save()
+        del compiled
+        torch.cuda.empty_cache() if CUDA else None
+        if "lab_best" not in a.skip:
+            try:
+                got, lab_notes = lab.tkcc_rows(model, name, a.contexts, 32, a.reps, "moe" in name,
+                                               variants=["tkcc_v4"], profile=False)
+                rows += [dict(model=name, context=r["context"], variant="lab_best", ms_per_token=r["ms_per_token"],
+                              lab_variant=r["variant"]) for r in got if r.get("routing") in ("router", None)]
+                notes.setdefault(name, {})["lab"] = {k: v for k, v in lab_notes.items() if k != "profiles"}
+            except Exception as e:  # noqa: BLE001 - the other rows stand; say why this one is missing
+                notes.setdefault(name, {})["lab_error"] = f"{type(e).__name__}: {e}"
+            save()
+        del model
+        torch.cuda.empty_cache() if CUDA else None
+        if "torch_compile" not in a.skip:
+            class A:  # the arguments decode.py's fresh-process runner reads
+                compile_mode, reps, compile_cap_s, compile_budget_s = "max-autotune", a.reps, 400.0, 400.0
+            res = {"notes": notes.setdefault(name, {})}
+            for r in lab.fresh_compile_rows(A, name, a.compile_contexts or a.contexts, 32, 0, res):
+                rows.append(dict(model=name, context=r["context"], variant="torch_compile",
+                                 ms_per_token=r["ms_per_token"], warmup_s=r.get("warmup_s")))
+            save()
+    # the objective: the same trace-weighted P90 from each variant's ms/token curve
+    curve = [dict(model=r["model"], context=r["context"], variant=r["variant"], routing="router",
+                  ms_per_token=r["ms_per_token"]) for r in rows if r["variant"] in ("frontdoor", "torch_compile",
+                                                                                    "hf_eager", "lab_best")]
+    for o in lab.objective_rows(curve, a.models):
+        if o["trace"] != "azure-conv":
+            continue
+        rows.append(dict(model=o["model"], variant="objective", trace=o["trace"], of=o["variant"],
+                         p90_decode_tokens_per_s=o["p90_decode_tokens_per_s"], contexts=o["contexts_measured"]))
+    for m in a.models:
+        by = {r["of"]: r["p90_decode_tokens_per_s"] for r in rows if r.get("variant") == "objective"
+              and r["model"] == m}
+        rows.append(dict(model=m, variant="objective", trace="azure-conv", frontdoor_p90=by.get("frontdoor"),
+                         torch_compile_p90=by.get("torch_compile"), hf_eager_p90=by.get("hf_eager"),
+                         lab_best_p90=by.get("lab_best")))
+    save()
+    print("\nmodel          ctx     variant          ms/token")
+    for r in rows:
+        if r["variant"] != "objective":
+            print(f"{r['model']:<14} {r['context']:>6}  {r['variant']:<15} {r['ms_per_token']:9.3f}")
+    for r in rows:
+        if r["variant"] == "objective" and "frontdoor_p90" in r:
+            print(f"{r['model']}: Azure conv P90 decode tok/s: frontdoor {r['frontdoor_p90']}, torch.compile "
+                  f"{r['torch_compile_p90']}, HF eager {r['hf_eager_p90']}, lab {r['lab_best_p90']}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
