@@ -94,6 +94,16 @@ class CompileReport:
             lines += _loop_lines(self.loop)
         if self.golden is not None and hasattr(self.golden, "summary"):
             lines.append(self.golden.summary())
+        elif isinstance(self.golden, dict):
+            g = self.golden
+            pol = g.get("policy") or {}
+            lines.append(f"validation (the engine's, on fresh inputs at {len(g.get('shapes') or [])} shapes): "
+                         f"{'PASS' if g.get('ok') else 'FAIL'} in {g.get('mode') or pol.get('mode')} mode"
+                         + (f", bound {pol['bound']:.3g} of the output's scale" if pol.get("bound") else ""))
+        vs = (self.checks or {}).get("vs_model_eager")
+        if vs and not hasattr(self.golden, "summary"):
+            lines.append(f"  vs the model's own eager forward: max abs err {vs.get('max_abs_err', 0):.3g}, "
+                         f"greedy-token agreement {100 * (vs.get('token_agreement') or 0):.0f}%")
         if self.speed and self.speed.get("buckets"):
             lines += _speed_lines(self.speed)
         if self.artifact:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import shutil
 import tempfile
@@ -369,12 +370,14 @@ def _compile_by_loop(program, trace_obj, user_plan, mode, compare, budget_s, sta
         loop = _loop_summary(db, state, budget_s, ev, workload, timings["loop"], search)
         winner = state.shipped[0]
         spec = _winner_spec(db, state, winner)
+        measured = _measured_artifact(db, state, ev, winner, work)
         say(f"tkcc.compile: serving {loop['serving']} ({loop['why']})")
     finally:
         client.close()
-    shutil.rmtree(work / "engine", ignore_errors=True)  # the candidates' builds; the winner is built again below
+    shutil.rmtree(work / "engine", ignore_errors=True)  # the candidates' builds (the winner's was copied)
     t = time.perf_counter()
-    compiled = _build_winner(program, spec, mode, work, check, loop, timings, workload, user_plan)
+    compiled = _build_winner(program, spec, mode, work, check, loop, timings, workload, user_plan, measured,
+                             _validation_of(db, state, winner))
     compiled._report.speed = _speed_table(db, state, winner)
     timings["build"] = time.perf_counter() - t
     compiled._report.timings = {k: round(v, 3) for k, v in timings.items()}
@@ -448,6 +451,26 @@ def _loop_summary(store, state, budget_s, ev, workload, seconds, search) -> dict
             "workload": workload.source, "store": str(store.path), "campaign": state.campaign_id}
 
 
+def _measured_artifact(store, state, ev, winner: str, work: Path) -> Path | None:
+    """The slow-tier artifact the engine built and measured for the winner, copied to ``work/measured``: what
+    ships is those bytes (tuned configs included), not a rebuild that could tune differently."""
+    for e in reversed(store.experiments(state.campaign_id)):
+        if e.candidate == winner and e.tier == "slow" and e.artifact_hash:
+            src = ev.artifacts.get(e.artifact_hash)
+            if src and Path(src).is_dir():
+                shutil.copytree(src, work / "measured")
+                return work / "measured"
+    return None
+
+
+def _validation_of(store, state, winner: str) -> dict | None:
+    """The engine's validation of what serves (fresh inputs at every measured shape): the compile's verdict."""
+    for e in reversed(store.experiments(state.campaign_id)):
+        if e.candidate == winner and e.tier == "slow" and e.measurement:
+            return e.measurement.get("validation")
+    return None
+
+
 def _speed_table(store, state, winner: str) -> dict | None:
     """Per bucket, the served forward against the model's eager forward, from the loop's own slow-tier
     measurements (one run, same engine): what ``report()`` prints and ``report.json`` keeps."""
@@ -480,9 +503,12 @@ def _speed_table(store, state, winner: str) -> dict | None:
 
 
 def _build_winner(program, spec: dict, mode, work: Path, check: bool, loop: dict, timings, workload,
-                  user_plan=None) -> CompiledModel:
-    """The served forwards: the winner's plan through the one build pipeline into ``work/artifact``. A plan the
-    user gave is built (and reported, with its pass logs) even when a reference serves instead."""
+                  user_plan=None, measured: Path | None = None, validation: dict | None = None) -> CompiledModel:
+    """The served forwards: the artifact the engine measured for the winner (``measured``), else its plan
+    through the one build pipeline into ``work/artifact``. A plan the user gave is built (and reported, with
+    its pass logs) even when a reference serves instead. The verdict is the engine's own validation of what
+    serves, with the eager comparison beside it when ``check``."""
+    from tkcc.codegen.artifact import Artifact
     from tkcc.compiled import CompileReport, CompiledModel, output_type_of
 
     info = {k: program.meta.get(k) for k in ("name", "family", "dtype", "device", "max_cache_len", "batch",
@@ -502,13 +528,23 @@ def _build_winner(program, spec: dict, mode, work: Path, check: bool, loop: dict
         plan, logs = (user_plan, built.logs) if built is not None else (PassPlan(), [])
     else:
         plan = PassPlan.from_json(spec["plan"])
-        if built is None or plan.hash() != user_plan.hash():
-            built = build(program, plan, work / "artifact", mode=mode, check_numerics=False)
-            write_logs(built.logs, work / "logs")
-        forwards, artifact, logs, serves = built.forwards, built.artifact, built.logs, "artifact"
-    golden, extra = None, {}
-    if check:
-        golden, extra = _golden(program, forwards, "tolerance" if serves == "eager" else mode)
+        if measured is not None and Artifact.open(measured).manifest.get("plan_hash") == plan.hash():
+            if built is None or plan.hash() != user_plan.hash():
+                shutil.rmtree(work / "artifact", ignore_errors=True)
+                os.rename(measured, work / "artifact")
+            artifact = Artifact.open(work / "artifact")
+            forwards, serves = dict(artifact.load(program)), "artifact"
+            logs = built.logs if built is not None else []
+        else:
+            if built is None or plan.hash() != user_plan.hash():
+                built = build(program, plan, work / "artifact", mode=mode, check_numerics=False)
+                write_logs(built.logs, work / "logs")
+            forwards, artifact, logs, serves = built.forwards, built.artifact, built.logs, "artifact"
+    golden, extra = validation, {}
+    if check and mode == "exact" and serves == "artifact":
+        golden, extra = _golden(program, forwards, mode)  # bit for bit against the captured graphs, re-checked here
+    elif check:
+        extra = {"vs_model_eager": _vs_eager(program, forwards).to_json()}
     shown = artifact if artifact is not None else (built.artifact if built is not None else None)
     report = CompileReport(model=name, plan=plan.to_json(), plan_hash=plan.hash(), mode=mode, logs=logs,
                            golden=golden, speed=None, artifact=str(shown.path) if shown else None,
@@ -523,12 +559,19 @@ def _golden(program, forwards, mode):
 
     golden = check_against_eager(program, forwards, mode=mode, steps=3, reference=_graph_forwards(program),
                                  reference_label="the captured graphs")
-    vs_eager = check_against_eager(program, forwards, mode="tolerance", steps=3)
+    vs_eager = _vs_eager(program, forwards)
     golden.notes.append("vs the model's own eager forward: " + (
         "bit-exact" if vs_eager.exact else
         f"max abs err {vs_eager.max_abs_err:.3g} ({'within' if vs_eager.ok else 'OUTSIDE'} tolerance), "
         f"greedy tokens {'identical' if vs_eager.ok else 'differ'}"))
     return golden, {"vs_model_eager": vs_eager.to_json()}
+
+
+def _vs_eager(program, forwards):
+    """How far the served forwards are from the model's own eager forward (a diagnostic, in tolerance mode)."""
+    from tkcc.runtime.golden import check_against_eager
+
+    return check_against_eager(program, forwards, mode="tolerance", steps=3)
 
 
 # ---- a fixed plan, no loop ------------------------------------------------------------------------

@@ -111,7 +111,8 @@ def cmd_compile(args) -> dict:
     text = report.text().replace(str(tmp), str(dest))
     text += (f"\nwrote {dest}/ (report.json, plan.json, logs/, model/); load the winner with "
              f"tkcc.load('{dest}/model', model); see the pass logs with: tkcc passes show {dest}/logs")
-    data["ok"] = bool(report.golden.ok) if report.golden is not None else True
+    g = report.golden
+    data["ok"] = bool(g.get("ok") if isinstance(g, dict) else g.ok) if g is not None else True
     data["text"] = text
     return data
 

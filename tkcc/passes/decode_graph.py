@@ -56,12 +56,13 @@ class DecodeFusedStep(Pass):
     description = ("Decode phase -> one fused kernel sequence per step (MoE regrouped, KV staged in place, "
                    "norms/rotary/activations fused), captured as one CUDA graph.")
     params = {"cuda_graph": [True, False], "pdl": [True, False], "attn_chunk": [0, 64, 128, 256, 512],
-              "tune": [False, True], "fused_attention": [True, False], "routed_moe": [True, False],
+              "tune": [True, False], "fused_attention": [True, False], "routed_moe": [True, False],
               "fused_ends": [True, False], "attn_tile": ["64x4", "32x4", "128x4", "128x8", "256x8"]}
 
     # The defaults are the options measured fastest together on an H200 (benchmarks/decode.py, variant
-    # tkcc_v3); each keeps the path without it as its reference, and the search can turn any of them off.
-    def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=False, fused_attention=True,
+    # tkcc_v3: every option, kernel configs tuned, seconds per build); each keeps the path without it as its
+    # reference, and the search can turn any of them off.
+    def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=True, fused_attention=True,
               routed_moe=True, fused_ends=True, attn_tile="64x4"):
         parse_tile(attn_tile)  # a malformed tile fails here, with its format
         opts = dict(attn_chunk=attn_chunk, pdl=pdl, fused_attention=fused_attention, routed_moe=routed_moe,
