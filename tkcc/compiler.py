@@ -367,6 +367,8 @@ def _compile_by_loop(program, trace_obj, user_plan, mode, compare, budget_s, sta
         t = time.perf_counter()
         state = run_campaign(cfg, db, proposer, ev, progress=progress)
         timings["loop"] = time.perf_counter() - t
+        if user_plan is not None and user_plan.steps:
+            _prefer_user_plan(db, state, user_plan, say)
         loop = _loop_summary(db, state, budget_s, ev, workload, timings["loop"], search)
         winner = state.shipped[0]
         spec = _winner_spec(db, state, winner)
@@ -429,17 +431,15 @@ def _winner_spec(store, state, key: str):
 
 def _loop_summary(store, state, budget_s, ev, workload, seconds, search) -> dict:
     exps = store.experiments(state.campaign_id)
-    slow = {}
-    for e in exps:
-        if e.tier == "slow" and e.verdict == "measured" and e.proposer != "aa":
-            slow.setdefault(e.candidate, []).append(e.objective)
-    best = {k: max(v) for k, v in slow.items()}
+    best = _slow_objectives(store, state)
     ships = store.ships(state.campaign_id)
     last = next((s for s in reversed(ships) if s["action"] == "ship"), None)
     side = {"eager": best.get("eager"), "captured graphs": best.get(PassPlan().hash())}
     for e in exps:
         if e.proposer == "compare" and e.tier == "slow":
             side[e.candidate] = e.objective
+        if e.proposer == "user" and e.tier == "slow":
+            side["given plan"] = best.get(e.candidate)
     side["winner"] = state.shipped[1]
     refused = [{"candidate": s["candidate"], "reason": s["reason"]} for s in ships if s["action"] != "ship"]
     return {"budget_s": budget_s, "seconds": round(seconds, 1), "experiments": len(exps),
@@ -449,6 +449,33 @@ def _loop_summary(store, state, budget_s, ev, workload, seconds, search) -> dict
             "aa_pairs": len(state.noise.aa_diffs), "refused": refused, "log": state.log[-20:],
             "note": "search" if search else "references only (budget 0 or a plan given)",
             "workload": workload.source, "store": str(store.path), "campaign": state.campaign_id}
+
+
+def _slow_objectives(store, state) -> dict:
+    """Candidate key -> its best slow-tier objective in this loop (A/A repeats left out)."""
+    best = {}
+    for e in store.experiments(state.campaign_id):
+        if e.tier == "slow" and e.verdict == "measured" and e.proposer != "aa" and e.objective is not None:
+            best[e.candidate] = max(best.get(e.candidate, e.objective), e.objective)
+    return best
+
+
+def _prefer_user_plan(store, state, plan, say) -> None:
+    """A plan the user gave serves unless the model's eager forward measured faster (invariant 7); the captured
+    graphs are measured beside it for the report but do not displace what was asked for."""
+    best = _slow_objectives(store, state)
+    mine, eager = best.get(plan.hash()), best.get("eager")
+    if mine is None:
+        say(f"tkcc.compile: the given plan {plan.hash()} failed in the engine; serving {state.shipped[0]}")
+        return
+    if eager is not None and eager > mine:
+        key, obj, why = "eager", eager, f"the model's eager forward measured {eager:.4g}, the plan {mine:.4g}"
+    else:
+        key, obj, why = plan.hash(), mine, (f"the given plan measured {mine:.4g}"
+                                            + (f", the eager forward {eager:.4g}" if eager is not None else ""))
+    if key != state.shipped[0]:
+        store.record_ship(state.campaign_id, key, plan.to_json() if key != "eager" else [], obj, "ship", why)
+    state.shipped = (key, obj)
 
 
 def _measured_artifact(store, state, ev, winner: str, work: Path) -> Path | None:
