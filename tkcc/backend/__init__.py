@@ -1,15 +1,17 @@
 """``torch.compile(model, backend="tkcc")``: tkcc as a dynamo backend that builds on Inductor.
 
-    compiled = torch.compile(model, backend="tkcc")                               # Inductor, plus measured CUDA graphs
+    compiled = torch.compile(model, backend="tkcc")                               # Inductor, or faster where measured
     compiled = torch.compile(model, backend="tkcc", options={"search_s": 10})     # per-graph search, 10 s
     compiled = torch.compile(model, backend="tkcc", options={"inductor": False})  # bit-exact everywhere
     tkcc.backend.decisions()                                                      # what each graph runs as, and why
 
 Each graph dynamo captures (graph breaks give several) is compiled by Inductor; tkcc's own forwards
 take a graph only where they measure faster on its first call (``tkcc.backend.graph``). Without a search
-budget the one challenger is Inductor's forward replayed from CUDA graphs (on CUDA). With a budget
-(``options={"search_s": S}`` or ``$TKCC_BACKEND_SEARCH_S``) a graph also tries tkcc's pass plan and its
-generated kernels, the eager graph, and tuned Inductor configurations. Options: ``tkcc.backend.options``.
+budget the challengers, on CUDA only, are Inductor's forward replayed from CUDA graphs and the eager
+graph (on CPU, Inductor's code runs unmeasured). With a budget (``options={"search_s": S}`` or
+``$TKCC_BACKEND_SEARCH_S``) a graph also tries tkcc's pass plan and its generated kernels (with and
+without CUDA-graph replay), the eager graph on CPU, and tuned Inductor configurations.
+Options: ``tkcc.backend.options``.
 
 Numerics, by what a graph ends up running:
 - Inductor (with or without CUDA-graph replay, which keeps Inductor's bits): not bit-exact vs eager.

@@ -218,6 +218,7 @@ class BackendGraph:
         self.decision: GraphDecision | None = None
         self.plan_forwards: list = []  # tkcc's PlanForward objects (pass logs, artifact)
         self._built: dict = {}
+        self._tried: list = []
         self.base, self.base_note = self._build_baseline(gm, example_inputs)
 
     # ---- compile time ----------------------------------------------------------------------------
@@ -275,13 +276,19 @@ class BackendGraph:
 
         if cuda and opts.cudagraphs:
             out.append(Candidate(f"{base.name}+cudagraph", base.kind, base.exact, cg(base.name)))
+        eager = Candidate("eager", "eager", True, remember("eager", lambda: self.reference),
+                          tier="default" if cuda else "search")
+        if cuda and base.name != "eager":
+            # a graph of one or two library calls (a matmul, a convolution) can run faster as the eager graph
+            # than through Inductor's wrapper; on CUDA that is measured by default
+            out.append(eager)
         if self.dynamic:
             # search-tier builds happen at call time, where dynamo's symbolic shapes (and guards) are gone
-            self.base_note = "; ".join(x for x in (self.base_note, "symbolic shapes: only the baseline and its "
-                                                   "CUDA-graph replay are tried") if x)
+            self.base_note = "; ".join(x for x in (self.base_note, "symbolic shapes: only the default tier "
+                                                   "(baseline, its CUDA-graph replay, eager) is tried") if x)
             return out
-        if base.name != "eager":
-            out.append(Candidate("eager", "eager", True, remember("eager", lambda: self.reference), tier="search"))
+        if not cuda and base.name != "eager":
+            out.append(eager)
         if base.name != "tkcc":
             build = remember("tkcc", lambda: cands.plan_forward(cands.copy_graph(self.reference), args,
                                                                 self._tkcc_plan(), opts.mode, opts.codegen,
@@ -368,7 +375,7 @@ class BackendGraph:
                                 fn=self.base.build())]
                 winner, pick_why = trials[0], f"{self.base.name} kept unchecked ({why})"
             else:
-                todo = self._candidates(args, device)
+                todo = self._tried = self._candidates(args, device)
                 timed = len(todo) > 1  # timed only where there is a choice to make
                 trials = run(todo, lambda c: self._trial(c, args, ref, device, timed), self.opts.search_s,
                              self.clock)
@@ -383,8 +390,7 @@ class BackendGraph:
             graph=self.index, nodes=self.nodes, device=str(device),
             dtype=str(ref[0].dtype).replace("torch.", "") if ref else None, winner=name, kind=kind, exact=exact,
             numerics=numerics, why=pick_why + (f"; baseline: {self.base_note}" if self.base_note else ""),
-            searched=any(t.name not in (self.base.name, f"{self.base.name}+cudagraph") and t.status != "skipped"
-                         for t in trials),
+            searched=any(t.status != "skipped" for t, c in zip(trials, self._tried) if c.tier == "search"),
             search_s=self.opts.search_s, decide_s=self.clock() - t0, trials=[t.to_json() for t in trials])
         self.fn = fn
         self._built.clear()  # the losers (compiled variants, captured graphs and their memory pools) go

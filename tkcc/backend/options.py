@@ -11,7 +11,7 @@ Keys (all optional):
 - ``inductor``: ``True`` (default); ``False`` keeps every graph bit-exact: only tkcc's exact candidates
   and the eager graph, never Inductor.
 - ``cudagraphs``: ``True`` (default): on CUDA, a CUDA-graph replay of the baseline is measured against
-  it on the first call, and taken only where faster.
+  it on the first call (beside the eager graph), and taken only where faster.
 - ``plan``: the pass plan of tkcc's own candidate (a PassPlan or its JSON; default: the default plan
   of ``mode``).
 - ``tolerance``: the bound for Inductor-compiled graphs, as a fraction of the output's scale (its
