@@ -15,12 +15,13 @@ models), fp32, inference (``torch.no_grad()``, ``eval()``). For each problem, in
   warm-up first; 30 to 200 calls, about 0.2 s per variant, in two interleaved rounds), inputs rotated
   over three fresh sets, the median. Compiles (and tkcc's first-call choice) happen before timing.
 
-Rows go to ``benchmarks/results/backend_suite.json`` (and ``$OUT/backend_suite.json`` when $OUT is set),
+Rows go to ``benchmarks/results/backend_suite.json`` (``--smoke``: ``backend_suite_cpu_smoke.json``; and
+``$OUT/backend_suite.json`` when $OUT is set),
 rewritten after every problem: ``problem``, ``correct``, ``eager_ms``, ``inductor_ms``, ``tkcc_ms``,
 ``tkcc_search_ms``, ratios and what tkcc chose per graph; the last row is the summary (geomeans vs
 Inductor, problems below 0.9x, the goals).
 
-  PYTHONPATH=. python benchmarks/backend_suite.py --out benchmarks/results/backend_suite.json   # H200, ~6-7 min
+  PYTHONPATH=. python benchmarks/backend_suite.py --out benchmarks/results/backend_suite.json   # H200, <= ~8 min
   PYTHONPATH=. python benchmarks/backend_suite.py --problems relu,mlp,transformer_block         # a subset
   PYTHONPATH=. python benchmarks/backend_suite.py --smoke            # CPU: tiny sizes, 6 problems, ~1 min
   PYTHONPATH=. python benchmarks/backend_suite.py --list
@@ -588,7 +589,8 @@ def main(argv=None):
     ap.add_argument("--reps-max", type=int, default=200)
     ap.add_argument("--deadline-s", type=float, default=420.0,
                     help="start no problem after this many seconds (keeps the run inside ~8 minutes)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/backend_suite.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/backend_suite.json "
+                    "(--smoke: backend_suite_cpu_smoke.json, so a smoke run never overwrites a GPU result)")
     args = ap.parse_args(argv)
     if args.list:
         for p in PROBLEMS.values():
@@ -615,6 +617,9 @@ def main(argv=None):
     for key in ("cache_size_limit", "recompile_limit"):  # one entry per variant's backend, per problem
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, max(getattr(torch._dynamo.config, key), 64))
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks/results" / ("backend_suite_cpu_smoke.json" if args.smoke
+                                                      else "backend_suite.json"))
     paths = [Path(args.out)] + ([Path(os.environ["OUT"]) / "backend_suite.json"] if os.environ.get("OUT") else [])
     log(f"{len(names)} problems on {device}, tkcc_search budget {args.search_s:g} s per graph")
     rows, skipped = [], []

@@ -219,13 +219,13 @@ def test_budget_skips_search_candidates_by_the_clock():
              choose.Candidate("eager", "eager", True, tier="search"),
              choose.Candidate("tkcc", "tkcc", True, tier="search"),
              choose.Candidate("tuned", "inductor", False, tier="search", min_budget_s=30)]
-    got = {t.name: (t.status, t.why) for t in choose.run(cands, trial, 10.0, clock=lambda: now[0])}
-    assert got["inductor"][0] == got["inductor+cudagraph"][0] == "ok"  # the default tier: always
-    assert got["eager"][0] == "ok"                                      # 8 s used, 2 s left: started
-    assert got["tkcc"] == got["tuned"] == ("skipped", "search budget 10 s spent")
-    got = {t.name: t for t in choose.run(cands, trial, 40.0, clock=lambda: now[0])}
-    assert got["tkcc"].status == "ok"
-    assert got["tuned"].status == "skipped" and got["tuned"].why == "needs 30 s of budget, 24 s left"
+    got = {t.name: (t.status, t.why) for t in choose.run(cands, trial, 6.0, clock=lambda: now[0])}
+    assert got["inductor"][0] == got["inductor+cudagraph"][0] == "ok"  # the default tier: always, not charged
+    assert got["eager"][0] == got["tkcc"][0] == "ok"                    # 6 s, then 2 s left: started
+    assert got["tuned"] == ("skipped", "search budget 6 s spent")
+    got = {t.name: t for t in choose.run(cands, trial, 35.0, clock=lambda: now[0])}
+    assert got["tuned"].status == "skipped" and got["tuned"].why == "needs 30 s of budget, 27 s left"
+    assert choose.run(cands, trial, 38.0, clock=lambda: now[0])[-1].status == "ok"
     got = {t.name: t for t in choose.run(cands, trial, 0.0, clock=lambda: now[0])}
     assert [t.status for t in got.values()] == ["ok", "ok", "skipped", "skipped", "skipped"]
     assert "no search budget" in got["eager"].why
@@ -283,6 +283,14 @@ def test_bad_options_through_torch_compile_fail_at_the_first_call():
     f = torch.compile(lambda x: x + 1, backend="tkcc", options={"serch_s": 1})
     with pytest.raises(Exception, match="unknown option 'serch_s'"):
         f(torch.ones(2))
+
+
+def test_replay_candidate_without_cuda_says_why():
+    from tkcc.backend import candidates
+
+    r = candidates.replayed(lambda x: (x * 2,), (torch.ones(2),), "t", dynamic=False)
+    assert torch.equal(r(torch.ones(2))[0], torch.full((2,), 2.0))  # runs eagerly, same result
+    assert "no CUDA tensor" in r.refused()  # what the backend records as the candidate's failure
 
 
 # ---- GPU: the CUDA-graph replay candidate (skips without CUDA) --------------------------------------

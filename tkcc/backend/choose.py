@@ -10,8 +10,9 @@ do not overlap. Among those, the lowest median wins. A challenger within noise n
 baseline, so the choice does not flip between runs on the same machine.
 
 The budget (``run``): candidates of tier ``"default"`` are always tried; those of tier ``"search"``
-only while ``clock() - start < budget_s`` and at least ``min_budget_s`` of it is left (a max-autotune
-compile is not started with a second to go). A candidate started inside the budget runs to the end.
+only while ``clock() - start < budget_s`` (``start``: when the first of them came up) and at least
+``min_budget_s`` of it is left (a max-autotune compile is not started with a second to go). A candidate
+started inside the budget runs to the end.
 """
 from __future__ import annotations
 
@@ -101,13 +102,17 @@ def pick(trials: list[Trial], min_gain: float = 0.02) -> tuple[Trial | None, str
 
 def run(candidates: list[Candidate], trial: Callable[[Candidate], Trial], budget_s: float,
         clock: Callable[[], float] = time.monotonic) -> list[Trial]:
-    """Try the candidates in order, search-tier ones only within the budget; one Trial per candidate."""
-    start = clock()
+    """Try the candidates in order, search-tier ones only within the budget; one Trial per candidate.
+
+    The budget runs from the first search-tier candidate: the default tier is not charged to it.
+    """
+    start = None
     out = []
     for c in candidates:
         if c.tier not in TIERS:
             raise ValueError(f"candidate {c.name}: tier {c.tier!r} is not one of {TIERS}")
         if c.tier == "search":
+            start = clock() if start is None else start
             left = budget_s - (clock() - start)
             if left <= 0 or left < c.min_budget_s:
                 why = (f"search budget {budget_s:g} s spent" if budget_s > 0 and left <= 0 else

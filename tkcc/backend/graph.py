@@ -14,7 +14,9 @@ On the first real call:
    relative to the output's scale), timed with ``tkcc.runtime.timing.time_eager``, and the winner kept.
 
 Later calls run the winner directly: nothing is recompiled or re-measured per call. A graph with
-symbolic shapes is decided on its first call's shapes, and searches only what was built at compile time.
+symbolic shapes is decided on its first call's shapes and tries only the default tier (the baseline,
+built at compile time, its CUDA-graph replay and the eager graph): anything else would be compiled at
+call time, without dynamo's shape guards.
 """
 from __future__ import annotations
 
@@ -250,7 +252,7 @@ class BackendGraph:
             why = f"tkcc's plan could not trace it ({type(e).__name__}: {str(e)[:200]})"
             note = f"{note}; {why}" if note else why
             log.warning("tkcc backend: graph %d: %s; running it eagerly", self.index, note)
-            return Candidate("eager", "eager", True, lambda: self.reference), note
+            return Candidate("eager", "eager", True, lambda: self.reference.forward), note
 
     # ---- the candidates of the first call ----------------------------------------------------------
     def _candidates(self, args, device: torch.device) -> list[Candidate]:
@@ -276,7 +278,8 @@ class BackendGraph:
 
         if cuda and opts.cudagraphs:
             out.append(Candidate(f"{base.name}+cudagraph", base.kind, base.exact, cg(base.name)))
-        eager = Candidate("eager", "eager", True, remember("eager", lambda: self.reference),
+        # .forward: the generated code itself, without nn.Module.__call__'s hook checks (a microsecond a call)
+        eager = Candidate("eager", "eager", True, remember("eager", lambda: self.reference.forward),
                           tier="default" if cuda else "search")
         if cuda and base.name != "eager":
             # a graph of one or two library calls (a matmul, a convolution) can run faster as the eager graph
@@ -381,7 +384,7 @@ class BackendGraph:
                              self.clock)
                 winner, pick_why = pick(trials, self.opts.min_gain)
         if winner is None:
-            fn, name, kind, exact = self.reference, "eager", "eager", True
+            fn, name, kind, exact = self.reference.forward, "eager", "eager", True
             pick_why = "eager (fallback): " + pick_why
         else:
             fn, name, kind, exact = winner.fn, winner.name, winner.kind, winner.exact
