@@ -39,3 +39,7 @@ class GoldenError(TkccError):
 
 class EngineError(TkccError):
     """The engine refused a request (bad input, auth, limits) or a candidate failed."""
+
+
+class BackendError(TkccError):
+    """The ``torch.compile`` backend got an option it cannot use (names the option and what it accepts)."""

@@ -1,4 +1,4 @@
-"""Frontend: nn.Module -> Program (capture, layer map, HF adapters, torch.compile backend).
+"""Frontend: nn.Module -> Program (capture, layer map, HF adapters; the torch.compile backend is tkcc.backend).
 
     from tkcc.frontend import capture, capture_model, greedy
     prog = capture_model("llama-tiny", max_cache_len=128)      # phases prefill, decode
