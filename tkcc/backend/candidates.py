@@ -18,8 +18,11 @@ import copy
 import hashlib
 import logging
 import tempfile
+from pathlib import Path
 
 import torch
+
+from tkcc.errors import ArtifactError
 
 log = logging.getLogger("tkcc.backend")
 
@@ -98,27 +101,24 @@ class PlanForward:
         self.note = ""
 
     def _compile(self, args):
-        from tkcc.passes.manager import PassManager
+        from tkcc.pipeline import build
 
         program = _program(self.gm, list(args))
-        compiled, self.logs = PassManager(mode=self.mode).run(program, self.plan)
-        fn = compiled.graphs["forward"]
         if self.codegen:
-            try:
-                from tkcc.codegen.artifact import Artifact, build_artifact
-
-                out = tempfile.mkdtemp(prefix="tkcc-dynamo-")
-                build_artifact(compiled, self.plan, f"{out}/artifact")
-                self.artifact = Artifact.open(f"{out}/artifact")
-                fn = self.artifact.load(compiled)["forward"]
+            try:  # the one build pipeline: plan -> passes -> artifact -> forward
+                b = build(program, self.plan, Path(tempfile.mkdtemp(prefix="tkcc-dynamo-")) / "artifact",
+                          mode=self.mode)
+                self.logs, self.artifact, fn = b.logs, b.artifact, b.forwards["forward"]
                 self.note = "generated forward"
-            except ImportError as e:
-                self.note = f"rewritten FX graph (codegen unavailable: {e})"
-            except Exception as e:  # noqa: BLE001 - a graph codegen cannot lower still runs as the checked FX graph
+            except (ImportError, ArtifactError) as e:  # a graph codegen cannot lower runs as the checked FX graph
+                b = build(program, self.plan, mode=self.mode, codegen=False)
+                self.logs, fn = b.logs, b.forwards["forward"]
                 self.note = f"rewritten FX graph (codegen could not lower it: {type(e).__name__}: {e})"
                 log.warning("tkcc backend: codegen could not lower this graph (%s: %s); running the rewritten "
                             "FX graph", type(e).__name__, e)
         else:
+            b = build(program, self.plan, mode=self.mode, codegen=False)
+            self.logs, fn = b.logs, b.forwards["forward"]
             self.note = "rewritten FX graph"
         self.fn = fn
 
