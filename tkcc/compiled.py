@@ -163,6 +163,7 @@ class CompiledModel:
         self._report = report
         self._output_type = output_type
         self.forwards = _graphed(program, forwards, artifact)
+        _settle_heap()
 
     def _moved(self, old: Path, new: Path) -> None:
         """The compile's work directory was renamed into place: point at the same verified bytes there."""
@@ -270,6 +271,16 @@ class CompiledModel:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return path
+
+
+def _settle_heap() -> None:
+    """Collect once, then freeze what is alive: a compile leaves millions of long-lived Python objects (graphs,
+    the engine's records) that the cyclic collector would otherwise re-scan in the middle of decode loops,
+    stalling the host long enough to drain the GPU's queue (the serving frameworks do the same at start-up)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def _jsonable(obj):
