@@ -67,11 +67,14 @@ def _steps(program, fwd, prompt_ids, plen, new_tokens, device):
     """The loop itself. The token and the position stay on the device (the position advances there), so no
     step waits for the one before: the host queues step i+1 while the device runs step i."""
     program.reset_state()
+    chunk = int(program.meta.get("prefill_chunk") or plen)
     with torch.no_grad():
         if plen == 1:
             logits = fwd["decode"](prompt_ids, torch.zeros(1, dtype=torch.long, device=device))
-        else:
-            logits = fwd["prefill"](prompt_ids, torch.arange(plen, device=device))
+        else:  # in chunks where one whole-prompt step would need too much memory (Program.meta["prefill_chunk"])
+            for start in range(0, plen, chunk):
+                end = min(plen, start + chunk)
+                logits = fwd["prefill"](prompt_ids[:, start:end], torch.arange(start, end, device=device))
         last = logits[:, -1]
         pos = torch.full((1,), plen, dtype=torch.long, device=device)
         for i in range(new_tokens):

@@ -181,6 +181,7 @@ def prepare_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
             block_container="lm." + container,
             torch_version=torch.__version__,
             truncated_from=_parent.meta["num_layers"] if _parent is not None else None,
+            prefill_chunk=_prefill_chunk(model),
         ),
         state=_kv,
         make_inputs={p: _input_maker(p, _kv, cfg.vocab_size, examples[p]) for p in phases},
@@ -213,6 +214,16 @@ def _truncated(parent: Program, container: str, k: int) -> Program:
     return capture_hf(small, phases=parent.phases, max_cache_len=parent.meta["max_cache_len"],
                       batch=parent.meta["batch"], exact=parent.meta["exact"], _parent=parent,
                       _kv=parent.state.first(k))
+
+
+def _prefill_chunk(model) -> int | None:
+    """Prompt tokens per prefill step when a whole prompt at once would not fit: the ``batched_mm`` experts
+    (pinned for the built-in MoE models, so CPU and GPU capture one graph) gather every token's top-k expert
+    weights, tens of MB per token for OLMoE, so the prompt goes in chunks of this many tokens."""
+    cfg = model.config.get_text_config()
+    if getattr(cfg, "_experts_implementation", None) == "batched_mm":
+        return 256
+    return None
 
 
 def _generator_for(device: torch.device, generator: torch.Generator | None) -> torch.Generator | None:
