@@ -68,7 +68,9 @@ def resolve_trace(trace, format: str | None = None):  # noqa: A002 - the trace f
         return load_trace(bundled_trace(trace), format=format)
     if not isinstance(trace, (str, Path)):
         raise TkccError(f"trace must be a path, a bundled trace name or a Trace, got {type(trace).__name__}")
-    return load_trace(trace, format=format)
+    from tkcc.traffic.names import trace_path
+
+    return load_trace(trace_path(trace), format=format)  # a missing path is answered with the bundled names
 
 
 def resolve_plan(plan, mode: str) -> PassPlan:
@@ -82,7 +84,16 @@ def resolve_plan(plan, mode: str) -> PassPlan:
             return PassPlan.from_json(text)
         except PlanError as e:
             raise PlanError(f"{plan}: {e}") from None
+    if isinstance(plan, Path) or (isinstance(plan, str) and looks_like_path(plan)):
+        raise PlanError(f"plan file {str(plan)!r}: no such file (a plan is a JSON file or JSON text such as "
+                        '\'[{"name": "cse"}, {"name": "dce"}]\')')
     return PassPlan.from_json(plan)
+
+
+def looks_like_path(text: str) -> bool:
+    """Text that names a file rather than holding JSON: no bracket or brace first, a .json suffix or a slash."""
+    t = text.strip()
+    return bool(t) and t[0] not in "[{\"" and (t.endswith(".json") or "/" in t or "\\" in t)
 
 
 def capture(model, example_inputs=None, device=None):
@@ -119,49 +130,102 @@ def pick_buckets(workload, program, max_buckets: int = 4) -> list:
     return out
 
 
+# On CPU the main job's timing is bounded by time, not by a fixed count: each bucket is sampled until the
+# interval of its speed-up is tight (+-2%) or its share of MEASURE_BUDGET_S is spent.
+MEASURE_BUDGET_S = {"cpu": 4.0, "cuda": 10.0}
+MIN_REPS = 6
+MAX_REPS = 400
+CI_REL = 0.02
+
+
 def measure_speed(program, forwards: dict, workload, *, max_buckets: int = 4, reps: int | None = None,
-                  warmup: int = 1, seed: int = 0) -> dict:
-    """Median time per call of the captured graphs (eager, op by op) vs ``forwards``, per bucket, one run."""
+                  warmup: int = 1, seed: int = 0, time_budget_s: float | None = None) -> dict:
+    """Median time per call of the captured graphs (eager, op by op) vs ``forwards``, per bucket, one run.
+
+    Eager and compiled calls alternate in pairs, so a change of machine load hits both sides alike.
+    With ``reps`` each side gets exactly that many samples; by default each bucket is sampled until the
+    95% interval of its speed-up is within +-2% or its share of ``time_budget_s`` is spent. Every speed-up
+    carries its interval (``tkcc.traffic.ratios``) and is labelled within noise when the interval spans 1."""
     from tkcc.runtime.measurement import environment
     from tkcc.runtime.timing import time_eager
+    from tkcc.traffic.ratios import geomean_interval, ratio_interval
 
     dev = torch.device(program.meta.get("device", "cpu"))
-    reps = reps or (30 if dev.type == "cuda" else 3)
-    rows = []
-    for b in pick_buckets(workload, program, max_buckets):
+    if time_budget_s is None:
+        time_budget_s = MEASURE_BUDGET_S.get(dev.type, MEASURE_BUDGET_S["cuda"])
+    picked = pick_buckets(workload, program, max_buckets)
+    rows, samples = [], []
+    for b in picked:
         gen = torch.Generator().manual_seed(seed)
         try:
             sets = [program.inputs(b.phase, b, gen) for _ in range(2)]
         except TkccError as e:
             rows.append({"bucket": b.key(), "weight": b.weight, "skipped": str(e)})
             continue
-        base = time_eager(program.graphs[b.phase], sets, reps, warmup, dev)
-        comp = time_eager(forwards[b.phase], sets, reps, warmup, dev)
+        base_fn, comp_fn = program.graphs[b.phase], forwards[b.phase]
+        time_eager(base_fn, sets, 0, warmup, dev)
+        time_eager(comp_fn, sets, 0, warmup, dev)
+        base, comp, stop = [], [], "fixed"
+        t_end = time.perf_counter() + time_budget_s / max(1, len(picked))
+        while True:  # eager and compiled in alternating pairs of calls
+            base += time_eager(base_fn, sets, 2, 0, dev)
+            comp += time_eager(comp_fn, sets, 2, 0, dev)
+            if reps is not None:
+                if len(base) >= reps:
+                    break
+                continue
+            if len(base) >= MIN_REPS:
+                r = ratio_interval(base, comp)
+                if r.known and (r.high - r.low) / 2 <= CI_REL * r.value:
+                    stop = "ci"
+                    break
+                if len(base) >= MAX_REPS:
+                    stop = "max_reps"
+                    break
+                if time.perf_counter() >= t_end:
+                    stop = "time"
+                    break
         base_m, comp_m = _median(base), _median(comp)
+        r = ratio_interval(base, comp)
         rows.append({"bucket": b.key(), "phase": b.phase, "weight": b.weight, "eager_s": base_m,
                      "compiled_s": comp_m, "speedup": base_m / comp_m if comp_m > 0 else None,
-                     "samples": len(base)})
+                     "samples": len(base), "stop": stop, "interval": r.to_json(), "within_noise": r.within_noise})
+        samples.append((b.weight, base, comp))
         if hasattr(program, "reset_state"):
             program.reset_state()
     timed = [r for r in rows if r.get("speedup")]
     wsum = sum(r["weight"] for r in timed)
     geo = math.exp(sum(r["weight"] * math.log(r["speedup"]) for r in timed) / wsum) if wsum > 0 else None
+    overall = geomean_interval(samples) if samples else None
     try:
         import triton
 
         triton_version = triton.__version__
     except Exception:
         triton_version = None
+    served: dict[str, float] = {}
+    for bk in workload.buckets:
+        if bk.phase in program.graphs:
+            served[bk.phase] = served.get(bk.phase, 0.0) + bk.weight
+    covered = {ph: sum(r["weight"] for r in timed if r["phase"] == ph) / w for ph, w in served.items() if w > 0}
     env = environment(dev, program.meta.get("dtype"))
-    env.update({"triton": triton_version, "samples_per_bucket": reps, "warmup": warmup,
+    env.update({"triton": triton_version, "samples_per_bucket": min((r["samples"] for r in timed), default=0),
+                "samples": "fixed" if reps is not None else
+                f"adaptive: {MIN_REPS}-{MAX_REPS} per side until the interval is within +-{CI_REL:.0%} or "
+                f"{time_budget_s:g} s are spent", "warmup": warmup,
                 "timing": ("CUDA events around each call" if dev.type == "cuda" else "time.perf_counter_ns around each call")
-                + "; median per bucket; 2 input sets rotated; baseline and compiled in one process, one run",
+                + "; median per bucket; eager and compiled alternate in pairs; 2 input sets rotated; one process, one run",
+                "interval": "95% percentile bootstrap of the ratio of medians (all buckets resampled together for "
+                            "the geomean)",
                 "baseline": "captured graphs run op by op in eager PyTorch (no passes, no codegen)",
                 "workload": getattr(workload, "source", ""), "buckets_measured": len(timed),
+                "weight_measured": covered,  # phase -> share of that phase's workload weight measured
                 "max_context": workload.meta.get("max_context"),
                 "clipped_fraction": workload.meta.get("clipped_fraction"),
                 "buckets_in_workload": len(workload.buckets)})
-    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env}
+    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env,
+            "interval": overall.to_json() if overall else None,
+            "within_noise": overall.within_noise if overall else None}
 
 
 def _median(xs):
@@ -205,27 +269,51 @@ class CompileReport:
         if self.golden is not None:
             lines.append(self.golden.summary())
         if self.speed:
-            s = self.speed
-            geo = s.get("weighted_geomean_speedup")
-            lines.append("speed vs eager (" + s["measured_on"].get("baseline", "") + "):")
-            for r in s["buckets"]:
-                if "skipped" in r:
-                    lines.append(f"  {r['bucket']:<28} skipped: {r['skipped']}")
-                else:
-                    lines.append(f"  {r['bucket']:<28} weight {r['weight']:.3f}  eager {r['eager_s'] * 1e3:8.3f} ms  "
-                                 f"compiled {r['compiled_s'] * 1e3:8.3f} ms  x{r['speedup']:.2f}")
-            if geo:
-                lines.append(f"  weighted geomean speedup x{geo:.2f} over {s['measured_on'].get('buckets_measured')} "
-                             "buckets")
-            m = s["measured_on"]
-            lines.append("  measured on: " + ", ".join(f"{k}={m[k]}" for k in
-                                                       ("device", "dtype", "torch", "triton", "samples_per_bucket",
-                                                        "max_context", "clipped_fraction")
-                                                       if k in m) + f"; {m.get('timing')}")
+            lines += speed_lines(self.speed)
         if self.artifact:
             lines.append(f"artifact: {self.artifact}")
         lines.append("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items()))
         return "\n".join(lines)
+
+
+def speed_lines(s: dict) -> list[str]:
+    """The speed section of a compile report: each ratio with its interval, and what it was measured on."""
+    from tkcc.traffic.ratios import Ratio
+
+    def ratio_text(d: dict | None, value: float) -> str:
+        if not d:
+            return f"x{value:.2f}"
+        lo = d["low"] if d.get("low") is not None else -math.inf
+        hi = d["high"] if d.get("high") is not None else math.inf
+        return Ratio(value, lo, hi, d.get("confidence", 0.95), d.get("source", "")).text()
+
+    m = s["measured_on"]
+    lines = ["speed vs eager (" + m.get("baseline", "") + "):"]
+    for r in s["buckets"]:
+        if "skipped" in r:
+            lines.append(f"  {r['bucket']:<28} skipped: {r['skipped']}")
+        elif r.get("speedup"):
+            lines.append(f"  {r['bucket']:<28} weight {r['weight']:.3f}  eager {r['eager_s'] * 1e3:8.3f} ms  "
+                         f"compiled {r['compiled_s'] * 1e3:8.3f} ms  {ratio_text(r.get('interval'), r['speedup'])}"
+                         f"  (n={r.get('samples')})")
+    geo = s.get("weighted_geomean_speedup")
+    timed = [r for r in s["buckets"] if r.get("speedup")]
+    if geo:
+        cover = m.get("weight_measured")
+        cover = (" covering " + " and ".join(f"{v:.0%} of the {ph} weight" for ph, v in cover.items())
+                 if isinstance(cover, dict) and cover else "")
+        lines.append(f"  weighted geomean speedup {ratio_text(s.get('interval'), geo)} over {len(timed)} "
+                     f"bucket{'s' if len(timed) != 1 else ''}{cover}")
+        if s.get("within_noise"):
+            lines.append("  within noise: these samples cannot tell the compiled forward from eager")
+    clipped = m.get("clipped_fraction")
+    if clipped:
+        lines.append(f"  {clipped:.0%} of the trace's requests are longer than the {m.get('max_context')} tokens "
+                     "measured here; they are timed at that length")
+    lines.append("  measured on: " + ", ".join(f"{k}={m[k]}" for k in ("device", "dtype", "torch", "triton",
+                                                                        "samples_per_bucket") if k in m)
+                 + f"; {m.get('samples', '')}; {m.get('timing')}")
+    return lines
 
 
 class CompiledModel:
@@ -313,7 +401,7 @@ def compile(model, trace=None, *, plan=None, example_inputs=None, device=None, m
     pass_modules:  Python files (or modules) with user passes to register before the plan is resolved.
     out_dir:       where to keep the artifact and pass logs (default: a temporary directory).
     program:       an already captured Program of ``model`` (skips capture).
-    max_buckets:   heaviest workload buckets to time (default 2 on CPU, 6 on GPU).
+    max_buckets:   heaviest workload buckets to time (default 4 on CPU, 6 on GPU).
     measure_max_context: clip the trace's requests to this many tokens before drawing buckets
                    (default: the KV cache length; on CPU at most CPU_MAX_CONTEXT, reported in measured_on).
     """
@@ -347,7 +435,9 @@ def compile(model, trace=None, *, plan=None, example_inputs=None, device=None, m
         final.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     else:
-        work = Path(tempfile.mkdtemp(prefix="tkcc-compile-"))
+        from tkcc.scratch import scratch_dir
+
+        work = scratch_dir("tkcc-compile-")  # the loaded forward's files; removed at exit (TKCC_KEEP_TEMP keeps)
     try:
         return _finish(model, program, compiled_program, logs, plan, mode, work, final, codegen, check, measure,
                        trace_obj, max_buckets, measure_max_context, timings)
@@ -407,7 +497,7 @@ def _finish(model, program, compiled_program, logs, plan, mode, work, final, cod
             workload = workload_from_trace(trace_obj, max_context=max_ctx,
                                            batch_sizes=(int(program.meta.get("batch", 1)),))
             if max_buckets is None:
-                max_buckets = 6 if str(program.meta.get("device", "cpu")).startswith("cuda") else 2
+                max_buckets = 6 if str(program.meta.get("device", "cpu")).startswith("cuda") else 4
             speed = measure_speed(program, forwards, workload, max_buckets=max_buckets)
         else:
             speed = _measure_plain(program, forwards)
@@ -439,17 +529,26 @@ def _measure_plain(program, forwards) -> dict:
 
     dev = torch.device(program.meta.get("device", "cpu"))
     reps = 30 if dev.type == "cuda" else 7
-    rows = []
+    from tkcc.traffic.ratios import geomean_interval, ratio_interval
+
+    rows, samples = [], []
     for ph in program.phases:
         sets = [program.inputs(ph, None, torch.Generator().manual_seed(i)) for i in range(2)]
         eager = program.eager if getattr(program, "eager", None) is not None else program.graphs[ph]
-        base = _median(time_eager(eager, sets, reps, 2, dev))
-        comp = _median(time_eager(forwards[ph], sets, reps, 2, dev))
+        base_t = time_eager(eager, sets, reps, 2, dev)
+        comp_t = time_eager(forwards[ph], sets, reps, 2, dev)
+        base, comp = _median(base_t), _median(comp_t)
+        r = ratio_interval(base_t, comp_t)
         rows.append({"bucket": f"{ph}/example", "phase": ph, "weight": 1.0 / len(program.phases), "eager_s": base,
-                     "compiled_s": comp, "speedup": base / comp if comp > 0 else None, "samples": reps})
+                     "compiled_s": comp, "speedup": base / comp if comp > 0 else None, "samples": reps,
+                     "interval": r.to_json(), "within_noise": r.within_noise})
+        samples.append((1.0 / len(program.phases), base_t, comp_t))
     env = environment(dev, program.meta.get("dtype"))
     env.update({"samples_per_bucket": reps, "timing": "median per phase on the example input shapes",
                 "baseline": "the model's own forward (eager)", "platform": platform.platform()})
     timed = [r for r in rows if r["speedup"]]
     geo = math.exp(sum(math.log(r["speedup"]) for r in timed) / len(timed)) if timed else None
-    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env}
+    overall = geomean_interval(samples) if samples else None
+    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env,
+            "interval": overall.to_json() if overall else None,
+            "within_noise": overall.within_noise if overall else None}

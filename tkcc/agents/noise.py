@@ -46,10 +46,24 @@ class NoiseModel:
 
     def decide(self, new: float, current: float) -> tuple[bool, str]:
         """(ship?, why) for objective ``new`` against ``current`` (higher is better)."""
-        if not self.calibrated:
-            return False, f"noise not yet measured ({len(self.aa_diffs)} of {MIN_AA_SAMPLES} A/A pairs)"
+        d = self.explain(new, current)
+        return d["ship"], d["why"]
+
+    def explain(self, new: float, current: float) -> dict:
+        """The ship decision with its numbers: gain, threshold, A/A spread and pairs, and why, in one dict."""
+        n = len(self.aa_diffs)
         gain = new / current - 1.0
+        out = {"ship": False, "gain": gain, "new": new, "current": current, "pairs": n, "min_pairs": MIN_AA_SAMPLES,
+               "z": self.z, "floor": self.floor, "aa_sd": self.sd if n >= 2 else None,
+               "threshold": self.threshold() if self.calibrated else None}
+        if not self.calibrated:
+            out["why"] = (f"gain {gain * 100:+.2f}% ({new:.4g} vs {current:.4g}), but the noise is not yet measured "
+                          f"({n} of {MIN_AA_SAMPLES} A/A pairs): stays")
+            return out
         thr = self.threshold()
-        verb = "ships" if gain > thr else "stays"
-        return gain > thr, (f"gain {gain * 100:+.2f}% vs threshold {thr * 100:.2f}% "
-                            f"(z={self.z} x A/A sd {self.sd * 100:.2f}% over {len(self.aa_diffs)} pairs): {verb}")
+        out["ship"] = gain > thr
+        bar = "the 1% floor" if thr == self.floor else f"z={self.z:g} x A/A sd {self.sd * 100:.2f}%"
+        out["why"] = (f"gain {gain * 100:+.2f}% ({new:.4g} vs {current:.4g}) "
+                      f"{'beats' if out['ship'] else 'is under'} the threshold {thr * 100:.2f}% "
+                      f"({bar}, {n} A/A pairs): {'ships' if out['ship'] else 'stays'}")
+        return out

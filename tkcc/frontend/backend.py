@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import tempfile
 
 import torch
 
@@ -53,7 +52,9 @@ class _LazyCompiled:
             try:
                 from tkcc.codegen.artifact import Artifact, build_artifact
 
-                out = tempfile.mkdtemp(prefix="tkcc-dynamo-")
+                from tkcc.scratch import scratch_dir
+
+                out = str(scratch_dir("tkcc-dynamo-"))  # removed at exit (TKCC_KEEP_TEMP keeps it)
                 build_artifact(compiled, self.plan, f"{out}/artifact")
                 self.artifact = Artifact.open(f"{out}/artifact")
                 fn = self.artifact.load(compiled)["forward"]
