@@ -353,11 +353,12 @@ def _start(run: _Run, starts: list[Candidate]) -> bool:
     run.serving_screen, run.serving_cand = [obj], cand
     if not run.two_tier:
         run.serving_slow = obj
-    elif run.budget.fits(f"reference:slow", f"candidate:{run.screen}"):
-        _measure_serving_slow(run)
+    elif run.budget.cost("reference:slow") is not None and run.budget.fits("reference:slow", f"candidate:{run.screen}"):
+        _measure_serving_slow(run)  # optional now (needed at the first confirmation): only when it surely fits
     else:
-        run.say("the slow tier's reference is measured when a candidate is promoted: the budget has no room "
-                "for it before the first candidate")
+        why = ("its cost is not known yet" if run.budget.cost("reference:slow") is None
+               else "the budget has no room for it before the first candidate")
+        run.say(f"the slow tier's reference is measured when a candidate is promoted: {why}")
     if st.shipped is None:
         st.shipped = (cand.key, run.serving_slow)
         run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), run.serving_slow, "ship", "baseline",
@@ -547,7 +548,9 @@ def _promote(run: _Run, screened: list[tuple[float, Candidate]], can_ship: bool 
     """The round's best, if it beats what serves on the screening tier (and a ship can be reached)."""
     ref = _serving_screen_ref(run)
     best = sorted(screened, key=lambda t: -t[0])[: run.cfg.promote]
-    chosen = [(o, c) for o, c in best if o > ref]
+    # once the noise is known, a gain under the ship rule's floor cannot ship: not worth a slow measurement
+    bar = ref * (1 + run.state.noise.floor) if run.state.noise.calibrated else ref
+    chosen = [(o, c) for o, c in best if o > bar]
     for o, c in chosen:
         run.say(f"[{run.screen}] {'promoting' if can_ship else 'would promote'} {c.key}: {o:.4g} vs serving "
                 f"{ref:.4g} ({(o / ref - 1) * 100:+.2f}%)" + ("" if can_ship else ", but a ship is out of budget"))

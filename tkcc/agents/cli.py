@@ -1,8 +1,8 @@
 """`tkcc campaign`, `tkcc watch`, `tkcc report`: the continual loop from the shell."""
 from __future__ import annotations
 
-import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -137,12 +137,17 @@ def _workload_for(client, trace):
     return workload_from_trace(trace, max_context=int(cap), batch_sizes=(int(worker.get("batch") or 1),))
 
 
+def _search_space(args, device: str):
+    from tkcc.agents.search import SearchSpace
+
+    return SearchSpace.from_registry(exact_only=not args.tolerance, device=device)
+
+
 def _proposer(args, client, evaluator):
-    from tkcc.agents.search import BayesianSearch, SearchSpace
+    from tkcc.agents.search import BayesianSearch
 
     if args.proposer == "search":
-        return BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance, device=evaluator.device_type),
-                              seed=args.seed)
+        return BayesianSearch(_search_space(args, evaluator.device_type), seed=args.seed)
     from tkcc.agents.external import ExternalAgent
 
     if not args.agent_cmd:
@@ -163,17 +168,17 @@ def cmd_campaign(args):
     from tkcc.agents.campaign import CampaignConfig, run_campaign, summary_of, summary_text
     from tkcc.agents.engine_eval import EngineEvaluator
     from tkcc.agents.store import ExperimentStore
-    from tkcc.cli import command_started
-    from tkcc.compiler import resolve_trace
-    from tkcc.frontend.models import DEFAULT_MODEL
+    from tkcc.cli import builtin_models, command_started
+    from tkcc.traffic.names import load_named_trace
 
     started = command_started()
     budget = _seconds(args.budget, "--budget")
     tiers = tuple(args.tiers.split(","))
     reps = _reps(args, budget)
-    trace = resolve_trace(args.trace, format=args.format)
+    trace = load_named_trace(args.trace, format=args.format)  # bad input fails before an engine starts
     store = ExperimentStore(args.store)
-    costs, source = cost_estimates(store, str(args.model or DEFAULT_MODEL), None if args.engine_socket else args.device)
+    model_name = str(args.model or builtin_models()[1])
+    costs, source = cost_estimates(store, model_name, None if args.engine_socket else args.device)
     if args.engine_socket:
         costs.pop("startup", None)
     short = up_front(budget, costs, source, tiers[0], STOP_RESERVE_S)
@@ -181,6 +186,8 @@ def cmd_campaign(args):
         raise TkccError(short)
     left = budget - (time.monotonic() - started) - STOP_RESERVE_S
     engine = _Engine(args, start_timeout_s=max(1.0, left))
+    if args.proposer == "search":  # the passes load (torch, the registry) while the engine starts in its process
+        threading.Thread(target=_search_space, args=(args, args.device), daemon=True).start()
     try:
         client = engine.__enter__()
     except TkccError as e:
