@@ -31,8 +31,10 @@ def _env():
 def _campaign(tmp, *extra, budget="20s", name="twenty"):
     argv = [PY, "-m", "tkcc.cli", "campaign", "--model", "llama-tiny", "--budget", budget, "--store",
             str(tmp / "store.db"), "--name", name, "--json", "--no-progress", *extra]
+    (tmp / "tmpdir").mkdir(exist_ok=True)
     t0 = time.monotonic()
-    p = subprocess.run(argv, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(argv, cwd=tmp, env={**_env(), "TMPDIR": str(tmp / "tmpdir")}, capture_output=True,
+                       text=True, timeout=120)
     return p, time.monotonic() - t0
 
 
@@ -50,7 +52,7 @@ def twenty(tmp_path_factory):
 
 
 def test_a_20s_campaign_ends_within_22s_and_says_whether_it_could_try(twenty):
-    _, runs = twenty
+    tmp, runs = twenty
     p, wall, out = runs[0]
     assert wall <= 22.0, (wall, p.stderr[-2000:])
     if p.returncode == 2:  # the engine alone did not start within the budget: said, with the reason
@@ -62,7 +64,7 @@ def test_a_20s_campaign_ends_within_22s_and_says_whether_it_could_try(twenty):
     said = "tried " if out["could_try"] else "could not try any candidate"
     assert said in out["text"]
     assert out["wall_s"] <= 22.0
-    assert not list(Path("/tmp").glob(f"tkcc-campaign-engine-*/engine.sock")) or True  # other runs may be live
+    assert not list((tmp / "tmpdir").glob("tkcc-campaign-engine-*"))  # the engine's temporary folder is gone
     if len(runs) > 1:
         assert runs[1][1] <= 33.0 and runs[1][2]["sessions"] == 2 and runs[1][2]["total_budget_s"] == 50.0
 
@@ -267,3 +269,16 @@ def test_watch_cli_json_is_one_object_and_min_requests_is_validated(tmp_path, mo
     assert "waiting: 10 requests" in cap.err  # the poll lines go to stderr as they happen
     rc = main(["watch", "--trace-stream", str(log), "--min-requests", "0", "--json"])
     assert rc == 2 and "at least 1" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_stopping_an_engine_that_ignores_sigterm_never_raises():
+    """`watch` used to crash at exit with TimeoutExpired (and lose its events) when its engine was slow to stop."""
+    from tkcc.agents.engine_eval import _stop
+
+    proc = subprocess.Popen([PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                       "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    t0 = time.monotonic()
+    _stop(proc, 0.2, term_s=0.3)
+    assert proc.poll() is not None and time.monotonic() - t0 < 5
+    proc.stdout.close()

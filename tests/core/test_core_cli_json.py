@@ -126,3 +126,17 @@ def test_json_on_the_engine_commands(engine, tmp_path, capsys):
     assert "reverted" in d or "error" in d
     d = _one_json(capsys, ["engine", "stop", "--socket", sock, "--json"])
     assert d["text"] == "engine stopping"
+
+
+def test_temporary_folders_are_removed_at_exit_or_kept_with_tkcc_keep_temp(tmp_path):
+    code = ("import tkcc\nfrom tkcc.frontend.models import build_model\n"
+            "c = tkcc.compile(build_model('llama-tiny'), measure=False, check=False)\n"
+            "import os; print(os.path.isdir(os.path.dirname(c.artifact.path)))\n")
+    for keep in ("", "1"):
+        tmp = tmp_path / f"t{keep}"
+        tmp.mkdir()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp), "TKCC_KEEP_TEMP": keep}
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0 and p.stdout.strip().splitlines()[-1] == "True", p.stderr[-2000:]
+        left = list(tmp.glob("tkcc-compile-*"))
+        assert (len(left) == 1) if keep else not left

@@ -221,16 +221,17 @@ def _ready_line(proc, timeout_s: float) -> str | None:
             return proc.stdout.readline() or ""
 
 
-def _stop(proc, grace_s: float) -> None:
-    """Wait ``grace_s`` for the engine to exit after its shutdown; then SIGTERM, then SIGKILL."""
-    for step in (None, proc.terminate, proc.kill):
+def _stop(proc, grace_s: float, term_s: float = 10.0) -> None:
+    """Wait ``grace_s`` for the engine to exit after its shutdown; then SIGTERM (``term_s``), then SIGKILL.
+    Never raises: a slow stop must not lose what the command did."""
+    for step, wait in ((None, grace_s), (proc.terminate, term_s), (proc.kill, term_s)):
         if step is not None:
             try:
                 step()
             except ProcessLookupError:
                 return
         try:
-            proc.wait(grace_s if step is None else 10)
+            proc.wait(wait)
             return
         except subprocess.TimeoutExpired:
             continue
