@@ -162,9 +162,10 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
     budget = Budget(cfg.budget_s, cfg.started if cfg.started is not None else clock(), clock, cfg.reserve_s,
                     dict(costs or {}), costs_source, dict(getattr(evaluator, "tier_scale", None) or {}))
     cid = store.open_campaign(cfg.name, cfg.model, {"tiers": cfg.tiers, "budget_s": cfg.budget_s,
-                                                   "workload": wfp, "validation": validation, **cfg.extra},
+                                                   "aa_pairs": cfg.aa_pairs, "workload": wfp,
+                                                   "validation": validation, **cfg.extra},
                               resume=cfg.resume)
-    state = _restore(store, cid, conditions)
+    state = _restore(store, cid, conditions, cfg.aa_pairs)
     state.validation = validation
     out, bar = _progress(cfg, progress)
     run = _Run(cfg, store, proposer, evaluator, state, budget, wfp, conditions, out, bar)
@@ -235,7 +236,7 @@ def _close_session(run: _Run, index: int) -> None:
         run.store.update_config(st.campaign_id, sessions=sessions)
 
 
-def _restore(store: ExperimentStore, cid: int, conditions: dict) -> CampaignState:
+def _restore(store: ExperimentStore, cid: int, conditions: dict, min_pairs: int = 3) -> CampaignState:
     """History, serving candidate and the A/A pairs measured under the same conditions, from the store."""
     history = [Outcome(PassPlan.from_json(e.plan), e.objective, e.tier) for e in store.experiments(cid)
                if e.verdict != "reused"]
@@ -243,7 +244,7 @@ def _restore(store: ExperimentStore, cid: int, conditions: dict) -> CampaignStat
     for s in store.ships(cid):  # replay the ship/revert history
         if s["action"] in ("ship", "revert"):
             shipped = (s["candidate"], s["objective"])
-    noise = NoiseModel()
+    noise = NoiseModel(min_pairs=min_pairs)
     for e in store.experiments(cid):
         m = e.measurement or {}
         if e.proposer == "aa" and "aa_pair" in m and m.get("conditions", {}) == conditions:
@@ -658,7 +659,7 @@ def summary_of(store: ExperimentStore, state: CampaignState) -> dict:
             "evaluated": state.evaluated, "reused": state.reused,
             "noise": {"aa_pairs": len(noise.aa_diffs), "aa_sd": noise.sd if len(noise.aa_diffs) >= 2 else None,
                       "threshold": noise.threshold() if noise.calibrated else None, "z": noise.z,
-                      "floor": noise.floor, "calibrated": noise.calibrated},
+                      "floor": noise.floor, "calibrated": noise.calibrated, "min_pairs": noise.min_pairs},
             "decisions": state.decisions, "baseline_objective": base,
             "shipped": {"candidate": serving_key, "objective": serving_obj}, "gain": gain,
             "budget": state.budget, "total_budget_s": sum(float(s.get("budget_s") or 0) for s in sessions),
@@ -685,8 +686,8 @@ def summary_text(s: dict, device: str | None = None) -> str:
         lines.append(f"noise: threshold {n['threshold'] * 100:.2f}% = max({n['floor'] * 100:.0f}%, "
                      f"{n['z']:g} x A/A sd {n['aa_sd'] * 100:.2f}%) over {n['aa_pairs']} A/A pairs")
     else:
-        lines.append(f"noise: {n['aa_pairs']} of the {3} A/A pairs needed to ship were measured; nothing can ship "
-                     "before they are")
+        lines.append(f"noise: {n['aa_pairs']} of the {n['min_pairs']} A/A pairs needed to ship were measured; "
+                     "nothing can ship before they are")
     for d in s["decisions"]:
         lines.append(f"  {d['action']:<8} {d['candidate']}: {d['why']}")
     sh = s["shipped"]

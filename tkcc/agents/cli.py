@@ -173,6 +173,10 @@ def cmd_campaign(args):
 
     started = command_started()
     budget = _seconds(args.budget, "--budget")
+    if args.aa_pairs < 2:
+        raise TkccError(f"--aa-pairs must be at least 2 (a spread needs two pairs), got {args.aa_pairs}")
+    if args.batch < 1:
+        raise TkccError(f"--batch must be at least 1, got {args.batch}")
     tiers = tuple(args.tiers.split(","))
     reps = _reps(args, budget)
     trace = load_named_trace(args.trace, format=args.format)  # bad input fails before an engine starts

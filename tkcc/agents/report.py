@@ -115,10 +115,10 @@ def _plots(exps, ships, buckets, tiers) -> dict[str, str | None]:
     return out
 
 
-def _noise(exps, sessions) -> dict:
+def _noise(exps, sessions, min_pairs: int) -> dict:
     """The noise model of the last session (its A/A pairs, under its conditions) and every session's pairs."""
     last = (sessions[-1].get("conditions") if sessions else None)
-    nm = NoiseModel()
+    nm = NoiseModel(min_pairs=min_pairs)
     pairs = []
     for e in exps:
         m = e.measurement or {}
@@ -130,7 +130,7 @@ def _noise(exps, sessions) -> dict:
                 nm.aa_diffs.append(m["aa_pair"])
     return {"pairs": pairs, "n": len(nm.aa_diffs), "sd": nm.sd if len(nm.aa_diffs) >= 2 else None,
             "threshold": nm.threshold() if nm.calibrated else None, "z": nm.z, "floor": nm.floor,
-            "calibrated": nm.calibrated}
+            "calibrated": nm.calibrated, "min_pairs": nm.min_pairs}
 
 
 def _candidate_pages(c, exps, ships, files: Path, rel: str) -> dict[str, str]:
@@ -232,7 +232,7 @@ def write_report(store_path: str | Path, campaign: str | int, out: str | Path) -
     html = env.get_template("report.html.jinja").render(
         c=c, exps=rows, ships=ship_rows, n_exp=len(exps), per_tier=dict(Counter(e.tier for e in exps)),
         plots=_plots(exps, ships, c["config"].get("buckets"), tiers),
-        objective_name=c["config"].get("objective", "objective"), measured_on=measured_on, noise=_noise(exps, sessions),
+        objective_name=c["config"].get("objective", "objective"), measured_on=measured_on, noise=_noise(exps, sessions, int(c["config"].get("aa_pairs") or 3)),
         sessions=sessions, total_budget=sum(float(s.get("budget_s") or 0) for s in sessions), tiers=tiers)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(html)
