@@ -133,10 +133,8 @@ def cost_estimates(store, model: str, device: str | None = None, campaigns: int 
         for s in cfg.get("sessions", []):
             if s.get("startup_s"):
                 costs.setdefault("startup", []).append(float(s["startup_s"]))
-        for e in store.experiments(c["id"]):
+        for e in store.experiments(c["id"]):  # the campaign's device is its experiments' device
             if e.verdict in ("reused",) or e.finished <= e.started:
-                continue
-            if device is not None and (e.measurement or {}).get("device") not in (None, device):
                 continue
             costs.setdefault(step_kind(e.proposer, e.tier), []).append(e.finished - e.started)
         for s in store.ships(c["id"]):

@@ -188,7 +188,8 @@ def cmd_campaign(args):
     short = up_front(budget, costs, source, tiers[0], STOP_RESERVE_S)
     if short:  # said before an engine starts, so it costs nothing
         raise TkccError(short)
-    left = budget - (time.monotonic() - started) - STOP_RESERVE_S
+    # an engine that has not started by then is stopped half-way, which costs more than a normal stop
+    left = budget - (time.monotonic() - started) - STOP_RESERVE_S - 1.0
     engine = _Engine(args, start_timeout_s=max(1.0, left))
     if args.proposer == "search":  # the passes load (torch, the registry) while the engine starts in its process
         threading.Thread(target=_search_space, args=(args, args.device), daemon=True).start()

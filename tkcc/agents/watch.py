@@ -100,8 +100,11 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
                                                model, budget_s, wk, tiers, progress, emit)
                 rounds += 1
             else:
-                emit("quiet", {"requests": len(cur), "arrived": arrived, "note": quiet_note(verdict, rolling.params),
-                               "ratios": verdict.ratios, "ks": verdict.ks})
+                note = quiet_note(verdict, rolling.params)
+                if not arrived:
+                    note = f"no new requests since the last poll; {note}"
+                emit("quiet", {"requests": len(cur), "arrived": arrived, "note": note, "ratios": verdict.ratios,
+                               "ks": verdict.ks})
         if max_polls is None or polls < max_polls:
             sleep(poll_s)
     return events
