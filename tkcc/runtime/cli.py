@@ -273,7 +273,8 @@ def cmd_submit(args):
 def _experiment_text(res: dict) -> str:
     from tkcc.runtime.measurement import Measurement
 
-    lines = [f"candidate {res.get('candidate')}: {'ok' if res.get('ok') else 'FAILED: ' + str(res.get('reason'))}"
+    name = res.get("candidate") or "(not loaded)"  # a candidate refused before it loaded has no id
+    lines = [f"candidate {name}: {'ok' if res.get('ok') else 'FAILED: ' + str(res.get('reason'))}"
              f" (journal seq {res.get('seq')}, request {res.get('request_id')})"]
     for tier, rec in res.get("tiers", {}).items():
         v = rec.get("validation") or {}
