@@ -10,7 +10,8 @@ import pytest
 from campaign_helpers import FakeClock, Fuse, Slow, TimedEvaluator, Wide
 
 from tkcc.agents.budget import Budget, cost_estimates, up_front
-from tkcc.agents.campaign import CampaignConfig, run_campaign, summary_of, summary_text
+from tkcc.agents.campaign import CampaignConfig, run_campaign
+from tkcc.agents.summary import summary_of, summary_text
 from tkcc.agents.search import BayesianSearch, SearchSpace
 from tkcc.agents.store import ExperimentStore
 

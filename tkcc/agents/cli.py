@@ -165,7 +165,8 @@ def _proposer(args, client, evaluator):
 
 def cmd_campaign(args):
     from tkcc.agents.budget import cost_estimates, up_front
-    from tkcc.agents.campaign import CampaignConfig, run_campaign, summary_of, summary_text
+    from tkcc.agents.campaign import CampaignConfig, run_campaign
+    from tkcc.agents.summary import summary_of, summary_text
     from tkcc.agents.engine_eval import EngineEvaluator
     from tkcc.agents.store import ExperimentStore
     from tkcc.cli import builtin_models, command_started
