@@ -154,6 +154,7 @@ def measure_speed(program, forwards: dict, workload, *, max_buckets: int = 4, re
     if time_budget_s is None:
         time_budget_s = MEASURE_BUDGET_S.get(dev.type, MEASURE_BUDGET_S["cuda"])
     picked = pick_buckets(workload, program, max_buckets)
+    t_start = time.perf_counter()
     rows, samples = [], []
     for b in picked:
         gen = torch.Generator().manual_seed(seed)
@@ -222,7 +223,9 @@ def measure_speed(program, forwards: dict, workload, *, max_buckets: int = 4, re
                 "weight_measured": covered,  # phase -> share of that phase's workload weight measured
                 "max_context": workload.meta.get("max_context"),
                 "clipped_fraction": workload.meta.get("clipped_fraction"),
-                "buckets_in_workload": len(workload.buckets)})
+                "buckets_in_workload": len(workload.buckets),
+                "measure_s": round(time.perf_counter() - t_start, 2),
+                "total_samples": sum(r["samples"] for r in timed)})
     return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env,
             "interval": overall.to_json() if overall else None,
             "within_noise": overall.within_noise if overall else None}
@@ -305,7 +308,10 @@ def speed_lines(s: dict) -> list[str]:
         lines.append(f"  weighted geomean speedup {ratio_text(s.get('interval'), geo)} over {len(timed)} "
                      f"bucket{'s' if len(timed) != 1 else ''}{cover}")
         if s.get("within_noise"):
-            lines.append("  within noise: these samples cannot tell the compiled forward from eager")
+            n, secs = m.get("total_samples"), m.get("measure_s")
+            spent = f" ({n} samples per side in {secs:.1f} s)" if n and secs is not None else ""
+            lines.append(f"  within noise: the timing noise of this machine over these samples{spent} is larger "
+                         "than any difference between the compiled forward and eager")
     clipped = m.get("clipped_fraction")
     if clipped:
         lines.append(f"  {clipped:.0%} of the trace's requests are longer than the {m.get('max_context')} tokens "
