@@ -12,6 +12,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 pin=()
+# numpy goes in before torch: torch imported without numpy prints "Failed to initialize NumPy".
+.venv/bin/python -m pip install -q "numpy<2.4"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q "torch==2.13.0" \
     || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
@@ -21,3 +23,12 @@ fi
 # captured graphs match there; numpy<2.4 for Triton 3.6's interpreter.
 # the torch pin keeps a dependency from swapping the CPU build for a CUDA one.
 .venv/bin/python -m pip install -q -e ".[$extras]" "transformers==5.17.0" "triton==3.6.0" "numpy<2.4" "${pin[@]}"
+# --dev: the report test renders `tkcc report` in a headless browser (Debian's chromium package).
+if [ "${1:-}" = "--dev" ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null \
+      || echo "setup.sh: could not install chromium; the headless report test will be skipped" >&2
+  else
+    echo "setup.sh: chromium not found (install Debian's chromium package); the headless report test will be skipped" >&2
+  fi
+fi

@@ -10,7 +10,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import re
 import sys
+import time
+from pathlib import Path
+
+_IMPORTED = time.monotonic()
 
 # module path -> it defines register(subparsers); missing modules are skipped
 # only while an area is being built, never silently at run time of a command.
@@ -22,8 +28,19 @@ COMMAND_MODULES = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error under ``--json`` is also one JSON object on stdout."""
+
+    json_mode = False
+
+    def error(self, message):
+        if _Parser.json_mode:
+            print(json.dumps({"error": f"{self.prog}: {message}", "type": "UsageError"}))
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tkcc", description="tkcc: a continual compiler for inference")
+    parser = _Parser(prog="tkcc", description="tkcc: a continual compiler for inference")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod_name in COMMAND_MODULES:
         try:
@@ -34,6 +51,41 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         mod.register(sub)
     return parser
+
+
+def command_started() -> float:
+    """``time.monotonic()`` at the moment this process started (a command's budget counts from there)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        if 0 <= age < 3600 * 24 * 365:
+            return time.monotonic() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    return _IMPORTED
+
+
+def builtin_models() -> tuple[list[str], str]:
+    """(names, default) of the built-in models, read without importing torch (for help texts)."""
+    data = json.loads((Path(__file__).resolve().parent / "data" / "models.json").read_text())
+    return [m["name"] for m in data["models"]], data["default"]
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """``--budget -5m`` -> ``--budget=-5m``: argparse reads ``-5m`` as an option and says "expected one
+    argument"; joined, the option's own check names the real problem (a negative value)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if (a.startswith("--") and "=" not in a and i + 1 < len(argv)
+                and re.fullmatch(r"-\.?[0-9][0-9A-Za-z.]*", argv[i + 1])):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def add_json_flag(p: argparse.ArgumentParser) -> None:
@@ -52,6 +104,8 @@ def emit(result: dict, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     from tkcc.errors import TkccError
 
+    argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
+    _Parser.json_mode = "--json" in argv
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -105,7 +106,7 @@ class CompileReport:
             lines.append(f"  vs the model's own eager forward: max abs err {vs.get('max_abs_err', 0):.3g}, "
                          f"greedy-token agreement {100 * (vs.get('token_agreement') or 0):.0f}%")
         if self.speed and self.speed.get("buckets"):
-            lines += _speed_lines(self.speed)
+            lines += speed_lines(self.speed)
         if self.artifact:
             lines.append(f"artifact: {self.artifact}")
         lines.append("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items()))
@@ -131,22 +132,46 @@ def _loop_lines(loop: dict) -> list[str]:
     return out
 
 
-def _speed_lines(s: dict) -> list[str]:
-    lines = ["speed vs eager (" + s.get("measured_on", {}).get("baseline", "") + "):"]
+def speed_lines(s: dict) -> list[str]:
+    """The speed section of a compile report: each ratio with its interval, and what it was measured on."""
+    from tkcc.traffic.ratios import Ratio
+
+    def ratio_text(d: dict | None, value: float) -> str:
+        if not d:
+            return f"x{value:.2f}"
+        lo = d["low"] if d.get("low") is not None else -math.inf
+        hi = d["high"] if d.get("high") is not None else math.inf
+        return Ratio(value, lo, hi, d.get("confidence", 0.95), d.get("source", "")).text()
+
+    m = s["measured_on"]
+    lines = ["speed vs eager (" + m.get("baseline", "") + "):"]
     for r in s["buckets"]:
         if "skipped" in r:
             lines.append(f"  {r['bucket']:<28} skipped: {r['skipped']}")
-        else:
+        elif r.get("speedup"):
             lines.append(f"  {r['bucket']:<28} weight {r['weight']:.3f}  eager {r['eager_s'] * 1e3:8.3f} ms  "
-                         f"compiled {r['compiled_s'] * 1e3:8.3f} ms  x{r['speedup']:.2f}")
+                         f"compiled {r['compiled_s'] * 1e3:8.3f} ms  {ratio_text(r.get('interval'), r['speedup'])}"
+                         f"  (n={r.get('samples')})")
     geo = s.get("weighted_geomean_speedup")
+    timed = [r for r in s["buckets"] if r.get("speedup")]
     if geo:
-        lines.append(f"  weighted geomean speedup x{geo:.2f} over {s['measured_on'].get('buckets_measured')} buckets")
-    m = s.get("measured_on", {})
+        cover = m.get("weight_measured")
+        cover = (" covering " + " and ".join(f"{v:.0%} of the {ph} weight" for ph, v in cover.items())
+                 if isinstance(cover, dict) and cover else "")
+        lines.append(f"  weighted geomean speedup {ratio_text(s.get('interval'), geo)} over {len(timed)} "
+                     f"bucket{'s' if len(timed) != 1 else ''}{cover}")
+        if s.get("within_noise"):
+            n, secs = m.get("total_samples"), m.get("measure_s")
+            spent = f" ({n} samples per side in {secs:.1f} s)" if n and secs is not None else ""
+            lines.append(f"  within noise: the timing noise of this machine over these samples{spent} is larger "
+                         "than any difference between the compiled forward and eager")
+    clipped = m.get("clipped_fraction")
+    if clipped:
+        lines.append(f"  {clipped:.0%} of the trace's requests are longer than the {m.get('max_context')} tokens "
+                     "measured here; they are timed at that length")
     lines.append("  measured on: " + ", ".join(f"{k}={m[k]}" for k in ("device", "dtype", "torch", "triton",
-                                                                        "samples_per_bucket", "max_context",
-                                                                        "clipped_fraction") if k in m)
-                 + f"; {m.get('timing')}")
+                                                                        "samples_per_bucket") if k in m)
+                 + f"; {m.get('samples', '')}; {m.get('timing')}")
     return lines
 
 

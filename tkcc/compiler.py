@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tkcc.atomic import replace_dir
-from tkcc.compiled import CompileReport, CompiledModel  # noqa: F401 - the public names live here too
+from tkcc.compiled import CompileReport, CompiledModel, speed_lines  # noqa: F401 - the public names live here too
 from tkcc.errors import CaptureError, PlanError, TkccError
 from tkcc.passes.general import DEFAULT_EXACT_PLAN
 from tkcc.passes.log import write_logs
@@ -68,7 +68,9 @@ def resolve_trace(trace, format: str | None = None):  # noqa: A002 - the trace f
         return load_trace(bundled_trace(trace), format=format)
     if not isinstance(trace, (str, Path)):
         raise TkccError(f"trace must be a path, a bundled trace name or a Trace, got {type(trace).__name__}")
-    return load_trace(trace, format=format)
+    from tkcc.traffic.names import trace_path
+
+    return load_trace(trace_path(trace), format=format)  # a missing path is answered with the bundled names
 
 
 def resolve_plan(plan, mode: str) -> PassPlan:
@@ -82,7 +84,16 @@ def resolve_plan(plan, mode: str) -> PassPlan:
             return PassPlan.from_json(text)
         except PlanError as e:
             raise PlanError(f"{plan}: {e}") from None
+    if isinstance(plan, Path) or (isinstance(plan, str) and looks_like_path(plan)):
+        raise PlanError(f"plan file {str(plan)!r}: no such file (a plan is a JSON file or JSON text such as "
+                        '\'[{"name": "cse"}, {"name": "dce"}]\')')
     return PassPlan.from_json(plan)
+
+
+def looks_like_path(text: str) -> bool:
+    """Text that names a file rather than holding JSON: no bracket or brace first, a .json suffix or a slash."""
+    t = text.strip()
+    return bool(t) and t[0] not in "[{\"" and (t.endswith(".json") or "/" in t or "\\" in t)
 
 
 def capture(model, example_inputs=None, device=None, max_cache_len=None):
@@ -121,49 +132,105 @@ def pick_buckets(workload, program, max_buckets: int = 4) -> list:
     return out
 
 
+# On CPU the main job's timing is bounded by time, not by a fixed count: each bucket is sampled until the
+# interval of its speed-up is tight (+-2%) or its share of MEASURE_BUDGET_S is spent.
+MEASURE_BUDGET_S = {"cpu": 4.0, "cuda": 10.0}
+MIN_REPS = 6
+MAX_REPS = 400
+CI_REL = 0.02
+
+
 def measure_speed(program, forwards: dict, workload, *, max_buckets: int = 4, reps: int | None = None,
-                  warmup: int = 1, seed: int = 0) -> dict:
-    """Median time per call of the captured graphs (eager, op by op) vs ``forwards``, per bucket, one run."""
+                  warmup: int = 1, seed: int = 0, time_budget_s: float | None = None) -> dict:
+    """Median time per call of the captured graphs (eager, op by op) vs ``forwards``, per bucket, one run.
+
+    Eager and compiled calls alternate in pairs, so a change of machine load hits both sides alike.
+    With ``reps`` each side gets exactly that many samples; by default each bucket is sampled until the
+    95% interval of its speed-up is within +-2% or its share of ``time_budget_s`` is spent. Every speed-up
+    carries its interval (``tkcc.traffic.ratios``) and is labelled within noise when the interval spans 1."""
     from tkcc.runtime.measurement import environment
     from tkcc.runtime.timing import time_eager
+    from tkcc.traffic.ratios import geomean_interval, ratio_interval
 
     dev = torch.device(program.meta.get("device", "cpu"))
-    reps = reps or (30 if dev.type == "cuda" else 3)
-    rows = []
-    for b in pick_buckets(workload, program, max_buckets):
+    if time_budget_s is None:
+        time_budget_s = MEASURE_BUDGET_S.get(dev.type, MEASURE_BUDGET_S["cuda"])
+    picked = pick_buckets(workload, program, max_buckets)
+    t_start = time.perf_counter()
+    rows, samples = [], []
+    for b in picked:
         gen = torch.Generator().manual_seed(seed)
         try:
             sets = [program.inputs(b.phase, b, gen) for _ in range(2)]
         except TkccError as e:
             rows.append({"bucket": b.key(), "weight": b.weight, "skipped": str(e)})
             continue
-        base = time_eager(program.graphs[b.phase], sets, reps, warmup, dev)
-        comp = time_eager(forwards[b.phase], sets, reps, warmup, dev)
+        base_fn, comp_fn = program.graphs[b.phase], forwards[b.phase]
+        time_eager(base_fn, sets, 0, warmup, dev)
+        time_eager(comp_fn, sets, 0, warmup, dev)
+        base, comp, stop = [], [], "fixed"
+        t_end = time.perf_counter() + time_budget_s / max(1, len(picked))
+        while True:  # eager and compiled in alternating pairs of calls
+            base += time_eager(base_fn, sets, 2, 0, dev)
+            comp += time_eager(comp_fn, sets, 2, 0, dev)
+            if reps is not None:
+                if len(base) >= reps:
+                    break
+                continue
+            if len(base) >= MIN_REPS:
+                r = ratio_interval(base, comp)
+                if r.known and (r.high - r.low) / 2 <= CI_REL * r.value:
+                    stop = "ci"
+                    break
+                if len(base) >= MAX_REPS:
+                    stop = "max_reps"
+                    break
+                if time.perf_counter() >= t_end:
+                    stop = "time"
+                    break
         base_m, comp_m = _median(base), _median(comp)
+        r = ratio_interval(base, comp)
         rows.append({"bucket": b.key(), "phase": b.phase, "weight": b.weight, "eager_s": base_m,
                      "compiled_s": comp_m, "speedup": base_m / comp_m if comp_m > 0 else None,
-                     "samples": len(base)})
+                     "samples": len(base), "stop": stop, "interval": r.to_json(), "within_noise": r.within_noise})
+        samples.append((b.weight, base, comp))
         if hasattr(program, "reset_state"):
             program.reset_state()
     timed = [r for r in rows if r.get("speedup")]
     wsum = sum(r["weight"] for r in timed)
     geo = math.exp(sum(r["weight"] * math.log(r["speedup"]) for r in timed) / wsum) if wsum > 0 else None
+    overall = geomean_interval(samples) if samples else None
     try:
         import triton
 
         triton_version = triton.__version__
     except Exception:
         triton_version = None
+    served: dict[str, float] = {}
+    for bk in workload.buckets:
+        if bk.phase in program.graphs:
+            served[bk.phase] = served.get(bk.phase, 0.0) + bk.weight
+    covered = {ph: sum(r["weight"] for r in timed if r["phase"] == ph) / w for ph, w in served.items() if w > 0}
     env = environment(dev, program.meta.get("dtype"))
-    env.update({"triton": triton_version, "samples_per_bucket": reps, "warmup": warmup,
+    env.update({"triton": triton_version, "samples_per_bucket": min((r["samples"] for r in timed), default=0),
+                "samples": "fixed" if reps is not None else
+                f"adaptive: {MIN_REPS}-{MAX_REPS} per side until the interval is within +-{CI_REL:.0%} or "
+                f"{time_budget_s:g} s are spent", "warmup": warmup,
                 "timing": ("CUDA events around each call" if dev.type == "cuda" else "time.perf_counter_ns around each call")
-                + "; median per bucket; 2 input sets rotated; baseline and compiled in one process, one run",
+                + "; median per bucket; eager and compiled alternate in pairs; 2 input sets rotated; one process, one run",
+                "interval": "95% percentile bootstrap of the ratio of medians (all buckets resampled together for "
+                            "the geomean)",
                 "baseline": "captured graphs run op by op in eager PyTorch (no passes, no codegen)",
                 "workload": getattr(workload, "source", ""), "buckets_measured": len(timed),
+                "weight_measured": covered,  # phase -> share of that phase's workload weight measured
                 "max_context": workload.meta.get("max_context"),
                 "clipped_fraction": workload.meta.get("clipped_fraction"),
-                "buckets_in_workload": len(workload.buckets)})
-    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env}
+                "buckets_in_workload": len(workload.buckets),
+                "measure_s": round(time.perf_counter() - t_start, 2),
+                "total_samples": sum(r["samples"] for r in timed)})
+    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env,
+            "interval": overall.to_json() if overall else None,
+            "within_noise": overall.within_noise if overall else None}
 
 
 def _median(xs):
@@ -244,7 +311,9 @@ def compile(model, trace=None, *, budget=None, plan=None, example_inputs=None, d
         final.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     else:
-        work = Path(tempfile.mkdtemp(prefix="tkcc-compile-"))
+        from tkcc.scratch import scratch_dir
+
+        work = scratch_dir("tkcc-compile-")  # the loaded forward's files; removed at exit (TKCC_KEEP_TEMP keeps)
     try:
         if _is_lm(program) and measure:
             dev = str(program.meta.get("device", "cpu"))
@@ -307,20 +376,29 @@ def _measure_plain(program, forwards) -> dict:
 
     dev = torch.device(program.meta.get("device", "cpu"))
     reps = 30 if dev.type == "cuda" else 7
-    rows = []
+    from tkcc.traffic.ratios import geomean_interval, ratio_interval
+
+    rows, samples = [], []
     for ph in program.phases:
         sets = [program.inputs(ph, None, torch.Generator().manual_seed(i)) for i in range(2)]
         eager = program.eager if getattr(program, "eager", None) is not None else program.graphs[ph]
-        base = _median(time_eager(eager, sets, reps, 2, dev))
-        comp = _median(time_eager(forwards[ph], sets, reps, 2, dev))
+        base_t = time_eager(eager, sets, reps, 2, dev)
+        comp_t = time_eager(forwards[ph], sets, reps, 2, dev)
+        base, comp = _median(base_t), _median(comp_t)
+        r = ratio_interval(base_t, comp_t)
         rows.append({"bucket": f"{ph}/example", "phase": ph, "weight": 1.0 / len(program.phases), "eager_s": base,
-                     "compiled_s": comp, "speedup": base / comp if comp > 0 else None, "samples": reps})
+                     "compiled_s": comp, "speedup": base / comp if comp > 0 else None, "samples": reps,
+                     "interval": r.to_json(), "within_noise": r.within_noise})
+        samples.append((1.0 / len(program.phases), base_t, comp_t))
     env = environment(dev, program.meta.get("dtype"))
     env.update({"samples_per_bucket": reps, "timing": "median per phase on the example input shapes",
                 "baseline": "the model's own forward (eager)", "platform": platform.platform()})
     timed = [r for r in rows if r["speedup"]]
     geo = math.exp(sum(math.log(r["speedup"]) for r in timed) / len(timed)) if timed else None
-    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env}
+    overall = geomean_interval(samples) if samples else None
+    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env,
+            "interval": overall.to_json() if overall else None,
+            "within_noise": overall.within_noise if overall else None}
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -347,25 +425,32 @@ def _compile_by_loop(program, trace_obj, user_plan, mode, compare, budget_s, sta
     timings["engine_start"] = time.perf_counter() - t
     try:
         ev = EngineEvaluator(client, workload, pass_modules=list(pass_modules or ()), reps=30 if on_gpu else 10)
-        starts = [Candidate("eager", eager=True)]
+        # the references: the captured graphs and the model's own eager forward (and a plan the user gave);
+        # the fastest serves first, and nothing ships later unless it beats it past the measured noise
+        starts = [Candidate("baseline", PassPlan()), Candidate("eager", eager=True)]
         if user_plan is not None and user_plan.steps:
             starts.append(Candidate("user", user_plan))
-        compare_cands = [Candidate(name, compare=name) for name in compare or ()]
-        left = budget_s - (clock() - started)
         search = budget_s > 0 and user_plan is None
         space = SearchSpace.from_registry(exact_only=mode == "exact", device=dev)
         proposer = BayesianSearch(space, seed=seed) if search else _NoSearch()
         name = f"compile-{program.fingerprint}-{time.strftime('%Y%m%d-%H%M%S')}"
-        cfg = CampaignConfig(name=name, model=str(program.meta.get("name") or program.meta.get("model_class")),
-                             budget_s=max(left, 1e-3), starts=tuple(starts), compare=tuple(compare_cands),
-                             aa_pairs=3 if search else 0,  # no search candidate to ship: no noise to calibrate
-                             extra={"trace": workload.source, "objective": workload.objective, "mode": mode,
-                                    "budget_total_s": budget_s})
         db = ExperimentStore(str(store) if store is not None else str(work / "experiments.db"))
-        say(f"tkcc.compile: {'searching' if search else 'measuring the references'} for {max(left, 0):.0f} s "
-            f"of a {budget_s:g} s budget (mode={mode}); objective {workload.objective}")
+        extra = {"trace": workload.source, "objective": workload.objective, "mode": mode, "budget_total_s": budget_s}
+        model_name = str(program.meta.get("name") or program.meta.get("model_class"))
+        # with no search the references are measured whatever the budget (there is nothing to serve without them)
+        cfg = CampaignConfig(name=name, model=model_name, budget_s=budget_s if search else 3600.0,
+                             started=started if search else None, extra=extra)
+        say(f"tkcc.compile: {'searching' if search else 'measuring the references'} within a {budget_s:g} s "
+            f"budget, start-up included (mode={mode}); objective {workload.objective}")
         t = time.perf_counter()
-        state = run_campaign(cfg, db, proposer, ev, progress=progress)
+        state = run_campaign(cfg, db, proposer, ev, progress=progress, clock=clock, starts=starts)
+        if state.shipped is None:  # too short to search: the references alone, said so
+            say(f"tkcc.compile: {state.stopped}; measuring the references only")
+            cfg = CampaignConfig(name=name, model=model_name, budget_s=3600.0, extra=extra, resume=True)
+            state = run_campaign(cfg, db, _NoSearch(), ev, progress=progress, clock=clock, starts=starts)
+            search = False
+        for c in compare or ():  # measured beside, for the report; never served
+            _measure_beside(db, state, ev, Candidate(c, compare=c))
         timings["loop"] = time.perf_counter() - t
         if user_plan is not None and user_plan.steps:
             _prefer_user_plan(db, state, user_plan, say)
@@ -384,6 +469,21 @@ def _compile_by_loop(program, trace_obj, user_plan, mode, compare, budget_s, sta
     timings["build"] = time.perf_counter() - t
     compiled._report.timings = {k: round(v, 3) for k, v in timings.items()}
     return compiled
+
+
+def _measure_beside(store, state, ev, cand) -> None:
+    """One slow-tier measurement of a forward the report compares with (torch.compile), recorded, never shipped."""
+    started = time.time()
+    try:
+        key = ev.build(cand, "slow")
+        res = ev.measure(key, "slow")
+    except TkccError as e:
+        store.record(state.campaign_id, candidate=cand.key, plan=[], proposer="compare", workload_fp=ev.workload_fingerprint(),
+                     tier="slow", verdict="invalid", reason=str(e), started=started)
+        return
+    store.record(state.campaign_id, candidate=cand.key, plan=[], proposer="compare",
+                 workload_fp=ev.workload_fingerprint(), tier="slow", verdict=res.verdict, objective=res.objective,
+                 measurement=res.measurement, reason=res.reason, started=started)
 
 
 class _NoSearch:
@@ -412,7 +512,7 @@ def _workload(program, trace_obj, on_gpu: bool, max_buckets, measure_max_context
         max_ctx = min(max_ctx, int(measure_max_context))
     elif not on_gpu:
         max_ctx = min(max_ctx, CPU_MAX_CONTEXT)
-    n = max_buckets or (6 if on_gpu else 2)
+    n = max_buckets or (6 if on_gpu else 4)
     return workload_from_trace(trace_obj, max_context=max_ctx, batch_sizes=(int(program.meta.get("batch", 1)),),
                                num_buckets=n)
 
@@ -440,11 +540,12 @@ def _loop_summary(store, state, budget_s, ev, workload, seconds, search) -> dict
             side[e.candidate] = e.objective
         if e.proposer == "user" and e.tier == "slow":
             side["given plan"] = best.get(e.candidate)
-    side["winner"] = state.shipped[1]
+    side["winner"] = best.get(state.shipped[0], state.shipped[1])
     refused = [{"candidate": s["candidate"], "reason": s["reason"]} for s in ships if s["action"] != "ship"]
     return {"budget_s": budget_s, "seconds": round(seconds, 1), "experiments": len(exps),
             "evaluated": state.evaluated, "device": ev.device, "objective_name": workload.objective,
-            "side_by_side": side, "serving": state.shipped[0], "why": last["reason"] if last else "",
+            "side_by_side": side, "serving": state.shipped[0],
+            "why": ((last.get("detail") or {}).get("why") or last["reason"]) if last else "",
             "noise_threshold": state.noise.threshold() if state.noise.calibrated else None,
             "aa_pairs": len(state.noise.aa_diffs), "refused": refused, "log": state.log[-20:],
             "note": "search" if search else "references only (budget 0 or a plan given)",
@@ -508,15 +609,20 @@ def _speed_table(store, state, winner: str) -> dict | None:
     eager, served = last.get("eager"), last.get(winner)
     if not eager or not served:
         return None
+    from tkcc.traffic.ratios import geomean_interval, ratio_interval
+
     eb = {b["key"]: b for b in eager.get("buckets", [])}
-    rows = []
+    rows, samples = [], []
     for b in served.get("buckets", []):
         e = eb.get(b["key"])
         if e is None:
             continue
+        r = ratio_interval(e.get("samples_s") or [e["median_s"]], b.get("samples_s") or [b["median_s"]])
         rows.append({"bucket": b["key"], "phase": b["phase"], "weight": b["weight"], "eager_s": e["median_s"],
                      "compiled_s": b["median_s"], "speedup": e["median_s"] / b["median_s"] if b["median_s"] else None,
-                     "samples": min(e["reps"], b["reps"]), "cuda_graph": b.get("cuda_graph")})
+                     "samples": min(e["reps"], b["reps"]), "cuda_graph": b.get("cuda_graph"),
+                     "interval": r.to_json(), "within_noise": r.within_noise})
+        samples.append((b["weight"], e.get("samples_s") or [e["median_s"]], b.get("samples_s") or [b["median_s"]]))
     env = dict(served.get("env") or {})
     env.update({"baseline": "the model's own eager forward, measured in the same run",
                 "timing": "the engine's: median per bucket, rotated fresh inputs"
@@ -526,7 +632,13 @@ def _speed_table(store, state, winner: str) -> dict | None:
     timed = [r for r in rows if r["speedup"]]
     wsum = sum(r["weight"] for r in timed)
     geo = math.exp(sum(r["weight"] * math.log(r["speedup"]) for r in timed) / wsum) if wsum > 0 else None
-    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env, "serving": winner}
+    phases = {r["phase"] for r in rows}
+    env["weight_measured"] = {ph: 1.0 for ph in phases}  # every bucket of the loop's workload is measured
+    env["samples"] = "the engine's adaptive repetitions"
+    overall = geomean_interval(samples) if samples else None
+    return {"weighted_geomean_speedup": geo, "buckets": rows, "measured_on": env, "serving": winner,
+            "interval": overall.to_json() if overall else None,
+            "within_noise": overall.within_noise if overall else None}
 
 
 def _build_winner(program, spec: dict, mode, work: Path, check: bool, loop: dict, timings, workload,

@@ -140,9 +140,12 @@ def test_report_html(tmp_path):
     out = write_report(tmp_path / "s.db", "c", tmp_path / "r" / "report.html")
     html = out.read_text()
     assert html.count("data:image/png;base64,") >= 2
-    assert "Shipped history" in html and "baseline" in html
+    assert "Ship decisions" in html and "baseline" in html and "Noise threshold" in html
     n = len(store.experiments(state.campaign_id))
-    assert html.count("<td class=") == n  # one row per experiment
+    assert html.count("<td class=\"reason\">") == n + len(store.ships(state.campaign_id))  # a reason per row
+    assert "fuse_test(block=" in html  # candidates with their plans, not only hashes
+    pages = {p.name for p in (tmp_path / "r" / "report_files").glob("*.html")}
+    assert {f"{e.candidate}.html" for e in store.experiments(state.campaign_id)} == pages
 
 
 def test_a_candidate_that_fails_revalidation_at_ship_time_is_refused_and_the_campaign_goes_on(tmp_path):

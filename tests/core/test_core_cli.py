@@ -46,6 +46,15 @@ def test_compile_main_job_writes_report_logs_artifact(compiled_out):
     assert speed["measured_on"]["device"] == "cpu" and speed["measured_on"]["torch"]
     timed = [b for b in speed["buckets"] if "speedup" in b]
     assert {b["phase"] for b in timed} == {"prefill", "decode"} and all(b["speedup"] > 0 for b in timed)
+    # every ratio carries its interval and says when it is within noise
+    for b in timed:
+        iv = b["interval"]
+        assert iv["low"] <= b["speedup"] <= iv["high"] and b["within_noise"] == (iv["low"] <= 1 <= iv["high"])
+        assert b["samples"] >= 6
+    assert speed["interval"]["low"] <= speed["weighted_geomean_speedup"] <= speed["interval"]["high"]
+    geo_line = next(ln for ln in data["text"].splitlines() if "weighted geomean speedup" in ln)
+    assert "[" in geo_line and ("within noise" in geo_line) == speed["within_noise"]
+    assert set(speed["measured_on"]["weight_measured"]) == {"prefill", "decode"}
     for name in ("report.json", "plan.json", "logs/index.json", "model/tkcc.json", "experiments.db"):
         assert (out / name).exists(), name
     saved = json.loads((out / "model" / "tkcc.json").read_text())

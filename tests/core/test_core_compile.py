@@ -73,7 +73,7 @@ def test_compile_hf_model_call_and_generate(llama_program, tmp_path):
 def test_compile_bad_input():
     with pytest.raises(CaptureError, match="must be a torch.nn.Module, got builtins.function"):
         tkcc.compile(lambda x: x)
-    with pytest.raises(PlanError, match=r"plan step 0 \('fuse-everything'\)"):
+    with pytest.raises(PlanError, match=r"plan step 1 \('fuse-everything'\)"):
         tkcc.compile(Small(), example_inputs=(torch.randn(2, 16),), plan='[{"name": "fuse-everything"}]')
     with pytest.raises(PlanError, match="not bit-exact"):
         tkcc.compile(Small(), example_inputs=(torch.randn(2, 16),), plan='[{"name": "fuse_elementwise"}]')

@@ -58,7 +58,7 @@ def test_perturbed_pass_is_caught_checked_and_bisected(llama_program, recorded):
     root, _ = recorded
     plan = PassPlan.of("noop-elim", "cse", "test-perturb-mul", "dce")
     # 1. the PassManager's own numerics check names the pass
-    with pytest.raises(PassError, match="test-perturb-mul.*plan step 2"):
+    with pytest.raises(PassError, match="test-perturb-mul.*plan step 3"):
         PassManager().run(llama_program, plan)
     # 2. unchecked, the golden check fails and says where
     bad, _ = PassManager(check_numerics=False).run(llama_program, plan)

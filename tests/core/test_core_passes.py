@@ -231,16 +231,16 @@ def test_pass_that_changes_numerics_or_raises_is_named(small_program):
         def apply(self, program, **params):
             raise RuntimeError("kaboom")
 
-    with pytest.raises(PassError, match=r"test-nudge-claims-exact.*plan step 1.*phase 'forward'.*first difference"):
+    with pytest.raises(PassError, match=r"test-nudge-claims-exact.*plan step 2.*phase 'forward'.*first difference"):
         PassManager().run(small_program, PassPlan.of("dce", "test-nudge-claims-exact"))
     with pytest.raises(PassError, match="test-boom.*kaboom"):
         PassManager().run(small_program, PassPlan.of("test-boom"))
 
 
 def test_bad_plans_name_step_and_param(small_program):
-    with pytest.raises(PlanError, match=r"plan step 1 \('no-such-pass'\).*unknown pass"):
+    with pytest.raises(PlanError, match=r"plan step 2 \('no-such-pass'\).*unknown pass"):
         PassManager().run(small_program, PassPlan.of("dce", "no-such-pass"))
-    with pytest.raises(PlanError, match=r"plan step 0 \('cse'\).*get_attr.*out of range"):
+    with pytest.raises(PlanError, match=r"plan step 1 \('cse'\).*get_attr.*out of range"):
         PassManager().run(small_program, [{"name": "cse", "params": {"get_attr": "sometimes"}}])
     with pytest.raises(PlanError, match=r"no parameter 'colour'"):
         PassManager().run(small_program, [{"name": "dce", "params": {"colour": 1}}])

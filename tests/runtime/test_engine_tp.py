@@ -214,7 +214,7 @@ def test_degree_1_stays_exact_and_checks_are_clear():
                                            {"name": "decode_fusion", "params": {}}]})
     assert not exact_at_degree_1({**one, "exact": False})
     check_layout_of(one, 1)
-    with pytest.raises(EngineError, match=r"plan step 0 \('sharding'\): degree=2, but this engine runs with --tp 1"):
+    with pytest.raises(EngineError, match=r"plan step 1 \('sharding'\): degree=2, but this engine runs with --tp 1"):
         check_layout_of({"plan": SHARD}, 1)
     with pytest.raises(EngineError, match="a prebuilt artifact is a single-rank program"):
         check_layout_of({"artifact": "/nonexistent"}, 2)

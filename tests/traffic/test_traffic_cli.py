@@ -73,3 +73,28 @@ def test_unknown_format_flag(tmp_path, capsys):
     assert rc == 2 and "unknown trace format" in err
     with pytest.raises(SystemExit):
         main(["trace", "stats", str(p), "--format", "parquet"])
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_stats_and_drift_on_a_one_request_or_zero_span_trace(tmp_path, capsys, rows):
+    """One request, or all requests at one instant: a clear line, no traceback, with --json too."""
+    p = tmp_path / "tiny.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "2023-11-16 18:15:46.6805900,374,44\n" * rows)
+    rc, out, err = _run(capsys, ["trace", "stats", str(p), "--png", str(tmp_path / "s.png")])
+    assert rc == 0 and "span 0 s" in out and "no arrival rate" in out, err
+    assert (tmp_path / "s.png").stat().st_size > 1000
+    rc, out, _ = _run(capsys, ["trace", "stats", str(p), "--no-png", "--json"])
+    d = json.loads(out)
+    assert rc == 0 and d["requests"] == rows and d["span_s"] == 0 and d["req_per_s"] is None
+    rc, out, _ = _run(capsys, ["trace", "drift", str(p), "--png", str(tmp_path / "d.png"), "--json"])
+    d = json.loads(out)
+    assert rc == 0 and "nothing to compare" in d["note"] and "--min-requests" in d["note"]
+    rc, out, _ = _run(capsys, ["trace", "drift", str(p), "--no-png"])
+    assert rc == 0 and "nothing to compare" in out
+
+
+def test_bundled_names_and_missing_paths(tmp_path, capsys):
+    rc, out, _ = _run(capsys, ["trace", "stats", "azure-code", "--no-png", "--json"])
+    assert rc == 0 and json.loads(out)["format"] == "azure2023"
+    rc, _, err = _run(capsys, ["trace", "drift", str(tmp_path / "gone.csv"), "--no-png"])
+    assert rc == 2 and "no such file" in err and "azure-conv" in err and "sharegpt" in err

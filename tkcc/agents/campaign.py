@@ -3,17 +3,35 @@
 Measurement is behind an ``Evaluator`` (build a candidate for a tier, measure
 it, ship or revert it), so the same loop drives the persistent engine over RPC
 or an in-process evaluator, and a two-tier campaign can be compared with a
-slow-tier-only one under the same budget. Every result goes to the store
-before the loop moves on, so a campaign killed at any moment resumes with
-``resume=True`` and loses no finished experiment; results already measured for
-the same artifact, workload and tier are reused, not re-measured.
+slow-tier-only one under the same budget.
+
+* **The budget is a wall-clock bound on the whole command** (``tkcc.agents.budget``):
+  start-up counts, a step starts only if its estimated cost lets it finish, and
+  a budget too short to try one candidate is said to be so, with the minimum.
+* **Noise is measured, not assumed, and costs budget like any step:** A/A
+  measurements of the serving candidate on the screening tier are interleaved
+  with the search (each one pairs with the serving candidate's previous
+  measurement); how many is sized to the budget.
+* **Every decision is explained:** each experiment row says what was
+  concluded from it, and every ship decision (ship, stay, refused) is recorded
+  with its numbers: gain, threshold, A/A spread and pairs.
+* **Reuse is honest:** a finished result is reused only for the same
+  artifact, workload, tier and measurement conditions (``Evaluator.conditions()``:
+  the engine session, repetitions, device), from this campaign or a recent one,
+  and every reuse is recorded and said.
+
+Every result goes to the store before the loop moves on, so a campaign killed
+at any moment resumes with ``resume=True`` and loses no finished experiment.
 """
 from __future__ import annotations
 
+import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tkcc.agents.budget import Budget, step_kind
 from tkcc.agents.noise import NoiseModel
 from tkcc.agents.proposer import Candidate, Outcome, Proposer
 from tkcc.agents.store import ExperimentStore
@@ -41,6 +59,12 @@ class Evaluator(Protocol):
 
     def workload_fingerprint(self) -> str: ...
 
+    # Optional:
+    #   conditions() -> dict: what else decides a measurement (engine session, repetitions, device);
+    #       results are reused only under equal conditions.
+    #   tier_scale -> {tier: relative cost}: lets the budget estimate a tier it has not measured yet.
+    #   validation -> {tier: {...}}: how each tier validates (shown and recorded).
+
 
 @dataclass
 class CampaignConfig:
@@ -50,125 +74,133 @@ class CampaignConfig:
     tiers: tuple[str, ...] = ("fast", "slow")  # ("slow",) for a slow-only campaign
     batch: int = 4  # candidates proposed per round
     promote: int = 1  # fast-tier winners confirmed on the slow tier per round
-    aa_pairs: int = 3  # A/A pairs measured before anything can ship
+    aa_pairs: int = 3  # A/A pairs needed before anything can ship (more if the budget affords them)
     resume: bool = False
-    # candidates measured beside the baseline before any search: the best of them and the baseline serves
-    # first, so nothing later ships unless it beats them all past the noise (tkcc.compile: the model's eager)
-    starts: tuple = ()
-    compare: tuple = ()  # candidates measured once on the slow tier for the side-by-side report, never shipped
     extra: dict = field(default_factory=dict)
+    started: float | None = None  # clock() when the command started: start-up counts against the budget
+    reserve_s: float = 0.0  # seconds kept for what runs after the loop (stopping an engine, the summary)
+    aa_share: float = 0.2  # share of the search time A/A pairs may take beyond the minimum
+    max_aa_pairs: int = 20
+    reuse_max_age_s: float = 600.0  # another campaign's result older than this is measured again
 
 
 @dataclass
 class CampaignState:
     campaign_id: int
     history: list[Outcome]
-    shipped: tuple[str, float] | None  # (candidate key, slow objective)
+    shipped: tuple[str, float | None] | None  # (candidate key, slow objective this session, if measured)
     noise: NoiseModel
     evaluated: dict[str, int]  # tier -> experiments run (not reused) this session
     log: list[str] = field(default_factory=list)
     validation: dict = field(default_factory=dict)  # tier -> the evaluator's validation mode (exact|tolerance, why)
+    tried: int = 0  # proposed candidates screened this session
+    stopped: str = ""  # why the loop ended
+    reused: list[dict] = field(default_factory=list)  # results reused instead of measured, and from where
+    decisions: list[dict] = field(default_factory=list)  # ship decisions of this session, with their numbers
+    budget: dict = field(default_factory=dict)  # Budget.to_json() at the end
+    baseline: float | None = None  # the empty plan's slow objective this session, if measured
+
+    @property
+    def could_try(self) -> bool:
+        return self.tried > 0
 
 
-def _say(state: CampaignState, msg: str, progress=None) -> None:
-    state.log.append(msg)
-    if progress is not None:
-        progress.write(msg)
+@dataclass
+class _Run:
+    """Everything one session of the loop works with."""
+
+    cfg: CampaignConfig
+    store: ExperimentStore
+    proposer: Proposer
+    evaluator: Evaluator
+    state: CampaignState
+    budget: Budget
+    wfp: str
+    conditions: dict
+    out: object  # callable(str) for progress lines, or None
+    bar: object = None
+    serving_screen: list[float] = field(default_factory=list)  # serving candidate's screening-tier objectives
+    serving_slow: float | None = None
+    serving_cand: Candidate | None = None
+
+    @property
+    def screen(self) -> str:
+        return self.cfg.tiers[0]
+
+    @property
+    def two_tier(self) -> bool:
+        return len(self.cfg.tiers) > 1
+
+    def say(self, msg: str) -> None:
+        self.state.log.append(msg)
+        if self.out is not None:
+            self.out(msg)
+
+
+def conditions_of(evaluator) -> dict:
+    """What decides a measurement besides artifact, workload and tier (``Evaluator.conditions()``), or {}."""
+    fn = getattr(evaluator, "conditions", None)
+    return dict(fn()) if callable(fn) else {}
 
 
 def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer, evaluator: Evaluator,
-                 progress: bool = True) -> CampaignState:
-    """Run until the wall-clock budget is spent; returns the final state (also in the store)."""
-    if cfg.budget_s <= 0:
-        raise TkccError(f"campaign budget must be positive, got {cfg.budget_s} s")
-    if not cfg.tiers or cfg.tiers[-1] != "slow":
-        raise TkccError(f"campaign tiers must end with 'slow', got {cfg.tiers}")
+                 progress=True, *, clock=time.monotonic, costs: dict | None = None, costs_source: str = "",
+                 starts: list[Candidate] | None = None) -> CampaignState:
+    """Run until the wall-clock budget is spent; returns the final state (also in the store).
+
+    progress: True (a bar and lines on stderr), False, or a callable taking each line.
+    clock:    the monotonic clock the budget is kept with (tests pass a fake one).
+    costs:    step costs known before the campaign (``tkcc.agents.budget.cost_estimates``), for the
+              up-front check; learnt as it runs otherwise.
+    starts:   candidates that may serve first (default: the empty plan); with several, each is measured
+              on the slow tier and the best ships first.
+    """
+    _check_config(cfg)
     wfp = evaluator.workload_fingerprint()
     validation = validation_modes(evaluator)
+    conditions = conditions_of(evaluator)
+    budget = Budget(cfg.budget_s, cfg.started if cfg.started is not None else clock(), clock, cfg.reserve_s,
+                    dict(costs or {}), costs_source, dict(getattr(evaluator, "tier_scale", None) or {}))
     cid = store.open_campaign(cfg.name, cfg.model, {"tiers": cfg.tiers, "budget_s": cfg.budget_s,
-                                                   "workload": wfp, "validation": validation, **cfg.extra},
+                                                   "aa_pairs": cfg.aa_pairs, "workload": wfp,
+                                                   "validation": validation, **cfg.extra},
                               resume=cfg.resume)
-    state = _restore(store, cid)
+    state = _restore(store, cid, conditions, cfg.aa_pairs)
     state.validation = validation
-    deadline = time.monotonic() + cfg.budget_s
-    bar = _progress_bar(cfg, progress)
-    for tier, v in validation.items():
-        _say(state, f"[{tier}] validation {v.get('why') or v.get('mode')}", bar)
+    out, bar = _progress(cfg, progress)
+    run = _Run(cfg, store, proposer, evaluator, state, budget, wfp, conditions, out, bar)
+    session = _open_session(run)
     try:
-        baseline = Candidate("baseline", PassPlan())
-        base_obj = _evaluate(store, state, evaluator, baseline, "slow", wfp, bar)
-        if base_obj is None:
-            last = store.experiments(cid)[-1]
-            raise TkccError(f"the baseline (empty plan) failed ({last.verdict}: {last.reason}); nothing to compare "
-                            f"against")
-        if state.shipped is None:
-            state.shipped = (baseline.key, base_obj)
-            store.record_ship(cid, baseline.key, [], base_obj, "ship", "baseline")
-        _serve_best_start(cfg, store, state, evaluator, wfp, bar)
-        for cand in cfg.compare:
-            _evaluate(store, state, evaluator, cand, "slow", wfp, bar)
-            state.history[-1].start = True
-        if len(cfg.tiers) > 1:  # what serves must be known on the screening tier, or nothing can be screened out
-            _evaluate(store, state, evaluator, baseline, cfg.tiers[0], wfp, bar)
-        _calibrate_noise(cfg, store, state, evaluator, baseline, wfp, bar)
-        while time.monotonic() < deadline:
-            props = proposer.propose(cfg.batch, state.history)
-            if not props:
-                _say(state, "proposer has nothing new; stopping early", bar)
-                break
-            screened = []
-            for cand in props:
-                if time.monotonic() >= deadline:
-                    break
-                obj = _evaluate(store, state, evaluator, cand, cfg.tiers[0], wfp, bar)
-                if obj is not None:
-                    screened.append((obj, cand))
-            if len(cfg.tiers) > 1:
-                ref = _fast_objective_of_shipped(state)
-                for obj, cand in sorted(screened, key=lambda t: -t[0])[: cfg.promote]:
-                    if time.monotonic() >= deadline:
-                        break
-                    if ref is not None and obj <= ref:
-                        continue  # no better than what ships on the fast tier: not worth a slow run
-                    _confirm(cfg, store, state, evaluator, cand, wfp, bar)
-            else:
-                for obj, cand in screened:
-                    _decide_ship(store, state, evaluator, cand, obj, bar)
+        for tier, v in validation.items():
+            run.say(f"[{tier}] validation {v.get('why') or v.get('mode')}")
+        if len(state.noise.aa_diffs):
+            run.say(f"noise: {len(state.noise.aa_diffs)} A/A pair(s) of earlier sessions under the same "
+                    f"conditions reused")
+        short = budget.too_short(run.screen)
+        if short:
+            state.stopped = short
+            run.say(short)
+        elif _start(run, starts or [Candidate("baseline", PassPlan())]):
+            _search(run)
         store.set_status(cid, "done")
     except BaseException:
         store.set_status(cid, "failed")
         raise
     finally:
+        state.budget = budget.to_json()
+        _close_session(run, session)
         if bar is not None:
             bar.close()
     return state
 
 
-def _serve_best_start(cfg, store, state, evaluator, wfp, bar) -> None:
-    """Measure ``cfg.starts`` on the slow tier; serve the best of them and what serves now, by measurement.
-
-    No noise rule here: these are the references the result must never lose to, so the faster one serves
-    even by a hair, and every later candidate has to beat it past the noise."""
-    for cand in cfg.starts:
-        if cand.key == state.shipped[0]:
-            continue
-        obj = _evaluate(store, state, evaluator, cand, "slow", wfp, bar)
-        state.history[-1].start = True  # a reference, not a plan the search should learn from
-        if obj is None or obj <= state.shipped[1]:
-            continue
-        if len(cfg.tiers) > 1:  # what serves must be known on the screening tier too
-            _evaluate(store, state, evaluator, cand, cfg.tiers[0], wfp, bar)
-            state.history[-1].start = True
-        try:
-            evaluator.ship(evaluator.build(cand, "slow"))
-        except TkccError as e:
-            store.record_ship(state.campaign_id, cand.key, cand.plan.to_json(), obj, "refused", str(e))
-            _say(state, f"not serving {cand.key}: {e}", bar)
-            continue
-        why = f"starting point: {cand.key} measured {obj:.4g} against {state.shipped[0]}'s {state.shipped[1]:.4g}"
-        store.record_ship(state.campaign_id, cand.key, cand.plan.to_json(), obj, "ship", why)
-        state.shipped = (cand.key, obj)
-        _say(state, f"serving {cand.key}: {why}", bar)
+def _check_config(cfg: CampaignConfig) -> None:
+    if not cfg.budget_s > 0:
+        raise TkccError(f"campaign budget must be positive, got {cfg.budget_s} s")
+    if not cfg.tiers or cfg.tiers[-1] != "slow":
+        raise TkccError(f"campaign tiers must end with 'slow', got {cfg.tiers}")
+    if cfg.aa_pairs < 2:
+        raise TkccError(f"aa_pairs must be at least 2 (a spread needs two pairs), got {cfg.aa_pairs}")
 
 
 def validation_modes(evaluator) -> dict:
@@ -182,96 +214,436 @@ def validation_modes(evaluator) -> dict:
     return out
 
 
-def _restore(store: ExperimentStore, cid: int) -> CampaignState:
-    history = [Outcome(PassPlan.from_json(e.plan), e.objective, e.tier, key=e.candidate,
-                       start=e.proposer == "eager") for e in store.experiments(cid)]
-    ships = [s for s in store.ships(cid)]
+# ---- sessions (one per run or resume) -------------------------------------------------------------
+
+def _open_session(run: _Run) -> int:
+    sessions = list(run.store.campaign(run.state.campaign_id)["config"].get("sessions", []))
+    sessions.append({"started": time.time() - run.budget.startup_s, "budget_s": run.cfg.budget_s,
+                     "startup_s": round(run.budget.startup_s, 2), "conditions": run.conditions,
+                     "workload": run.wfp})
+    run.store.update_config(run.state.campaign_id, sessions=sessions)
+    return len(sessions) - 1
+
+
+def _close_session(run: _Run, index: int) -> None:
+    st = run.state
+    cfg = run.store.campaign(st.campaign_id)["config"]
+    sessions = cfg.get("sessions", [])
+    if index < len(sessions):
+        sessions[index].update(wall_s=round(run.budget.spent(), 2), tried=st.tried, stopped=st.stopped,
+                               evaluated=st.evaluated, reused=len(st.reused),
+                               aa_pairs=len(st.noise.aa_diffs), budget=st.budget)
+        run.store.update_config(st.campaign_id, sessions=sessions)
+
+
+def _restore(store: ExperimentStore, cid: int, conditions: dict, min_pairs: int = 3) -> CampaignState:
+    """History, serving candidate and the A/A pairs measured under the same conditions, from the store."""
+    history = [Outcome(PassPlan.from_json(e.plan), e.objective, e.tier, key=e.candidate, start=e.proposer == "eager")
+               for e in store.experiments(cid)
+               if e.verdict != "reused"]
     shipped = None
-    for s in ships:  # replay ship/revert history
-        if s["action"] == "ship":
+    for s in store.ships(cid):  # replay the ship/revert history
+        if s["action"] in ("ship", "revert"):
             shipped = (s["candidate"], s["objective"])
-    noise = NoiseModel()
-    for e in store.experiments(cid, tier="slow"):
-        if e.proposer == "aa" and e.measurement and "aa_pair" in e.measurement:
-            noise.aa_diffs.append(e.measurement["aa_pair"])
+    noise = NoiseModel(min_pairs=min_pairs)
+    for e in store.experiments(cid):
+        m = e.measurement or {}
+        if e.proposer == "aa" and "aa_pair" in m and m.get("conditions", {}) == conditions:
+            noise.aa_diffs.append(m["aa_pair"])
     return CampaignState(cid, history, shipped, noise, {"fast": 0, "slow": 0})
 
 
-def _evaluate(store, state, evaluator, cand: Candidate, tier: str, wfp: str, bar, reuse: bool = True):
-    started = time.time()
+# ---- one step: build, reuse or measure, record ----------------------------------------------------
+
+def _reusable(run: _Run, ahash: str, tier: str):
+    """The newest result of this artifact on this workload and tier taken under the same conditions, from
+    this campaign, or from another one at most ``reuse_max_age_s`` old; (experiment or None, why not)."""
+    why_not = ""
+    for e in run.store.measurements_of(ahash, run.wfp, tier):
+        if (e.measurement or {}).get("conditions", {}) != run.conditions:
+            why_not = f"experiment #{e.id} was measured under other conditions"
+            continue
+        age = time.time() - e.finished
+        if e.campaign_id != run.state.campaign_id and age > run.cfg.reuse_max_age_s:
+            why_not = why_not or f"experiment #{e.id} is {age / 60:.0f} min old"
+            continue
+        return e, ""
+    return None, why_not
+
+
+def _evaluate(run: _Run, cand: Candidate, tier: str, *, reuse: bool = True, judge=None,
+              proposer: str | None = None, extra=None):
+    """Build, then reuse or measure ``cand`` on ``tier``; record the row; returns (objective | None, row id).
+
+    ``judge(objective) -> str`` says what the result means (recorded as the row's reason);
+    ``extra(objective) -> dict`` adds fields to the recorded measurement."""
+    st, proposer = run.state, proposer or cand.proposer
+    kind = step_kind(proposer, tier)
+    started, t0 = time.time(), run.budget.clock()
     try:
-        ahash = evaluator.build(cand, tier)
+        ahash = run.evaluator.build(cand, tier)
     except TkccError as e:
-        store.record(state.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=cand.proposer,
-                     workload_fp=wfp, tier=tier, verdict="invalid", reason=f"build failed: {e}", started=started)
-        state.history.append(Outcome(cand.plan, None, tier, key=cand.key))
-        _say(state, f"[{tier}] {cand.key} build failed: {e}", bar)
-        return None
+        run.budget.charge(kind, run.budget.clock() - t0)
+        rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
+                               workload_fp=run.wfp, tier=tier, verdict="invalid", reason=f"build failed: {e}",
+                               started=started)
+        st.history.append(Outcome(cand.plan, None, tier, key=cand.key, start=cand.eager))
+        run.say(f"[{tier}] {cand.key} build failed: {e}")
+        return None, rid
     if reuse:
-        old = store.reusable(ahash, wfp, tier)
+        old, why_not = _reusable(run, ahash, tier)
         if old is not None:
-            state.history.append(Outcome(cand.plan, old.objective, tier, key=cand.key))
-            return old.objective
-    res = evaluator.measure(ahash, tier)
-    store.record(state.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=cand.proposer,
-                 workload_fp=wfp, tier=tier, verdict=res.verdict, objective=res.objective,
-                 measurement=res.measurement, artifact_hash=ahash, reason=res.reason, started=started)
-    state.evaluated[tier] = state.evaluated.get(tier, 0) + 1
-    state.history.append(Outcome(cand.plan, res.objective if res.verdict == "measured" else None, tier,
-                                 key=cand.key))
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix_str(f"{tier} {cand.key[:8]} {res.verdict} {res.objective or 0:.4g}")
-    if res.verdict != "measured":
-        _say(state, f"[{tier}] {cand.key} {res.verdict}: {res.reason}", bar)
-        return None
-    return res.objective
+            age = time.time() - old.finished
+            where = "this campaign" if old.campaign_id == st.campaign_id else f"campaign #{old.campaign_id}"
+            note = (f"reused experiment #{old.id} of {where} ({age:.0f} s old; same artifact, workload, tier and "
+                    f"conditions)")
+            reason = note + (f"; {judge(old.objective)}" if judge else "")
+            rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
+                                   workload_fp=run.wfp, tier=tier, verdict="reused", objective=old.objective,
+                                   measurement={**(old.measurement or {}), "reused_from": old.id},
+                                   artifact_hash=ahash, reason=reason, started=started)
+            st.reused.append({"candidate": cand.key, "tier": tier, "experiment": old.id, "age_s": round(age, 1),
+                              "campaign_id": old.campaign_id})
+            st.history.append(Outcome(cand.plan, old.objective, tier, key=cand.key, start=cand.eager))
+            run.say(f"[{tier}] {cand.key} {note}")
+            return old.objective, rid
+        if why_not:
+            run.say(f"[{tier}] {cand.key} measured again: {why_not}")
+    res = run.evaluator.measure(ahash, tier)
+    run.budget.charge(kind, run.budget.clock() - t0)
+    measured = res.verdict == "measured" and res.objective is not None
+    meas = dict(res.measurement or {})
+    meas["conditions"] = run.conditions
+    reason = res.reason
+    if measured and judge is not None:
+        reason = judge(res.objective)
+    if measured and extra is not None:
+        meas.update(extra(res.objective))
+    rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
+                           workload_fp=run.wfp, tier=tier, verdict=res.verdict, objective=res.objective,
+                           measurement=meas, artifact_hash=ahash, reason=reason, started=started)
+    st.evaluated[tier] = st.evaluated.get(tier, 0) + 1
+    st.history.append(Outcome(cand.plan, res.objective if measured else None, tier, key=cand.key,
+                              start=cand.eager))
+    if run.bar is not None:
+        run.bar.update(1)
+        run.bar.set_postfix_str(f"{tier} {cand.key[:8]} {res.verdict} {res.objective or 0:.4g}, "
+                                f"{max(0.0, run.budget.deadline - run.budget.clock()):.0f} s left")
+    if not measured:
+        run.say(f"[{tier}] {cand.key} {res.verdict}: {res.reason}")
+        return None, rid
+    return res.objective, rid
 
 
-def _calibrate_noise(cfg, store, state, evaluator, baseline, wfp, bar) -> None:
-    """Measure the baseline A/A pairs on the slow tier until the noise model is calibrated."""
-    while len(state.noise.aa_diffs) < cfg.aa_pairs:
-        a = evaluator.measure(evaluator.build(baseline, "slow"), "slow")
-        b = evaluator.measure(evaluator.build(baseline, "slow"), "slow")
-        if a.verdict != "measured" or b.verdict != "measured":
-            raise TkccError(f"A/A calibration failed: {a.reason or b.reason}")
-        d = state.noise.add_pair(a.objective, b.objective)
-        store.record(state.campaign_id, candidate=baseline.key, plan=[], proposer="aa", workload_fp=wfp,
-                     tier="slow", verdict="measured", objective=b.objective,
-                     measurement={"aa_pair": d, "a": a.objective, "b": b.objective})
+# ---- the serving candidate: first measurements, A/A pairs ------------------------------------------
+
+def _start(run: _Run, starts: list[Candidate]) -> bool:
+    """Measure what serves first; False when nothing can serve (then the campaign has nothing to compare with)."""
+    st = run.state
+    if st.shipped is not None:  # resumed: what served at the end of the last session serves now
+        plan = next((s["plan"] for s in reversed(run.store.ships(st.campaign_id))
+                     if s["candidate"] == st.shipped[0] and s["action"] in ("ship", "revert")), [])
+        starts = [Candidate("start", PassPlan.from_json(plan))]
+    if len(starts) > 1:
+        return _start_best_of(run, starts)
+    cand = starts[0]
+    obj, _ = _evaluate(run, cand, run.screen, proposer=_ref_proposer(cand),
+                       judge=lambda o: f"the serving candidate on the {run.screen} tier (the reference to screen "
+                                       f"against)")
+    if obj is None:
+        raise TkccError(f"the serving candidate {cand.key} failed on the {run.screen} tier "
+                        f"({_last_reason(run)}); nothing to compare against")
+    run.serving_screen, run.serving_cand = [obj], cand
+    if not run.two_tier:
+        run.serving_slow = obj
+    elif run.budget.cost("reference:slow") is not None and run.budget.fits("reference:slow", f"candidate:{run.screen}"):
+        _measure_serving_slow(run)  # optional now (needed at the first confirmation): only when it surely fits
+    else:
+        why = ("its cost is not known yet" if run.budget.cost("reference:slow") is None
+               else "the budget has no room for it before the first candidate")
+        run.say(f"the slow tier's reference is measured when a candidate is promoted: {why}")
+    if st.shipped is None:
+        st.shipped = (cand.key, run.serving_slow)
+        run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), run.serving_slow, "ship", "baseline",
+                              {"why": "the empty plan serves first (what the engine starts with)"})
+    else:
+        st.shipped = (st.shipped[0], run.serving_slow)
+    return True
 
 
-def _fast_objective_of_shipped(state: CampaignState) -> float | None:
-    key = state.shipped[0] if state.shipped else None
-    vals = [h.objective for h in state.history if h.tier == "fast" and h.objective and (h.key or h.plan.hash()) == key]
-    return max(vals) if vals else None
+def _ref_proposer(cand: Candidate) -> str:
+    if cand.eager:
+        return "eager"
+    return "baseline" if not cand.plan.steps and cand.artifact_dir is None else "start"
 
 
-def _confirm(cfg, store, state, evaluator, cand, wfp, bar) -> None:
-    obj = _evaluate(store, state, evaluator, cand, "slow", wfp, bar)
+def _start_best_of(run: _Run, starts: list[Candidate]) -> bool:
+    """Several candidates may serve first: measure each on the slow tier (and the screening tier); ship the best."""
+    st = run.state
+    scored = []
+    for cand in starts:
+        slow, _ = _evaluate(run, cand, "slow", proposer=_ref_proposer(cand),
+                            judge=lambda o: "a starting candidate, measured to choose what serves first")
+        if slow is not None:
+            scored.append((slow, cand))
+    if not scored:
+        raise TkccError(f"none of the {len(starts)} starting candidates could be measured ({_last_reason(run)})")
+    slow, cand = max(scored, key=lambda t: t[0])
+    others = ", ".join(f"{c.key} {o:.4g}" for o, c in scored if c is not cand) or "none measured"
+    why = f"best of {len(starts)} starting candidates on the slow tier: {cand.key} {slow:.4g} (others: {others})"
+    run.evaluator.ship(run.evaluator.build(cand, "slow"))
+    run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), slow, "ship", "baseline",
+                          {"why": why, "starts": {c.key: o for o, c in scored}})
+    st.shipped = (cand.key, slow)
+    run.serving_slow, run.serving_cand = slow, cand
+    run.say(f"serving first: {why}")
+    if run.two_tier:
+        obj, _ = _evaluate(run, cand, run.screen, proposer=_ref_proposer(cand),
+                           judge=lambda o: f"the serving candidate on the {run.screen} tier")
+        if obj is None:
+            raise TkccError(f"the serving candidate {cand.key} failed on the {run.screen} tier")
+        run.serving_screen = [obj]
+    else:
+        run.serving_screen = [slow]
+    return True
+
+
+def _measure_serving_slow(run: _Run) -> float | None:
+    cand = run.serving_cand
+    obj, _ = _evaluate(run, cand, "slow", proposer=_ref_proposer(cand),
+                       judge=lambda o: "the serving candidate on the slow tier (the reference ship decisions "
+                                       "compare with)")
+    run.serving_slow = obj
+    if obj is not None and not cand.plan.steps:
+        run.state.baseline = obj
+    if run.state.shipped is not None:
+        run.state.shipped = (run.state.shipped[0], obj)
+    return obj
+
+
+def _ship_steps(run: _Run, pairs: int) -> list[str]:
+    """The steps between now and a first ship: the missing A/A pairs, a candidate, its confirmation, the ship."""
+    steps = [f"reference:{run.screen}"] * pairs + [f"candidate:{run.screen}"]
+    if run.two_tier:
+        steps += (["reference:slow"] if run.serving_slow is None else []) + ["candidate:slow"]
+    return steps + ["ship"]
+
+
+def _ship_unreachable(run: _Run) -> str:
+    steps = _ship_steps(run, max(0, run.cfg.aa_pairs - len(run.state.noise.aa_diffs)))
+    return (f"calibrating the noise, confirming and shipping a candidate needs {_est(run, *steps)}, more than the "
+            f"{max(0.0, run.budget.left()):.1f} s left")
+
+
+def _aa_target(run: _Run, left_s: float) -> int:
+    """A/A pairs this session aims at: the minimum to ship, plus what ``aa_share`` of the search time buys;
+    none when the budget cannot reach a ship at all (then they would only take the candidates' time)."""
+    have = len(run.state.noise.aa_diffs)
+    need = run.budget.cost(*_ship_steps(run, max(0, run.cfg.aa_pairs - have)))
+    if need is not None and need > left_s:
+        return have
+    ref = run.budget.estimate(f"reference:{run.screen}")
+    if not ref:
+        return run.cfg.aa_pairs
+    extra = int(run.cfg.aa_share * max(0.0, left_s) / ref)
+    return max(run.cfg.aa_pairs, min(run.cfg.max_aa_pairs, extra))
+
+
+def _aa_step(run: _Run, why: str = "") -> bool:
+    """One A/A measurement of the serving candidate on the screening tier, paired with its previous one."""
+    kind = f"reference:{run.screen}"
+    if not run.budget.fits(kind):
+        run.state.stopped = (f"budget spent: an A/A measurement ({_est(run, kind)}) does not fit in the "
+                             f"{max(0.0, run.budget.left()):.1f} s left")
+        return False
+    prev = run.serving_screen[-1]
+    n = len(run.state.noise.aa_diffs) + 1
+    cand = Candidate("aa", run.serving_cand.plan, run.serving_cand.artifact_dir)
+
+    def judge(o):
+        return (f"A/A pair {n}: {o:.4g} vs the previous {prev:.4g} ({(o / prev - 1) * 100:+.2f}%)"
+                + (f"; {why}" if why else ""))
+
+    obj, _ = _evaluate(run, cand, run.screen, reuse=False, judge=judge, proposer="aa",
+                       extra=lambda o: {"aa_pair": o / prev - 1.0, "a": prev, "b": o})
+    if obj is None:
+        raise TkccError(f"A/A calibration failed: the serving candidate did not measure ({_last_reason(run)})")
+    run.state.noise.add_pair(prev, obj)
+    run.serving_screen.append(obj)
+    return True
+
+
+# ---- the search ------------------------------------------------------------------------------------
+
+def _search(run: _Run) -> None:
+    """Screen proposals, interleave A/A pairs, confirm the best of each round, until the budget is spent."""
+    cfg, st, screen = run.cfg, run.state, run.screen
+    queue: list[Candidate] = []
+    round_best: list[tuple[float, Candidate]] = []
+    pending: list[tuple[float, Candidate]] = []  # promoted, waiting for their confirmation
+    since_aa = 0
+    if not run.budget.fits(f"candidate:{screen}"):
+        st.stopped = run.budget.too_short(screen, done=True) or _no_room(run, f"candidate:{screen}")
+        run.say(st.stopped)
+        return
+    target = _aa_target(run, run.budget.left())
+    can_ship = st.noise.calibrated or target > len(st.noise.aa_diffs)
+    if not can_ship:
+        run.say(f"no A/A pairs this session: {_ship_unreachable(run)}; candidates are screened only")
+    while True:
+        pairs = len(st.noise.aa_diffs)
+        if pending and not st.noise.calibrated:
+            if not _aa_step(run, why=f"needed before {pending[0][1].key} can be confirmed"):
+                break
+            since_aa = 0
+            continue
+        if pending:
+            fast_obj, cand = pending.pop(0)
+            if not _confirm(run, cand, fast_obj):
+                break
+            continue
+        if pairs < target and since_aa >= (1 if pairs < cfg.aa_pairs else cfg.batch):
+            if not _aa_step(run):
+                break
+            since_aa = 0
+            continue
+        if not queue:
+            if round_best:
+                pending = _promote(run, round_best, can_ship)
+                round_best = []
+                continue
+            queue = list(run.proposer.propose(cfg.batch, st.history))
+            if not queue:
+                st.stopped = "the proposer has nothing new"
+                run.say(f"{st.stopped}; stopping early")
+                break
+        cand = queue.pop(0)
+        if not run.budget.fits(f"candidate:{screen}"):
+            st.stopped = _no_room(run, f"candidate:{screen}")
+            break
+        ref = _serving_screen_ref(run)
+        obj, _ = _evaluate(run, cand, screen, judge=lambda o: _screen_verdict(run, o, ref, can_ship))
+        st.tried += 1
+        since_aa += 1
+        if obj is not None:
+            if run.two_tier:
+                round_best.append((obj, cand))
+            elif obj > ref and can_ship:
+                pending.append((obj, cand))
+    if st.stopped:
+        run.say(f"stopped: {st.stopped}")
+
+
+def _serving_screen_ref(run: _Run) -> float:
+    return statistics.median(run.serving_screen)
+
+
+def _screen_verdict(run: _Run, obj: float, ref: float, can_ship: bool = True) -> str:
+    g = obj / ref - 1
+    head = f"{obj:.4g} vs serving {ref:.4g} on the {run.screen} tier ({g * 100:+.2f}%)"
+    if obj <= ref:
+        return f"{head}: no better than what serves" + (", not confirmed" if run.two_tier else ": stays")
+    if not can_ship:
+        return f"{head}: better, but the budget cannot calibrate the noise and confirm it"
+    return f"{head}: " + ("a promotion candidate (best of its round is confirmed)" if run.two_tier
+                          else "ship decision follows")
+
+
+def _promote(run: _Run, screened: list[tuple[float, Candidate]], can_ship: bool = True):
+    """The round's best, if it beats what serves on the screening tier (and a ship can be reached)."""
+    ref = _serving_screen_ref(run)
+    best = sorted(screened, key=lambda t: -t[0])[: run.cfg.promote]
+    # once the noise is known, a gain under the ship rule's floor cannot ship: not worth a slow measurement
+    bar = ref * (1 + run.state.noise.floor) if run.state.noise.calibrated else ref
+    chosen = [(o, c) for o, c in best if o > bar]
+    for o, c in chosen:
+        run.say(f"[{run.screen}] {'promoting' if can_ship else 'would promote'} {c.key}: {o:.4g} vs serving "
+                f"{ref:.4g} ({(o / ref - 1) * 100:+.2f}%)" + ("" if can_ship else ", but a ship is out of budget"))
+    return chosen if can_ship else []
+
+
+def _confirm(run: _Run, cand: Candidate, screen_obj: float) -> bool:
+    """Measure a promoted candidate on the slow tier (two tiers) and decide; False when the budget is spent."""
+    steps = ["ship"]
+    if run.two_tier:
+        steps.insert(0, "candidate:slow")
+        if run.serving_slow is None:
+            steps.insert(0, "reference:slow")
+    if not run.budget.fits(*steps):
+        run.state.stopped = _no_room(run, *steps, what=f"confirming and shipping {cand.key}")
+        return False
+    if not run.two_tier:
+        _decide_ship(run, cand, screen_obj)
+        return True
+    if run.serving_slow is None and _measure_serving_slow(run) is None:
+        raise TkccError(f"the serving candidate failed on the slow tier ({_last_reason(run)})")
+    cur = run.serving_slow
+    obj, rid = _evaluate(run, cand, "slow", judge=lambda o: "confirmation: " + run.state.noise.explain(o, cur)["why"])
     if obj is not None:
-        _decide_ship(store, state, evaluator, cand, obj, bar)
+        _decide_ship(run, cand, obj, rid)
+    return True
 
 
-def _decide_ship(store, state, evaluator, cand: Candidate, obj: float, bar) -> None:
-    cur_key, cur_obj = state.shipped
-    ok, why = state.noise.decide(obj, cur_obj)
-    if not ok:
+def _decide_ship(run: _Run, cand: Candidate, obj: float, exp_id: int | None = None) -> None:
+    """Ship ``cand`` if its gain beats the noise; record the decision, its reason and numbers, either way."""
+    st = run.state
+    cur_key, cur_obj = st.shipped[0], run.serving_slow
+    d = st.noise.explain(obj, cur_obj)
+    d.update(candidate=cand.key, serving=cur_key, experiment=exp_id, aa_tier=run.screen)
+    if d["ship"]:
+        t0 = run.budget.clock()
+        try:  # the engine validates it again, on fresh inputs and shapes, before it serves
+            run.evaluator.ship(run.evaluator.build(cand, "slow"))
+        except TkccError as e:
+            run.budget.charge("ship", run.budget.clock() - t0)
+            d.update(action="refused", why=f"{d['why']}, but re-validation before serving failed: {e}")
+            run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), obj, "refused", d["why"], d)
+            st.decisions.append(d)
+            run.say(f"not shipped {cand.key}: {d['why']}")
+            return
+        d["ship_s"] = run.budget.clock() - t0
+        run.budget.charge("ship", d["ship_s"])
+        d["action"] = "ship"
+        run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), obj, "ship", d["why"], d)
+        st.shipped = (cand.key, obj)
+        run.serving_slow, run.serving_cand = obj, cand
+        run.serving_screen = [o.objective for o in st.history if o.tier == run.screen and o.objective
+                              and o.plan.hash() == cand.plan.hash()][-1:] or run.serving_screen
+        st.decisions.append(d)
+        run.say(f"shipped {cand.key}: {d['why']}")
         return
-    try:  # the engine validates it again, on fresh inputs and shapes, before it serves
-        evaluator.ship(evaluator.build(cand, "slow"))
-    except TkccError as e:
-        store.record_ship(state.campaign_id, cand.key, cand.plan.to_json(), obj, "refused", str(e))
-        _say(state, f"not shipped {cand.key}: {e}", bar)
-        return
-    store.record_ship(state.campaign_id, cand.key, cand.plan.to_json(), obj, "ship", why)
-    state.shipped = (cand.key, obj)
-    _say(state, f"shipped {cand.key}: {why}", bar)
+    d["action"] = "stay"
+    run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), obj, "stay", d["why"], d)
+    st.decisions.append(d)
+    run.say(f"not shipped {cand.key}: {d['why']}")
 
 
-def _progress_bar(cfg: CampaignConfig, enabled: bool):
-    if not enabled:
-        return None
+def _est(run: _Run, *kinds: str) -> str:
+    c = run.budget.cost(*kinds)
+    return "unknown cost" if c is None else f"~{c:.1f} s"
+
+
+def _no_room(run: _Run, *kinds: str, what: str | None = None) -> str:
+    what = what or ("another " + " + ".join(k.replace(":", " on the ") + " tier" for k in kinds))
+    return f"budget spent: {what} ({_est(run, *kinds)}) does not fit in the {max(0.0, run.budget.left()):.1f} s left"
+
+
+def _last_reason(run: _Run) -> str:
+    rows = run.store.experiments(run.state.campaign_id)
+    return f"{rows[-1].verdict}: {rows[-1].reason}" if rows else "no result"
+
+
+def _progress(cfg: CampaignConfig, progress):
+    """(line writer, bar): lines and the bar go to stderr, so stdout stays one JSON object under --json."""
+    if callable(progress):
+        return progress, None
+    if not progress:
+        return None, None
     from tqdm import tqdm
 
-    return tqdm(desc=f"campaign {cfg.name}", unit="exp", dynamic_ncols=True)
+    bar = tqdm(desc=f"campaign {cfg.name}", unit="exp", dynamic_ncols=True, file=sys.stderr)
+    return (lambda msg: bar.write(msg, file=sys.stderr)), bar
+
+
+__all__ = ["CampaignConfig", "CampaignState", "EvalResult", "Evaluator", "run_campaign", "validation_modes",
+           "conditions_of"]

@@ -1,8 +1,8 @@
 """`tkcc campaign`, `tkcc watch`, `tkcc report`: the continual loop from the shell."""
 from __future__ import annotations
 
-import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -16,12 +16,14 @@ def register(sub) -> None:
     _engine_args(c)
     c.add_argument("--trace", default="azure-conv", help="trace file or bundled name (default azure-conv)")
     c.add_argument("--format", default=None, help="trace format (default: detected)")
-    c.add_argument("--budget", default="10m", help="wall-clock budget, e.g. 90s, 30m, 2h (default 10m)")
+    c.add_argument("--budget", default="10m", help="wall-clock bound on the whole command, start-up included, "
+                   "e.g. 90s, 30m, 2h (default 10m)")
     c.add_argument("--name", default=None, help="campaign name in the store (default: model-timestamp)")
     c.add_argument("--resume", action="store_true", help="continue the named campaign; reuse what it measured")
-    c.add_argument("--tiers", default="fast,slow", choices=["fast,slow", "slow"],
-                   help="two tiers (default) or the slow tier only")
-    c.add_argument("--aa-pairs", type=int, default=3, help="A/A pairs measured before anything ships (default 3)")
+    c.add_argument("--tiers", default="fast,slow", choices=["fast,slow", "slow"], metavar="fast,slow|slow",
+                   help="screen on the fast tier and confirm on the slow one (default), or the slow tier only")
+    c.add_argument("--aa-pairs", type=int, default=3,
+                   help="A/A pairs needed before anything ships (default 3; more if the budget affords them)")
     c.add_argument("--batch", type=int, default=4, help="candidates proposed per round (default 4)")
     _proposer_args(c)
     add_json_flag(c)
@@ -30,13 +32,15 @@ def register(sub) -> None:
     w = sub.add_parser("watch", help="follow a growing request log; on drift, re-check and re-optimise")
     _engine_args(w)
     w.add_argument("--trace-stream", required=True, help="request log FILE (or DIR: its newest file) to follow")
-    w.add_argument("--format", default=None)
+    w.add_argument("--format", default=None, help="trace format (default: detected)")
     w.add_argument("--horizon", default="10m", help="rolling window of traffic (default 10m)")
     w.add_argument("--budget", default="5m", help="budget of each re-optimisation campaign (default 5m)")
     w.add_argument("--poll", type=float, default=5.0, help="seconds between reads of the log (default 5)")
     w.add_argument("--polls", type=int, default=None, help="stop after this many polls (default: run until killed)")
-    w.add_argument("--min-requests", type=int, default=200, help="requests needed before deciding anything")
-    w.add_argument("--name", default=None)
+    w.add_argument("--min-requests", type=int, default=200,
+                   help="requests in the window needed before deciding anything: the reference, a drift verdict, "
+                        "a re-optimisation (default 200)")
+    w.add_argument("--name", default=None, help="campaign name prefix in the store (default: watch-<model>)")
     _proposer_args(w)
     add_json_flag(w)
     w.set_defaults(func=cmd_watch)
@@ -56,36 +60,46 @@ def _engine_args(p) -> None:
     p.add_argument("--engine-arg", action="append", default=[], help="extra argument for the engine it starts")
     p.add_argument("--store", default="tkcc-campaigns.db", help="experiment store (SQLite; default tkcc-campaigns.db)")
     p.add_argument("--pass-module", action="append", default=[], help="Python file with user passes (repeatable)")
-    p.add_argument("--reps", type=int, default=30, help="timed repetitions per bucket (default 30)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed repetitions per bucket (default: sized to the budget, 5 to 30)")
     p.add_argument("--tolerance", action="store_true", help="search tolerance-mode passes too (default exact only)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or lines (on stderr)")
+    p.add_argument("--keep-temp", action="store_true", help="keep the started engine's temporary folder")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search proposer (default 0)")
 
 
 def _proposer_args(p) -> None:
-    p.add_argument("--proposer", default="search", choices=["search", "agent"])
+    p.add_argument("--proposer", default="search", choices=["search", "agent"],
+                   help="the built-in search (default) or an external coding agent (--agent-cmd)")
     p.add_argument("--agent-cmd", default=None, help="command an external coding agent runs in its workspace")
     p.add_argument("--agent-notes", default=None, help="optional notes file appended to the one-sentence goal")
     p.add_argument("--agent-time-limit", default="30m", help="time limit of one agent run (default 30m)")
 
 
 def _seconds(text: str, what: str) -> float:
-    from tkcc.traffic.drift import parse_window
+    from tkcc.traffic.drift import parse_duration
 
-    try:
-        s = parse_window(text)
-    except Exception as e:  # noqa: BLE001 - re-raised with the flag's name
-        raise TkccError(f"{what} {text!r}: {e}") from None
-    if s <= 0:
-        raise TkccError(f"{what} must be positive, got {text!r}")
-    return s
+    return parse_duration(text, what)
+
+
+def _reps(args, budget_s: float) -> int:
+    """--reps, or repetitions per bucket sized to the budget: 5 for a 20 s campaign, 30 from 5 minutes."""
+    if args.reps is not None:
+        if args.reps < 1:
+            raise TkccError(f"--reps must be at least 1, got {args.reps}")
+        return args.reps
+    return int(min(30, max(5, round(budget_s / 10))))
+
+
+STOP_RESERVE_S = 1.5  # kept from the budget for stopping the engine and writing the summary
 
 
 class _Engine:
-    """Connect to --engine-socket, or start an engine for the command's lifetime."""
+    """Connect to --engine-socket, or start an engine for the command's lifetime (within ``start_timeout_s``)."""
 
-    def __init__(self, args):
-        self.args, self.ctx = args, None
+    def __init__(self, args, start_timeout_s: float = 900):
+        self.args, self.ctx, self.start_timeout_s = args, None, start_timeout_s
+        self.stop_error: str | None = None
 
     def __enter__(self):
         from tkcc.runtime import EngineClient
@@ -97,13 +111,18 @@ class _Engine:
         from tkcc.frontend.models import DEFAULT_MODEL
 
         self.ctx = spawned_engine(self.args.model or DEFAULT_MODEL, self.args.device,
-                                  extra=tuple(self.args.engine_arg))
+                                  extra=tuple(self.args.engine_arg), start_timeout_s=self.start_timeout_s,
+                                  keep_temp=getattr(self.args, "keep_temp", False))
         self.client = self.ctx.__enter__()
         return self.client
 
     def __exit__(self, *exc):
         if self.ctx is not None:
-            return self.ctx.__exit__(*exc)
+            try:
+                return self.ctx.__exit__(*exc)
+            except Exception as e:  # noqa: BLE001 - stopping must not lose what the command did
+                self.stop_error = f"stopping the engine failed: {type(e).__name__}: {e}"
+                return False
         self.client.close()
         return False
 
@@ -118,12 +137,17 @@ def _workload_for(client, trace):
     return workload_from_trace(trace, max_context=int(cap), batch_sizes=(int(worker.get("batch") or 1),))
 
 
+def _search_space(args, device: str):
+    from tkcc.agents.search import SearchSpace
+
+    return SearchSpace.from_registry(exact_only=not args.tolerance, device=device)
+
+
 def _proposer(args, client, evaluator):
-    from tkcc.agents.search import BayesianSearch, SearchSpace
+    from tkcc.agents.search import BayesianSearch
 
     if args.proposer == "search":
-        return BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance, device=evaluator.device_type),
-                              seed=args.seed)
+        return BayesianSearch(_search_space(args, evaluator.device_type), seed=args.seed)
     from tkcc.agents.external import ExternalAgent
 
     if not args.agent_cmd:
@@ -140,51 +164,87 @@ def _proposer(args, client, evaluator):
 
 
 def cmd_campaign(args):
+    from tkcc.agents.budget import cost_estimates, up_front
     from tkcc.agents.campaign import CampaignConfig, run_campaign
+    from tkcc.agents.summary import summary_of, summary_text
     from tkcc.agents.engine_eval import EngineEvaluator
     from tkcc.agents.store import ExperimentStore
-    from tkcc.compiler import resolve_trace
+    from tkcc.cli import builtin_models, command_started
+    from tkcc.traffic.names import load_named_trace
 
+    started = command_started()
     budget = _seconds(args.budget, "--budget")
-    trace = resolve_trace(args.trace, format=args.format)
-    t0 = time.time()
-    with _Engine(args) as client:
+    if args.aa_pairs < 2:
+        raise TkccError(f"--aa-pairs must be at least 2 (a spread needs two pairs), got {args.aa_pairs}")
+    if args.batch < 1:
+        raise TkccError(f"--batch must be at least 1, got {args.batch}")
+    tiers = tuple(args.tiers.split(","))
+    reps = _reps(args, budget)
+    trace = load_named_trace(args.trace, format=args.format)  # bad input fails before an engine starts
+    store = ExperimentStore(args.store)
+    model_name = str(args.model or builtin_models()[1])
+    costs, source = cost_estimates(store, model_name, None if args.engine_socket else args.device)
+    if args.engine_socket:
+        costs.pop("startup", None)
+    short = up_front(budget, costs, source, tiers[0], STOP_RESERVE_S)
+    if short:  # said before an engine starts, so it costs nothing
+        raise TkccError(short)
+    # an engine that has not started by then is stopped half-way, which costs more than a normal stop
+    left = budget - (time.monotonic() - started) - STOP_RESERVE_S - 1.0
+    engine = _Engine(args, start_timeout_s=max(1.0, left))
+    if args.proposer == "search":  # the passes load (torch, the registry) while the engine starts in its process
+        threading.Thread(target=_search_space, args=(args, args.device), daemon=True).start()
+    try:
+        client = engine.__enter__()
+    except TkccError as e:
+        if "not ready within" in str(e):
+            raise TkccError(f"the budget of {budget:.0f} s is too short to try any candidate: the engine did not "
+                            f"start within it ({e})") from None
+        raise
+    try:
         workload = _workload_for(client, trace)
-        ev = EngineEvaluator(client, workload, pass_modules=args.pass_module, reps=args.reps)
+        ev = EngineEvaluator(client, workload, pass_modules=args.pass_module, reps=reps,
+                             keep_artifacts=_artifacts_dir(args.store))
         model = ev.model or args.model
         name = args.name or f"{model}-{time.strftime('%Y%m%d-%H%M%S')}"
-        cfg = CampaignConfig(name=name, model=str(model), budget_s=budget, tiers=tuple(args.tiers.split(",")),
-                             batch=args.batch, aa_pairs=args.aa_pairs, resume=args.resume,
-                             extra={"trace": str(args.trace), "objective": workload.objective,
-                                    "buckets": [b.__dict__ for b in workload.buckets]})
-        store = ExperimentStore(args.store)
-        state = run_campaign(cfg, store, _proposer(args, client, ev), ev, progress=not args.no_progress)
-    return _summary(store, state, name, time.time() - t0, ev.device)
-
-
-def _summary(store, state, name, wall_s, device) -> dict:
-    exps = store.experiments(state.campaign_id)
-    ships = store.ships(state.campaign_id)
-    base = next((s["objective"] for s in ships if s["reason"] == "baseline"), None)
-    out = {"campaign": name, "store": str(store.path), "wall_s": round(wall_s, 1), "device": device,
-           "experiments": len(exps), "evaluated": state.evaluated,
-           "noise_threshold": state.noise.threshold() if state.noise.calibrated else None,
-           "baseline_objective": base, "shipped": {"candidate": state.shipped[0], "objective": state.shipped[1]},
-           "gain": (state.shipped[1] / base - 1) if base else None, "ships": ships, "log": state.log[-20:]}
-    gain = f"{out['gain'] * 100:+.1f}%" if out["gain"] is not None else "n/a"
-    out["text"] = (f"campaign {name}: {len(exps)} experiments in {wall_s:.0f} s on {device} "
-                   f"(fast {state.evaluated.get('fast', 0)}, slow {state.evaluated.get('slow', 0)}); serving "
-                   f"{state.shipped[0]} at objective {state.shipped[1]:.4g} ({gain} over baseline); store {store.path}")
+        cfg = CampaignConfig(name=name, model=str(model), budget_s=budget, tiers=tiers, batch=args.batch,
+                             aa_pairs=args.aa_pairs, resume=args.resume, started=started, reserve_s=STOP_RESERVE_S,
+                             extra={"trace": str(args.trace), "objective": workload.objective, "device": args.device,
+                                    "reps": reps, "buckets": [b.__dict__ for b in workload.buckets]})
+        state = run_campaign(cfg, store, _proposer(args, client, ev), ev, progress=not args.no_progress,
+                             costs=costs, costs_source=source)
+    finally:
+        engine.__exit__(None, None, None)
+    out = summary_of(store, state)
+    out.update(store=str(store.path), wall_s=round(time.monotonic() - started, 1), device=ev.device,
+               experiments=len(store.experiments(state.campaign_id)), ships=store.ships(state.campaign_id),
+               log=state.log[-40:], reps=reps)
+    if engine.stop_error:
+        out["engine_stop"] = engine.stop_error
+    out["text"] = summary_text(out, ev.device) + f"\nstore {store.path}; report: tkcc report {name} --store {args.store}"
     return out
 
 
+def _artifacts_dir(store_path) -> Path:
+    """Where a store keeps its candidates' pass logs and generated source (beside the store)."""
+    p = Path(store_path)
+    return p.with_name(p.name + ".artifacts")
+
+
 def cmd_watch(args):
+    import sys
+
     from tkcc.agents.engine_eval import EngineEvaluator
     from tkcc.agents.search import BayesianSearch, SearchSpace
     from tkcc.agents.store import ExperimentStore
     from tkcc.agents.watch import watch
     from tkcc.traffic.follow import RollingWorkload
 
+    budget = _seconds(args.budget, "--budget")
+    if args.min_requests < 1:
+        raise TkccError(f"--min-requests must be at least 1, got {args.min_requests}")
+    if not args.poll > 0:
+        raise TkccError(f"--poll must be positive, got {args.poll}")
     path = Path(args.trace_stream)
     if path.is_dir():
         files = sorted((p for p in path.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
@@ -193,23 +253,38 @@ def cmd_watch(args):
         path = files[-1]
     if not path.exists():
         raise TkccError(f"--trace-stream {path} does not exist")
-    rolling = RollingWorkload(path, horizon=args.horizon, format=args.format)
-    with _Engine(args) as client:
+    rolling = RollingWorkload(path, horizon=args.horizon, format=args.format, min_reopt_requests=args.min_requests)
+    reps = _reps(args, budget)
+    events: list = []  # filled as they happen: neither an interrupt nor a failing engine stop loses them
+    on_event = None if args.no_progress else (lambda e: print(e.line(), file=sys.stderr, flush=True))
+    interrupted = False
+    engine = _Engine(args)
+    client = engine.__enter__()
+    try:
         worker = client.status().get("worker") or {}
         wk = {"max_context": int(worker.get("max_cache_len") or 4096), "batch_sizes": (int(worker.get("batch") or 1),)}
         model = str((client.status().get("engine") or {}).get("model") or args.model)
-        events = watch(rolling, lambda wl: EngineEvaluator(client, wl, pass_modules=args.pass_module, reps=args.reps),
-                       lambda: BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance,
-                                                                        device=str(worker.get("device", "cpu"))),
-                                              seed=args.seed),
-                       ExperimentStore(args.store), name=args.name or f"watch-{model}", model=model,
-                       budget_s=_seconds(args.budget, "--budget"), min_requests=args.min_requests,
-                       poll_s=args.poll, max_polls=args.polls, workload_kwargs=wk, progress=not args.no_progress)
+        store = ExperimentStore(args.store)
+        keep = _artifacts_dir(args.store)
+        watch(rolling, lambda wl: EngineEvaluator(client, wl, pass_modules=args.pass_module, reps=reps,
+                                                  keep_artifacts=keep),
+              lambda: BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance,
+                                                               device=str(worker.get("device", "cpu"))),
+                                     seed=args.seed),
+              store, name=args.name or f"watch-{model}", model=model, budget_s=budget,
+              min_requests=args.min_requests, poll_s=args.poll, max_polls=args.polls, workload_kwargs=wk,
+              progress=not args.no_progress, on_event=on_event, events=events)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        engine.__exit__(None, None, None)
     evs = [{"time": e.time, "kind": e.kind, **e.detail} for e in events]
-    text = "\n".join(f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['kind']}: "
-                     f"{json.dumps({k: v for k, v in e.items() if k not in ('time', 'kind')}, default=str)[:200]}"
-                     for e in evs)
-    return {"events": evs, "store": args.store, "text": text}
+    out = {"events": evs, "store": args.store, "polls": len(events), "interrupted": interrupted,
+           "text": "\n".join(e.line() for e in events) or "no polls"}
+    if engine.stop_error:
+        out["engine_stop"] = engine.stop_error
+        out["text"] += f"\n{engine.stop_error}"
+    return out
 
 
 def cmd_report(args):

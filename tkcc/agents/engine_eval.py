@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,12 +28,18 @@ from tkcc.errors import EngineError, TkccError
 
 
 class EngineEvaluator:
-    def __init__(self, client, workload, *, pass_modules: list[str] = (), reps: int = 30, timeout_s: float = 600):
+    """``keep_artifacts``: a folder where each measured candidate's pass-log summary and generated source are
+    kept (``<hash>/passes.json``, ``<hash>/artifact/``), so a report can link them after the engine is gone."""
+
+    def __init__(self, client, workload, *, pass_modules: list[str] = (), reps: int = 30, timeout_s: float = 600,
+                 keep_artifacts: str | Path | None = None):
         self.client, self.workload = client, workload
         self.pass_modules, self.reps, self.timeout_s = [str(Path(p).resolve()) for p in pass_modules], reps, timeout_s
+        self.keep_artifacts = Path(keep_artifacts) if keep_artifacts else None
         status = client.status()
         worker = status.get("worker") or {}
-        self.model = (status.get("engine") or {}).get("model")
+        eng = status.get("engine") or {}
+        self.model = eng.get("model")
         env = worker.get("env") or {}
         self.device = env.get("device_name") or env.get("device") or worker.get("device")
         self.device_type = str(worker.get("device") or (status.get("engine") or {}).get("device") or "cpu")
@@ -44,9 +52,20 @@ class EngineEvaluator:
                            if v.get("validation")}
         self._specs: dict[str, dict] = {}
         self.artifacts: dict[str, str | None] = {}  # artifact hash -> its folder on the engine's machine
+        self.build_info: dict[str, dict] = {}  # artifact hash -> what the engine said it built (pass summaries)
+        # what else decides a measurement: results are reused only from the same engine session and settings
+        started = time.time() - float(eng.get("uptime_s") or 0)
+        self._conditions = {"engine": f"pid {eng.get('pid')} started "
+                                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}",
+                            "reps": reps, "device": self.device, "threads": env.get("threads")}
+        # relative cost of measuring each tier, for the budget before a tier has been measured
+        self.tier_scale = {t: float(v.get("blocks") or 1) for t, v in (worker.get("tiers") or {}).items()}
 
     def workload_fingerprint(self) -> str:
         return self.workload.fingerprint()
+
+    def conditions(self) -> dict:
+        return dict(self._conditions)
 
     def _spec(self, cand: Candidate) -> dict:
         if cand.eager:
@@ -81,6 +100,7 @@ class EngineEvaluator:
             key = f"{tier}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
         self._specs[key] = spec
         self.artifacts[key] = info.get("artifact")
+        self.build_info[key] = info
         return key
 
     def _run(self, key: str, tier: str, keep: bool) -> dict:
@@ -104,7 +124,34 @@ class EngineEvaluator:
         m = {**m, "device": self.device, "seconds": rec.get("seconds"),
              "validation": {k: v for k, v in (rec.get("validation") or {}).items()
                             if k in ("ok", "mode", "shapes", "tolerance", "greedy", "policy")}}
+        info = self.build_info.get(key) or {}
+        if info.get("passes"):
+            m["passes"] = info["passes"]
+        kept = self._keep(key, tier)
+        if kept:
+            m["logs_dir"] = kept
         return EvalResult("measured", float(m["objective"]), m)
+
+    def _keep(self, key: str, tier: str) -> str | None:
+        """Copy a built candidate's pass-log summary and generated source out of the engine's work folder."""
+        info = self.build_info.get(key) or {}
+        if self.keep_artifacts is None or not (info.get("passes") or info.get("artifact")):
+            return None
+        dest = self.keep_artifacts / key
+        if (dest / "passes.json").exists():
+            return str(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        src = info.get("artifact")
+        if src and os.path.isdir(src):
+            for f in Path(src).rglob("*"):
+                if f.is_file() and f.stat().st_size <= _KEEP_FILE_BYTES:
+                    out = dest / "artifact" / f.relative_to(src)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(f, out)
+        keep = {k: info.get(k) for k in ("kind", "plan", "plan_hash", "passes", "numerics", "codegen", "phases_s",
+                                         "artifact_hash")}
+        (dest / "passes.json").write_text(json.dumps({**keep, "tier": tier}, indent=1, default=str) + "\n")
+        return str(dest)
 
     def ship(self, key: str) -> None:
         res = self._run(key, "slow", keep=True)
@@ -112,44 +159,83 @@ class EngineEvaluator:
             raise TkccError(f"shipping {key} failed re-validation: {res.get('reason')}")
 
 
+_KEEP_FILE_BYTES = 1 << 20  # a kept artifact's files above this (binaries) are left out
+
+
 @contextmanager
 def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None, extra: tuple[str, ...] = (),
-                   start_timeout_s: float = 900, env: dict | None = None):
+                   start_timeout_s: float = 900, env: dict | None = None, keep_temp: bool = False,
+                   stop_timeout_s: float = 30):
     """Start ``tkcc serve`` for this campaign and stop it afterwards; yields a connected EngineClient.
-    ``env``: variables set for the engine process only (e.g. its own TRITON_CACHE_DIR)."""
+
+    ``env``: variables set for the engine process only (e.g. its own TRITON_CACHE_DIR). Without
+    ``state_dir`` the engine works in a temporary folder, removed when it stops (kept with ``keep_temp``).
+    Stopping never raises: the engine is asked to shut down, then terminated, then killed."""
     from tkcc.runtime import EngineClient
 
+    own = state_dir is None
     tmp = Path(state_dir or tempfile.mkdtemp(prefix="tkcc-campaign-engine-"))
     tmp.mkdir(parents=True, exist_ok=True)
     sock = str(tmp / "engine.sock")
     cmd = [sys.executable, "-m", "tkcc.cli", "serve", "--model", model, "--device", device, "--socket", sock,
            "--state-dir", str(tmp / "state"), "--json", *extra]
-    with open(tmp / "engine.stderr", "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, **env} if env else None)
+    proc = None
     try:
-        deadline = time.monotonic() + start_timeout_s
-        line = proc.stdout.readline()
+        with open(tmp / "engine.stderr", "w") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                    env={**os.environ, **env} if env else None)
+        line = _ready_line(proc, start_timeout_s)
         try:
             ready = json.loads(line) if line else {}
         except json.JSONDecodeError:
             ready = {"error": line.strip()}
-        if not ready.get("ready") or time.monotonic() > deadline:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(30)
-            raise TkccError(f"engine for {model} on {device} did not start: {ready.get('error', '')} "
+        if not ready.get("ready"):
+            why = ready.get("error") or (f"not ready within {start_timeout_s:.0f} s" if line is None else "")
+            _stop(proc, 0)
+            raise TkccError(f"engine for {model} on {device} did not start: {why} "
                             f"{(tmp / 'engine.stderr').read_text()[-3000:]}")
         with EngineClient(socket_path=sock) as client:
-            yield client
             try:
-                client.shutdown()
-            except EngineError:
-                pass
-        proc.wait(60)
+                yield client
+            finally:
+                try:
+                    client.shutdown()
+                except Exception:  # noqa: BLE001 - stopping: the process is ended below either way
+                    pass
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        if proc.stdout:
-            proc.stdout.close()
+        if proc is not None:
+            _stop(proc, stop_timeout_s)
+            if proc.stdout:
+                proc.stdout.close()
+        if own and not keep_temp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ready_line(proc, timeout_s: float) -> str | None:
+    """The engine's first stdout line, or None if it printed none within ``timeout_s`` (or exited)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        r, _, _ = select.select([proc.stdout], [], [], min(left, 1.0))
+        if r:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            return proc.stdout.readline() or ""
+
+
+def _stop(proc, grace_s: float, term_s: float = 10.0) -> None:
+    """Wait ``grace_s`` for the engine to exit after its shutdown; then SIGTERM (``term_s``), then SIGKILL.
+    Never raises: a slow stop must not lose what the command did."""
+    for step, wait in ((None, grace_s), (proc.terminate, term_s), (proc.kill, term_s)):
+        if step is not None:
+            try:
+                step()
+            except ProcessLookupError:
+                return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

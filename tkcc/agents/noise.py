@@ -25,6 +25,7 @@ class NoiseModel:
     aa_diffs: list[float] = field(default_factory=list)  # relative differences b/a - 1 of A/A pairs
     z: float = DEFAULT_Z
     floor: float = DEFAULT_FLOOR
+    min_pairs: int = MIN_AA_SAMPLES  # pairs needed before anything can ship
 
     def add_pair(self, a: float, b: float) -> float:
         d = b / a - 1.0
@@ -39,17 +40,31 @@ class NoiseModel:
 
     @property
     def calibrated(self) -> bool:
-        return len(self.aa_diffs) >= MIN_AA_SAMPLES
+        return len(self.aa_diffs) >= max(2, self.min_pairs)
 
     def threshold(self) -> float:
         return max(self.floor, self.z * self.sd) if self.calibrated else math.inf
 
     def decide(self, new: float, current: float) -> tuple[bool, str]:
         """(ship?, why) for objective ``new`` against ``current`` (higher is better)."""
-        if not self.calibrated:
-            return False, f"noise not yet measured ({len(self.aa_diffs)} of {MIN_AA_SAMPLES} A/A pairs)"
+        d = self.explain(new, current)
+        return d["ship"], d["why"]
+
+    def explain(self, new: float, current: float) -> dict:
+        """The ship decision with its numbers: gain, threshold, A/A spread and pairs, and why, in one dict."""
+        n = len(self.aa_diffs)
         gain = new / current - 1.0
+        out = {"ship": False, "gain": gain, "new": new, "current": current, "pairs": n, "min_pairs": self.min_pairs,
+               "z": self.z, "floor": self.floor, "aa_sd": self.sd if n >= 2 else None,
+               "threshold": self.threshold() if self.calibrated else None}
+        if not self.calibrated:
+            out["why"] = (f"gain {gain * 100:+.2f}% ({new:.4g} vs {current:.4g}), but the noise is not yet measured "
+                          f"({n} of {self.min_pairs} A/A pairs): stays")
+            return out
         thr = self.threshold()
-        verb = "ships" if gain > thr else "stays"
-        return gain > thr, (f"gain {gain * 100:+.2f}% vs threshold {thr * 100:.2f}% "
-                            f"(z={self.z} x A/A sd {self.sd * 100:.2f}% over {len(self.aa_diffs)} pairs): {verb}")
+        out["ship"] = gain > thr
+        bar = "the 1% floor" if thr == self.floor else f"z={self.z:g} x A/A sd {self.sd * 100:.2f}%"
+        out["why"] = (f"gain {gain * 100:+.2f}% ({new:.4g} vs {current:.4g}) "
+                      f"{'beats' if out['ship'] else 'is under'} the threshold {thr * 100:.2f}% "
+                      f"({bar}, {n} A/A pairs): {'ships' if out['ship'] else 'stays'}")
+        return out

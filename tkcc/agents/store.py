@@ -53,11 +53,16 @@ CREATE TABLE IF NOT EXISTS ships (
     candidate TEXT NOT NULL,
     plan TEXT NOT NULL,
     objective REAL,
-    action TEXT NOT NULL,          -- ship | revert
+    action TEXT NOT NULL,          -- ship | revert | refused | stay
     reason TEXT NOT NULL,
-    time REAL NOT NULL
+    time REAL NOT NULL,
+    detail TEXT                    -- JSON: the decision's numbers (gain, threshold, A/A spread, pairs, ...)
 );
 """
+
+# Columns added after a table's first release, added in place to an older store (additive: an older tkcc
+# still reads the store, it just does not see the new column).
+_ADDED_COLUMNS = {"ships": [("detail", "TEXT")]}
 
 
 @dataclass
@@ -94,6 +99,11 @@ class ExperimentStore:
         for stmt in _SCHEMA.split(";"):
             if stmt.strip():
                 self.db.execute(stmt)
+        for table, cols in _ADDED_COLUMNS.items():
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in cols:
+                if name not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None:
             self.db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -136,6 +146,14 @@ class ExperimentStore:
     def campaigns(self) -> list[dict]:
         return [self.campaign(int(r[0])) for r in self.db.execute("SELECT id FROM campaigns ORDER BY id")]
 
+    def update_config(self, campaign_id: int, **changes) -> dict:
+        """Set keys of a campaign's config (e.g. its sessions across resumes); returns the new config."""
+        cfg = self.campaign(int(campaign_id))["config"]
+        cfg.update(changes)
+        self.db.execute("UPDATE campaigns SET config=?, updated=? WHERE id=?",
+                        (json.dumps(cfg, sort_keys=True, default=str), time.time(), campaign_id))
+        return cfg
+
     def set_status(self, campaign_id: int, status: str) -> None:
         self.db.execute("UPDATE campaigns SET status=?, updated=? WHERE id=?", (status, time.time(), campaign_id))
 
@@ -161,6 +179,14 @@ class ExperimentStore:
             " ORDER BY id DESC LIMIT 1", (artifact_hash, workload_fp, tier)).fetchone()
         return self._exp(row) if row else None
 
+    def measurements_of(self, artifact_hash: str, workload_fp: str, tier: str, limit: int = 50) -> list[Experiment]:
+        """Finished measurements of one artifact on one workload and tier, newest first (the caller decides
+        which of them were taken under conditions it may reuse)."""
+        rows = self.db.execute(
+            "SELECT * FROM experiments WHERE artifact_hash=? AND workload_fp=? AND tier=? AND verdict='measured'"
+            " ORDER BY id DESC LIMIT ?", (artifact_hash, workload_fp, tier, limit))
+        return [self._exp(r) for r in rows]
+
     def experiments(self, campaign_id: int | None = None, tier: str | None = None) -> list[Experiment]:
         q, args = "SELECT * FROM experiments WHERE 1=1", []
         if campaign_id is not None:
@@ -184,18 +210,21 @@ class ExperimentStore:
 
     # ship history --------------------------------------------------------------------------
     def record_ship(self, campaign_id: int, candidate: str, plan: list, objective: float | None, action: str,
-                    reason: str) -> int:
+                    reason: str, detail: dict | None = None) -> int:
+        """One ship decision (ship, revert, refused, or stay: measured but not shipped) with its reason."""
         cur = self.db.execute(
-            "INSERT INTO ships(campaign_id, candidate, plan, objective, action, reason, time) VALUES (?,?,?,?,?,?,?)",
-            (campaign_id, candidate, json.dumps(plan, sort_keys=True), objective, action, reason, time.time()))
+            "INSERT INTO ships(campaign_id, candidate, plan, objective, action, reason, time, detail)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (campaign_id, candidate, json.dumps(plan, sort_keys=True), objective, action, reason, time.time(),
+             json.dumps(detail, default=str) if detail is not None else None))
         return int(cur.lastrowid)
 
     def ships(self, campaign_id: int | None = None) -> list[dict]:
-        q = "SELECT id, campaign_id, candidate, plan, objective, action, reason, time FROM ships"
+        q = "SELECT id, campaign_id, candidate, plan, objective, action, reason, time, detail FROM ships"
         rows = self.db.execute(q + (" WHERE campaign_id=?" if campaign_id is not None else "") + " ORDER BY id",
                                (campaign_id,) if campaign_id is not None else ())
-        keys = ("id", "campaign_id", "candidate", "plan", "objective", "action", "reason", "time")
-        return [dict(zip(keys, r), plan=json.loads(r[3])) for r in rows]
+        keys = ("id", "campaign_id", "candidate", "plan", "objective", "action", "reason", "time", "detail")
+        return [dict(zip(keys, r), plan=json.loads(r[3]), detail=json.loads(r[8]) if r[8] else None) for r in rows]
 
     def close(self) -> None:
         self.db.close()

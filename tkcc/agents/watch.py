@@ -11,69 +11,126 @@ the reference moves to the new window.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from tkcc.agents.campaign import CampaignConfig, run_campaign
 from tkcc.agents.ship import recheck_and_revert
 from tkcc.agents.store import ExperimentStore
+from tkcc.errors import TkccError
 
 
 @dataclass
 class WatchEvent:
     time: float
-    kind: str  # reference | drift | recheck | campaign | quiet
+    kind: str  # waiting | reference | drift | recheck | campaign | quiet
     detail: dict = field(default_factory=dict)
+
+    def line(self) -> str:
+        """One line for the terminal: what happened at this poll, and why nothing more did."""
+        d = self.detail
+        when = time.strftime("%H:%M:%S", time.localtime(self.time))
+        if self.kind in ("waiting", "quiet"):
+            return f"{when} {self.kind}: {d.get('requests')} requests in the window; {d.get('note')}"
+        if self.kind == "reference":
+            return f"{when} reference: {d.get('requests')} requests; optimising for them"
+        if self.kind == "drift":
+            return (f"{when} drift: {d.get('field')} {d.get('direction')} x{d.get('magnitude', 0):.2f} over "
+                    f"{d.get('requests')} requests; re-checking what ships, then re-optimising")
+        if self.kind == "recheck":
+            return f"{when} recheck: {'reverted' if d.get('reverted') else 'kept'}: {d.get('reason')}"
+        if self.kind == "campaign":
+            return (f"{when} campaign {d.get('name')}: serving {(d.get('shipped') or [None])[0]}; "
+                    f"tried {d.get('tried')}; {d.get('stopped') or ''}")
+        return f"{when} {self.kind}: {d}"
 
 
 def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, name: str, model: str,
           budget_s: float, min_requests: int = 200, poll_s: float = 5.0, max_polls: int | None = None,
-          workload_kwargs: dict | None = None, tiers=("fast", "slow"), progress: bool = False) -> list[WatchEvent]:
+          workload_kwargs: dict | None = None, tiers=("fast", "slow"), progress=False, on_event=None,
+          sleep=time.sleep, events: list | None = None) -> list[WatchEvent]:
     """Run the watch loop (until ``max_polls`` polls, or forever). Returns what happened, in order.
 
     ``make_evaluator(workload)`` gives an Evaluator measuring on that workload; ``make_proposer()`` a
     fresh proposer. Each re-optimisation is its own campaign in the store, named ``{name}-{n}``.
+    ``min_requests`` is the one threshold: the window needs that many requests for a reference, a drift
+    verdict and a re-optimisation. Every poll adds one event (``on_event(event)`` is called with each, as it
+    happens); pass ``events`` to keep them where an interrupt cannot lose them.
     """
-    events: list[WatchEvent] = []
+    events = events if events is not None else []
+
+    def emit(kind: str, detail: dict) -> None:
+        ev = WatchEvent(time.time(), kind, detail)
+        events.append(ev)
+        if on_event is not None:
+            on_event(ev)
+
+    if min_requests < 1:
+        raise TkccError(f"min_requests must be at least 1, got {min_requests}")
+    if hasattr(rolling, "params"):
+        rolling.params["min_reopt_requests"] = min_requests  # the flag decides, not a default inside
     polls, rounds, campaign_id, noise = 0, 0, None, None
     wk = dict(workload_kwargs or {})
     while max_polls is None or polls < max_polls:
         polls += 1
-        rolling.update()
+        arrived = rolling.update()
         cur = rolling.current()
-        if rolling.reference is None:
-            if len(cur) >= min_requests:
-                rolling.set_reference(cur)
-                events.append(WatchEvent(time.time(), "reference", {"requests": len(cur)}))
-                campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                               model, budget_s, wk, tiers, progress, events)
-                rounds += 1
-        elif len(cur) >= min_requests:
+        if len(cur) < min_requests:
+            what = "a reference" if rolling.reference is None else "a drift verdict"
+            emit("waiting", {"requests": len(cur), "arrived": arrived, "min_requests": min_requests,
+                             "note": f"fewer than --min-requests {min_requests}, needed for {what}"})
+        elif rolling.reference is None:
+            rolling.set_reference(cur)
+            emit("reference", {"requests": len(cur)})
+            campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
+                                           model, budget_s, wk, tiers, progress, emit)
+            rounds += 1
+        else:
             verdict = rolling.check()
             if verdict.drift and verdict.reoptimize:
                 detail = {"field": verdict.field, "direction": verdict.direction, "magnitude": verdict.magnitude,
                           "shifts": verdict.shifts, "requests": verdict.requests}
-                events.append(WatchEvent(time.time(), "drift", detail))
+                emit("drift", detail)
                 ev = make_evaluator(rolling.workload(**wk))
                 rc = recheck_and_revert(store, campaign_id, ev, noise)
-                events.append(WatchEvent(time.time(), "recheck", {"reverted": rc.reverted, "reason": rc.reason,
-                                                                    "objectives": rc.objectives}))
+                emit("recheck", {"reverted": rc.reverted, "reason": rc.reason, "objectives": rc.objectives})
                 rolling.set_reference(cur)
                 campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                               model, budget_s, wk, tiers, progress, events)
+                                               model, budget_s, wk, tiers, progress, emit)
                 rounds += 1
             else:
-                events.append(WatchEvent(time.time(), "quiet", {"requests": len(cur), "note": verdict.note}))
+                note = quiet_note(verdict, rolling.params)
+                if not arrived:
+                    note = f"no new requests since the last poll; {note}"
+                emit("quiet", {"requests": len(cur), "arrived": arrived, "note": note, "ratios": verdict.ratios,
+                               "ks": verdict.ks})
         if max_polls is None or polls < max_polls:
-            time.sleep(poll_s)
+            sleep(poll_s)
     return events
 
 
-def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget_s, wk, tiers, progress, events):
+def quiet_note(verdict, params: dict) -> str:
+    """Why a window that was checked does not lead to a re-optimisation, with the numbers."""
+    if verdict.drift:
+        return (f"drift ({verdict.field} x{verdict.magnitude:.2f}), but only {verdict.requests} requests, fewer than "
+                f"{params.get('min_reopt_requests')} to re-optimise on")
+    if verdict.note:
+        return verdict.note
+    ratio, alpha = params.get("ratio", 1.5), params.get("alpha", 1e-3)
+    if not verdict.ratios:
+        return "no drift"
+    key, r = max(verdict.ratios.items(), key=lambda kv: abs(math.log(kv[1])) if 0 < kv[1] < math.inf else math.inf)
+    p = min((v.get("p", 1.0) for v in verdict.ks.values()), default=1.0)
+    return (f"no drift: largest shift {key} x{r:.2f}, KS p={p:.2g} (drift needs a shift of x{ratio:g} with "
+            f"p < {alpha:g})")
+
+
+def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget_s, wk, tiers, progress, emit):
     workload = rolling.workload(**wk)
     cfg = CampaignConfig(name=name, model=model, budget_s=budget_s, tiers=tuple(tiers),
                          extra={"buckets": [b.__dict__ for b in workload.buckets], "objective": workload.objective})
     state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress)
-    events.append(WatchEvent(time.time(), "campaign", {"name": name, "shipped": state.shipped,
-                                                        "evaluated": state.evaluated}))
+    emit("campaign", {"name": name, "shipped": state.shipped, "evaluated": state.evaluated, "tried": state.tried,
+                      "stopped": state.stopped, "decisions": [d.get("why") for d in state.decisions]})
     return state.campaign_id, state.noise

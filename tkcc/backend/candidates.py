@@ -17,8 +17,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -106,7 +104,9 @@ class PlanForward:
         program = _program(self.gm, list(args))
         if self.codegen:
             try:  # the one build pipeline: plan -> passes -> artifact -> forward
-                b = build(program, self.plan, Path(tempfile.mkdtemp(prefix="tkcc-dynamo-")) / "artifact",
+                from tkcc.scratch import scratch_dir
+
+                b = build(program, self.plan, scratch_dir("tkcc-dynamo-") / "artifact",  # removed at exit
                           mode=self.mode)
                 self.logs, self.artifact, fn = b.logs, b.artifact, b.forwards["forward"]
                 self.note = "generated forward"

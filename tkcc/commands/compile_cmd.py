@@ -119,26 +119,47 @@ def cmd_compile(args) -> dict:
 
 # ---- golden ------------------------------------------------------------------------------------
 
+def _check_model(name: str) -> None:
+    """A built-in model name, before anything is loaded or suggested (golden records exist only for those)."""
+    from tkcc.cli import builtin_models
+
+    names, _ = builtin_models()
+    if name not in names:
+        raise TkccError(f"--model {name!r}: not a built-in model; built-in models: {', '.join(sorted(names))}")
+
+
 def cmd_golden_record(args) -> dict:
     from tkcc.runtime import golden
 
+    _check_model(args.model)
     _check_device(args.device)
+    before = _recorded_at(golden.golden_path(args.model, args.dtype, args.device, args.root))
     path = golden.record(args.model, args.dtype, args.device, steps=args.steps, root=args.root)
     meta = json.loads((path / "meta.json").read_text())
+    unchanged = before is not None and before == meta.get("recorded_at")
     cve = meta.get("capture_vs_eager", {})
     size = sum(f.stat().st_size for f in path.iterdir())
-    text = (f"recorded golden outputs of {args.model} ({args.device}, {args.dtype}): {len(meta['seeds'])} prompts, "
+    text = (("unchanged: the record already holds these outputs (files left as they were)\n" if unchanged else "")
+            + f"recorded golden outputs of {args.model} ({args.device}, {args.dtype}): {len(meta['seeds'])} prompts, "
             f"{meta['steps']} decode steps, {size / 1024:.1f} KiB at {path}\n"
             f"  reference: {meta['reference']}\n"
             f"  captured graph vs the model's own eager forward: "
             + ("bit-exact" if cve.get("exact") else f"max abs err {cve.get('max_abs_err')} "
                f"(first difference {cve.get('first_diff')})"))
-    return {"ok": True, "path": str(path), "meta": meta, "bytes": size, "text": text}
+    return {"ok": True, "path": str(path), "meta": meta, "bytes": size, "unchanged": unchanged, "text": text}
+
+
+def _recorded_at(path: Path) -> str | None:
+    try:
+        return json.loads((path / "meta.json").read_text()).get("recorded_at")
+    except (OSError, ValueError):
+        return None
 
 
 def cmd_golden_check(args) -> dict:
     from tkcc.runtime import golden
 
+    _check_model(args.model)
     _check_device(args.device)
     _load_pass_modules(args.pass_module)
     from tkcc.compiler import capture
@@ -237,10 +258,16 @@ def cmd_passes_show(args) -> dict:
 
 # ---- registration ------------------------------------------------------------------------------
 
-def register(subparsers) -> None:
-    from tkcc.frontend.models import DEFAULT_MODEL, REGISTRY
+_MODE_HELP = ("exact (default): every pass bit-exact, outputs checked bitwise; tolerance: passes may change "
+              "rounding, outputs checked within the dtype's tolerance with identical greedy tokens")
+_DEVICE_HELP = "cpu (default), cuda or cuda:N"
+_DTYPE_HELP = "float32 (default), float16 or bfloat16"
 
-    models = ", ".join(sorted(REGISTRY))
+def register(subparsers) -> None:
+    from tkcc.cli import builtin_models
+
+    names, DEFAULT_MODEL = builtin_models()  # noqa: N806 - the registry's constant, read without torch
+    models = ", ".join(sorted(names))
     p = subparsers.add_parser("compile", help="capture, rewrite, generate and check a model; measure it on a trace",
                               description="Compile a built-in model for the traffic in a trace: capture, apply the "
                                           "plan (checked after every pass), generate the artifact, check it against "
@@ -254,15 +281,13 @@ def register(subparsers) -> None:
                                                 "instead of searching")
     p.add_argument("--budget", default=None, help="wall-clock bound on the whole compile, e.g. 90s or 3m (default: "
                                                   "2m on a GPU, 30s on CPU; 0: measure the references only)")
-    p.add_argument("--mode", default="exact", choices=["exact", "tolerance"],
-                   help="exact: candidates bit-exact with the captured graphs; tolerance: rounding may change, "
-                        "validated within the engine's bound with identical greedy tokens")
+    p.add_argument("--mode", default="exact", choices=["exact", "tolerance"], help=_MODE_HELP)
     p.add_argument("--out", default="tkcc-out", help="output directory (default: tkcc-out)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
+    p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
+    p.add_argument("--dtype", default="float32", help=_DTYPE_HELP)
     p.add_argument("--no-measure", action="store_true", help="build the plan (or the default plan) without the loop")
     p.add_argument("--max-buckets", type=int, default=None,
-                   help="heaviest workload buckets to measure (default: 2 on CPU, 6 on GPU)")
+                   help="heaviest workload buckets to measure (default: 4 on CPU, 6 on GPU)")
     _add_pass_module(p)
     _add_json(p)
     p.set_defaults(func=cmd_compile)
@@ -275,15 +300,17 @@ def register(subparsers) -> None:
                             ("check", cmd_golden_check, "check the captured graphs (after --plan) against golden")):
         q = gs.add_parser(name, help=help_, description=help_)
         q.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in model (default: {DEFAULT_MODEL})")
-        q.add_argument("--device", default="cpu")
-        q.add_argument("--dtype", default="float32")
+        q.add_argument("--device", default="cpu", help=_DEVICE_HELP)
+        q.add_argument("--dtype", default="float32", help=_DTYPE_HELP)
         q.add_argument("--root", default=None, help="golden directory (default: the repository's golden/)")
         if name == "record":
             q.add_argument("--steps", type=int, default=6, help="greedy decode steps (default: 6)")
         else:
-            q.add_argument("--mode", default="exact", choices=["exact", "tolerance"])
-            q.add_argument("--rtol", type=float, default=None)
-            q.add_argument("--atol", type=float, default=None)
+            q.add_argument("--mode", default="exact", choices=["exact", "tolerance"], help=_MODE_HELP)
+            q.add_argument("--rtol", type=float, default=None, help="tolerance mode: relative tolerance "
+                           "(default: the dtype's)")
+            q.add_argument("--atol", type=float, default=None, help="tolerance mode: absolute tolerance "
+                           "(default: the dtype's)")
             q.add_argument("--plan", default=None, help="apply this plan first; on failure, bisect it")
             _add_pass_module(q)
         _add_json(q)

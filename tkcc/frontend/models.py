@@ -6,7 +6,9 @@ MoE models pin the experts implementation, so CPU and GPU capture the same graph
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,59 +33,11 @@ class ModelSpec:
 
 _NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# The specs are data (tkcc/data/models.json) so that `tkcc --help` can list them without importing torch.
+_SPECS = json.loads((Path(__file__).resolve().parents[1] / "data" / "models.json").read_text())
 REGISTRY: dict[str, ModelSpec] = {
-    s.name: s
-    for s in [
-        ModelSpec(
-            "olmoe-16l",
-            "olmoe",
-            dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-                 num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
-                 max_position_embeddings=4096),
-            "OLMoE-1B-7B shape, 16 layers, 64 experts top-8 (BENCH.md reference)",
-        ),
-        ModelSpec(
-            "llama-1b-16l",
-            "llama",
-            dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=True),
-            "Llama-3.2-1B shape, 16 layers (BENCH.md reference)",
-        ),
-        ModelSpec(
-            "olmoe-tiny",
-            "olmoe",
-            dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, vocab_size=256,
-                 max_position_embeddings=1024),
-            "tiny OLMoE for CPU tests and the default job",
-        ),
-        ModelSpec(
-            "llama-tiny",
-            "llama",
-            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024, tie_word_embeddings=True),
-            "tiny Llama (GQA) for CPU tests",
-        ),
-        ModelSpec(
-            "mixtral-tiny",
-            "mixtral",
-            dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
-                 max_position_embeddings=1024, sliding_window=None),
-            "tiny Mixtral for CPU tests",
-        ),
-        ModelSpec(
-            "qwen3moe-tiny",
-            "qwen3_moe",
-            dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                 vocab_size=256, max_position_embeddings=1024, decoder_sparse_step=1, mlp_only_layers=[]),
-            "tiny Qwen3-MoE for CPU tests",
-        ),
-    ]
-}
-
-DEFAULT_MODEL = "olmoe-tiny"
+    d["name"]: ModelSpec(d["name"], d["family"], d["config"], d["description"]) for d in _SPECS["models"]}
+DEFAULT_MODEL: str = _SPECS["default"]
 
 
 def _config_cls(family: str):

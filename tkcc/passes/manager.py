@@ -61,7 +61,7 @@ def resolve_plan(plan: PassPlan) -> list[tuple[PassStep, type[Pass], dict]]:
             cls = get_pass(step.name)
             params = cls.check_params(step.params)
         except PlanError as e:
-            raise PlanError(f"plan step {i} ({step.name!r}): {e}") from None
+            raise PlanError(f"plan step {i + 1} ({step.name!r}): {e}") from None
         out.append((step, cls, params))
     return out
 
@@ -159,7 +159,7 @@ class PassManager:
         if self.mode == "exact":
             for i, (step, cls, _) in enumerate(steps):
                 if not cls.exact:
-                    raise PlanError(f"plan step {i} ({step.name!r}): pass is not bit-exact and mode is 'exact'; "
+                    raise PlanError(f"plan step {i + 1} ({step.name!r}): pass is not bit-exact and mode is 'exact'; "
                                     "use mode='tolerance' to allow it")
         inputs = _example_inputs(program, example_inputs)
         signatures = {ph: placeholders(gm) for ph, gm in program.graphs.items()}
@@ -183,7 +183,7 @@ class PassManager:
 
     # ---- one step --------------------------------------------------------------------------
     def _apply_one(self, i, step, cls, params, program, inputs, signatures, reference, owned, codes):
-        where = f"pass {step.name!r} (plan step {i})"
+        where = f"pass {step.name!r} (plan step {i + 1})"
         before_code = dict(codes)
         before_names = {ph: [n.name for n in gm.graph.nodes] for ph, gm in program.graphs.items()}
         mine = {}

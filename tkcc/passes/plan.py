@@ -48,10 +48,10 @@ class PassPlan:
         steps = []
         for i, item in enumerate(data):
             if not isinstance(item, dict) or "name" not in item:
-                raise PlanError(f"plan step {i}: expected {{'name': ..., 'params': {{...}}}}, got {item!r}")
+                raise PlanError(f"plan step {i + 1}: expected {{'name': ..., 'params': {{...}}}}, got {item!r}")
             params = item.get("params", {})
             if not isinstance(params, dict):
-                raise PlanError(f"plan step {i} ({item['name']}): params must be an object")
+                raise PlanError(f"plan step {i + 1} ({item['name']}): params must be an object")
             steps.append(PassStep(str(item["name"]), dict(params)))
         return cls(tuple(steps))
 

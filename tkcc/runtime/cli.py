@@ -59,7 +59,8 @@ def register(subparsers) -> None:
     what.add_argument("--baseline", action="store_true", help="the captured, un-rewritten forward")
     s.add_argument("--pass-module", action="append", default=[], help="Python file with user passes (repeatable)")
     s.add_argument("--tier", default="both", choices=["fast", "slow", "both"])
-    s.add_argument("--trace", help="trace file: the workload is built from it for this engine's model")
+    s.add_argument("--trace", help="trace file or bundled trace name: the workload is built from it for this "
+                                   "engine's model")
     s.add_argument("--format", default=None, help="trace format (default: detected)")
     s.add_argument("--workload", help="workload JSON file (as written by --save-workload)")
     s.add_argument("--save-workload", help="write the workload used to this JSON file")
@@ -214,6 +215,8 @@ def _candidate(args) -> dict:
         if os.path.isfile(text):
             with open(text) as f:
                 text = f.read()
+        elif text.strip()[:1] not in ("[", "{", '"') and (text.strip().endswith(".json") or "/" in text):
+            raise EngineError(f"--plan {text!r}: no such file (a plan is a JSON file or JSON text)")
         plan = PassPlan.from_json(text)
         cand = {"plan": plan.to_json()}
     elif args.artifact:
@@ -238,14 +241,14 @@ def _workload(args, client):
             raise EngineError(f"--workload {args.workload}: {e}") from None
     if args.trace:
         from tkcc.traffic.buckets import workload_from_trace
-        from tkcc.traffic.loaders import load_trace
+        from tkcc.traffic.names import load_named_trace
 
         st = client.status()
         worker = st.get("worker") or {}
         cap = worker.get("max_cache_len")
         if not cap:
             raise EngineError("the engine's model has no KV cache length; pass --workload for it")
-        trace = load_trace(args.trace, format=args.format)
+        trace = load_named_trace(args.trace, format=args.format)
         w = workload_from_trace(trace, max_context=int(cap), batch_sizes=(int(worker.get("batch") or 1),))
         return workload_to_json(w)
     return None
@@ -270,7 +273,8 @@ def cmd_submit(args):
 def _experiment_text(res: dict) -> str:
     from tkcc.runtime.measurement import Measurement
 
-    lines = [f"candidate {res.get('candidate')}: {'ok' if res.get('ok') else 'FAILED: ' + str(res.get('reason'))}"
+    name = res.get("candidate") or "(not loaded)"  # a candidate refused before it loaded has no id
+    lines = [f"candidate {name}: {'ok' if res.get('ok') else 'FAILED: ' + str(res.get('reason'))}"
              f" (journal seq {res.get('seq')}, request {res.get('request_id')})"]
     for tier, rec in res.get("tiers", {}).items():
         v = rec.get("validation") or {}

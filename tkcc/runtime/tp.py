@@ -79,13 +79,13 @@ def check_layout_of(spec: dict, tp: int) -> None:
         if degree != tp:
             hint = (f"start an engine with `tkcc serve --tp {degree}` for it" if isinstance(degree, int)
                     and degree > 1 else f"use degree {tp}")
-            raise EngineError(f"plan step {i} ('sharding'): degree={degree!r}, but this engine runs with --tp {tp}: "
+            raise EngineError(f"plan step {i + 1} ('sharding'): degree={degree!r}, but this engine runs with --tp {tp}: "
                               f"a candidate's sharding degree must equal the engine's; {hint}")
     if tp > 1 and not steps:
         raise EngineError(f"this engine serves the model split over {tp} ranks (--tp {tp}): a plan must contain the "
                           f"sharding step with degree {tp}, e.g. {_example(tp)}")
     if len(steps) > 1:
-        raise EngineError(f"plan steps {[s[0] for s in steps]} are all 'sharding': a plan shards the model once")
+        raise EngineError(f"plan steps {[s[0] + 1 for s in steps]} are all 'sharding': a plan shards the model once")
 
 
 def exact_at_degree_1(spec: dict) -> bool:

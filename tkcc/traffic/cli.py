@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tkcc.traffic.drift import detect_drift, parse_window
 from tkcc.traffic.loaders import FORMATS, load_trace
+from tkcc.traffic.names import trace_path
 from tkcc.traffic.stats import trace_stats
 
 
@@ -16,7 +17,8 @@ def register(subparsers) -> None:
     sub.required = True
 
     def common(sp):
-        sp.add_argument("file", help="trace file (ServeGen: chunk-N-trace.csv with its dataset.json beside it)")
+        sp.add_argument("file", help="trace file or bundled trace name (azure-conv, azure-code, sharegpt, ...); "
+                                     "ServeGen: chunk-N-trace.csv with its dataset.json beside it")
         sp.add_argument("--format", default=None, choices=sorted(FORMATS) + ["auto"], help="default: detect")
         sp.add_argument("--skip-bad", action="store_true", help="skip malformed rows and report how many")
         sp.add_argument("--sort", action="store_true", help="accept rows out of arrival order and sort them")
@@ -43,7 +45,7 @@ def _load(args):
     if (args.format or "") == "servegen" or str(args.file).endswith(("-trace.csv", "-dataset.json")):
         opts = {"seed": args.seed, "max_requests": args.max_requests}
     fmt = None if args.format in (None, "auto") else args.format
-    return load_trace(args.file, format=fmt, skip_bad=args.skip_bad, sort=args.sort, **opts)
+    return load_trace(trace_path(args.file), format=fmt, skip_bad=args.skip_bad, sort=args.sort, **opts)
 
 
 def _png_path(args, suffix: str) -> str | None:
@@ -72,10 +74,13 @@ def cmd_stats(args) -> dict:
     if png:
         st["png"] = stats_png(tr, st, png)
     lines = [f"{tr.source}  format={tr.format}  requests={len(tr):,}  skipped={tr.skipped}"]
-    if st["span_s"] is not None:
-        lines.append(f"span {st['span_s']:,.0f} s  ({st['req_per_s']:.3f} req/s)  start {tr.start_time or '-'}")
-    else:
+    if st["span_s"] is None:
         lines.append("no timestamps (length-only dataset)")
+    elif st["req_per_s"] is None:
+        lines.append(f"span 0 s: {'one request' if len(tr) == 1 else f'all {len(tr)} requests arrive at once'}, so "
+                     f"no arrival rate  start {tr.start_time or '-'}")
+    else:
+        lines.append(f"span {st['span_s']:,.0f} s  ({st['req_per_s']:.3f} req/s)  start {tr.start_time or '-'}")
     if tr.meta.get("rate_scale") not in (None, 1.0):
         lines.append(f"ServeGen: thinned to {tr.meta['rate_scale']:.4g} of the published rate "
                      f"({tr.meta['expected_requests']:,.0f} requests expected), seed {tr.meta.get('seed')}")
@@ -116,8 +121,15 @@ def cmd_drift(args) -> dict:
         lines.append(f"{w.label:>16}{w.requests:>10,}{_fmt(w.input['p50']):>9}{_fmt(w.input['p90']):>9}"
                      f"{_fmt(w.output['p50']):>9}{_fmt(w.output['p90']):>9}  {verdict}")
     n = len(rep.drifted)
-    lines.append(f"{n} drifted window(s); re-optimisation warranted at: "
-                 f"{[w.label for w in rep.windows if w.reoptimize] or 'none'}")
+    tested = [w for w in rep.windows if w.requests >= args.min_requests]
+    if len(tested) < 2:
+        out["note"] = (f"nothing to compare: {len(tested)} of {len(rep.windows)} window(s) of {args.window} hold at "
+                       f"least --min-requests {args.min_requests} requests (the trace has {len(tr):,}); drift needs "
+                       "two such windows: use a longer trace, a larger --window or a smaller --min-requests")
+        lines.append(out["note"])
+    else:
+        lines.append(f"{n} drifted window(s); re-optimisation warranted at: "
+                     f"{[w.label for w in rep.windows if w.reoptimize] or 'none'}")
     if tr.skipped:
         lines.append(f"skipped {tr.skipped} bad row(s)")
     if png:

@@ -39,18 +39,23 @@ from tkcc.traffic.trace import Trace
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 
 
-def parse_window(text) -> float:
-    """'10m', '6h', '1d', '90s' or plain seconds -> seconds."""
+def parse_duration(text, what: str = "window") -> float:
+    """'10m', '6h', '1d', '90s' or plain seconds -> seconds (> 0); errors name ``what`` (e.g. "--budget")."""
     if isinstance(text, (int, float)):
         sec = float(text)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h|d)?\s*", str(text))
+        m = re.fullmatch(r"\s*([-+]?)([0-9]*\.?[0-9]+)\s*(s|m|min|h|d)?\s*", str(text))
         if not m:
-            raise TkccError(f"bad window {text!r}: use a number with s, m, h or d (e.g. 10m, 6h, 1d)")
-        sec = float(m.group(1)) * _UNITS[m.group(2) or "s"]
-    if sec <= 0:
-        raise TkccError(f"window must be positive, got {text!r}")
+            raise TkccError(f"bad {what} {text!r}: use a number with s, m, h or d (e.g. 90s, 10m, 6h, 1d)")
+        sec = float(m.group(2)) * _UNITS[m.group(3) or "s"] * (-1 if m.group(1) == "-" else 1)
+    if not sec > 0:
+        raise TkccError(f"{what} must be a positive duration, got {text!r}")
     return sec
+
+
+def parse_window(text) -> float:
+    """'10m', '6h', '1d', '90s' or plain seconds -> seconds."""
+    return parse_duration(text, "window")
 
 
 def ks_2samp(a, b) -> tuple[float, float]:
