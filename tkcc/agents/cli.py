@@ -37,6 +37,9 @@ def register(sub) -> None:
     w.add_argument("--polls", type=int, default=None, help="stop after this many polls (default: run until killed)")
     w.add_argument("--min-requests", type=int, default=200, help="requests needed before deciding anything")
     w.add_argument("--name", default=None)
+    w.add_argument("--serve", default=None, metavar="URL",
+                   help="also hot-swap each ship/revert into this running `tkcc serve --http` server")
+    w.add_argument("--serve-token-file", default=None, help="that server's admin token file")
     _proposer_args(w)
     add_json_flag(w)
     w.set_defaults(func=cmd_watch)
@@ -194,11 +197,27 @@ def cmd_watch(args):
     if not path.exists():
         raise TkccError(f"--trace-stream {path} does not exist")
     rolling = RollingWorkload(path, horizon=args.horizon, format=args.format)
+    ship_to = None
+    if args.serve:  # a live server: each ship/revert is also swapped into it (tkcc.serve.swap)
+        from tkcc.serve.swap import AdminClient
+
+        live = AdminClient(args.serve, token_file=args.serve_token_file)
+        live.status()  # fail now on a wrong URL or token, not at the first ship
+        ship_to = live.ship
+
+    def make_ev(client, wl):
+        ev = EngineEvaluator(client, wl, pass_modules=args.pass_module, reps=args.reps)
+        if ship_to is None:
+            return ev
+        from tkcc.serve.swap import ShippingEvaluator
+
+        return ShippingEvaluator(ev, ship_to)
+
     with _Engine(args) as client:
         worker = client.status().get("worker") or {}
         wk = {"max_context": int(worker.get("max_cache_len") or 4096), "batch_sizes": (int(worker.get("batch") or 1),)}
         model = str((client.status().get("engine") or {}).get("model") or args.model)
-        events = watch(rolling, lambda wl: EngineEvaluator(client, wl, pass_modules=args.pass_module, reps=args.reps),
+        events = watch(rolling, lambda wl: make_ev(client, wl),
                        lambda: BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance,
                                                                         device=str(worker.get("device", "cpu"))),
                                               seed=args.seed),

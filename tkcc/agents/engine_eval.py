@@ -79,6 +79,10 @@ class EngineEvaluator:
         self.artifacts[key] = info.get("artifact")
         return key
 
+    def spec_of(self, key: str) -> dict:
+        """The candidate spec an artifact hash from ``build`` was built from (what a live server rebuilds)."""
+        return dict(self._specs[key])
+
     def _run(self, key: str, tier: str, keep: bool) -> dict:
         try:
             return self.client.experiment(self._specs[key], tiers=tier, workload=self.workload, keep=keep,

@@ -1,0 +1,111 @@
+"""``Server``: one served model (scheduler, tokenizer, rolling trace, metrics, swapper) and its ASGI app.
+
+    compiled = tkcc.compile(model, "azure-conv", measure=False, check=False)
+    server = Server(compiled, model_name="llama-tiny", trace_dir="tkcc-traffic").start()
+    with ServerThread(server.app) as http:       # tkcc.serve.runner; `tkcc serve --http` runs uvicorn itself
+        ...                                      # OpenAI clients talk to http.url + "/v1"
+        server.swap(other_compiled)              # hot swap: from the next request on
+    server.close()
+
+``Server`` takes what the API layer built (a CompiledModel, a tokenizer, a
+``ForwardBuilder`` for swaps by plan or artifact) and never calls the
+compiler itself, keeping ``serve`` below the API in the layering.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+
+from tkcc.errors import TkccError
+from tkcc.serve.app import Limits, build_app
+from tkcc.serve.metrics import CONTENT_TYPE, ServeMetrics
+from tkcc.serve.scheduler import Scheduler, Served, warm_up
+from tkcc.serve.tokenizer import ByteTokenizer
+
+
+def forward_tag(compiled) -> str:
+    """A forward's name in responses (``system_fingerprint``), metrics and status: its plan's hash."""
+    plan = getattr(compiled, "plan", None)
+    try:
+        return plan.hash() if plan is not None else f"forward-{id(compiled):x}"
+    except Exception:  # noqa: BLE001 - a forward without a readable plan still gets a name
+        return f"forward-{id(compiled):x}"
+
+
+class Server:
+    def __init__(self, compiled, *, model_name: str, tokenizer=None, tag: str | None = None,
+                 limits: Limits | None = None, api_key: str | None = None, admin_token: str | None = None,
+                 trace_dir=None, moe_counts: str = "all", max_queue: int = 64, builder=None,
+                 rotate_requests: int = 100_000, keep_files: int = 10):
+        program = getattr(compiled, "program", None)
+        if program is None or not {"prefill", "decode"} <= set(getattr(program, "graphs", {})):
+            raise TkccError("the server serves causal LMs: a CompiledModel whose Program has prefill and decode")
+        meta = program.meta
+        self.model_name = model_name
+        self.vocab_size = int(meta["vocab_size"])
+        self.max_cache_len = int(meta["max_cache_len"])
+        self.tokenizer = tokenizer or ByteTokenizer(self.vocab_size)
+        if self.tokenizer.vocab_size > self.vocab_size:
+            raise TkccError(f"the tokenizer has {self.tokenizer.vocab_size} ids, the model {self.vocab_size}")
+        self.limits = limits or Limits()
+        self.api_key = api_key.encode() if api_key else None
+        self.admin_token = admin_token or secrets.token_hex(32)
+        self.created = time.time()
+        self.metrics = ServeMetrics(model_name)
+        self.metrics_content_type = CONTENT_TYPE
+        self.moe_note = None
+        self.recorder = None
+        if trace_dir is not None:
+            from tkcc.serve.recorder import RollingTrace
+
+            moe = self._moe_header(program) if moe_counts != "off" else None
+            if moe is None and moe_counts != "off":
+                moe_counts = "off"
+            self.recorder = RollingTrace(trace_dir, model=model_name, moe=moe, rotate_requests=rotate_requests,
+                                         keep=keep_files)
+        tag = tag or forward_tag(compiled)
+        self.scheduler = Scheduler(Served(compiled, tag), max_queue=max_queue, recorder=self.recorder,
+                                   moe_counts=moe_counts, metrics=self.metrics)
+        self.metrics.set_forward(tag)
+        self.swapper = None
+        if builder is not None:
+            from tkcc.serve.swap import Swapper
+
+            self.swapper = Swapper(self, builder)
+        self.app = build_app(self)
+
+    def _moe_header(self, program):
+        from tkcc.serve.routing import ExpertCounter, is_moe
+
+        if not is_moe(program):
+            return None
+        try:
+            return ExpertCounter(program).header
+        except TkccError as e:
+            self.moe_note = f"MoE counts off: {e}"
+            return None
+
+    def start(self) -> "Server":
+        self.scheduler.start()
+        return self
+
+    def swap(self, compiled, tag: str | None = None, warm: bool = True, timeout_s: float | None = None):
+        """Serve ``compiled`` from the next request on (in-flight requests finish on theirs); (previous, new) tags.
+
+        With ``warm`` the new forward runs a two-token prompt on the scheduler thread first."""
+        fut = self.scheduler.swap(compiled, tag or forward_tag(compiled), warm=warm)
+        return fut.result(timeout_s)
+
+    def status(self) -> dict:
+        s = self.scheduler
+        return {"model": self.model_name, "forward": s.current.tag, "waiting": s.waiting,
+                "running": int(s.running is not None), "served": s.served, "swaps": s.swaps,
+                "trace": str(self.recorder.path) if self.recorder else None, "moe_counts": s.moe_counts,
+                "moe_note": self.moe_note, "ships": list(self.swapper.history) if self.swapper else [],
+                "max_cache_len": self.max_cache_len, "tokenizer": self.tokenizer.name}
+
+    def close(self) -> None:
+        self.scheduler.stop()
+
+
+__all__ = ["Server", "forward_tag", "warm_up"]

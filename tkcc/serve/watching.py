@@ -1,0 +1,104 @@
+"""``tkcc serve --http ... --watch``: the continual loop inside the server.
+
+A thread runs ``tkcc.agents.watch.watch`` on the server's own rolling trace:
+the first full window sets the reference and a campaign optimises for it; on
+drift the shipped candidate is re-checked (reverted if it lost) and a new
+campaign runs. Candidates are measured by a persistent engine (``tkcc
+serve`` without ``--http``, started beside the server on the same device:
+its side slot), and each ship or revert is rebuilt here and hot-swapped into
+the live server (``ShippingEvaluator`` -> ``Swapper.ship``).
+
+Measuring shares the device with the served traffic; the cost shows in the
+served latencies (``benchmarks/serve.py`` measures it: P90 TPOT while a
+campaign measures, against idle).
+"""
+from __future__ import annotations
+
+import threading
+import traceback
+
+from tkcc.errors import TkccError
+
+
+class _ServerTrace:
+    """A RollingWorkload over the server's trace that follows it across rotations (one time origin)."""
+
+    def __init__(self, server, horizon: str):
+        from tkcc.traffic.follow import RollingWorkload
+
+        self.server = server
+        self.rolling = RollingWorkload(server.recorder.path, horizon=horizon)
+
+    def __getattr__(self, name):
+        return getattr(self.rolling, name)
+
+    def update(self) -> int:
+        from tkcc.traffic.follow import TraceFollower
+
+        n = self.rolling.update()
+        path = str(self.server.recorder.path)
+        if path != self.rolling.follower.path:  # rotated: read the rest of the old file, then follow the new one
+            n += self.rolling.update()
+            last = self.rolling.follower.last_t
+            self.rolling.follower = TraceFollower(path)
+            self.rolling.follower.last_t = last
+            n += self.rolling.update()
+        return n
+
+
+class ServeWatch:
+    def __init__(self, server, args):
+        if server.recorder is None:
+            raise TkccError("--watch follows the server's own trace; it cannot run with --no-record")
+        if server.swapper is None:
+            raise TkccError("--watch needs a server that can build forwards")
+        self.server, self.args = server, args
+        self.stop_event = threading.Event()
+        self.error: str | None = None
+        self.shipped: list = []
+        self._thread = threading.Thread(target=self._run, name="tkcc-serve-watch", daemon=True)
+
+    def start(self) -> "ServeWatch":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.stop_event.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            self._watch()
+        except Exception as e:  # noqa: BLE001 - the server keeps serving; the failure is reported in status
+            if not self.stop_event.is_set():
+                self.error = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+
+    def _watch(self) -> None:
+        from tkcc.agents.engine_eval import EngineEvaluator, spawned_engine
+        from tkcc.agents.search import BayesianSearch, SearchSpace
+        from tkcc.agents.store import ExperimentStore
+        from tkcc.agents.watch import watch
+        from tkcc.serve.swap import ShippingEvaluator
+        from tkcc.traffic.drift import parse_window
+
+        a, server = self.args, self.server
+        extra = ["--dtype", a.dtype] if a.dtype else []
+        if a.max_cache_len:
+            extra += ["--max-cache-len", str(a.max_cache_len)]
+        rolling = _ServerTrace(server, a.watch_horizon)
+        with spawned_engine(a.model, a.device, extra=tuple(extra)) as client:
+            worker = client.status().get("worker") or {}
+            wk = {"max_context": int(worker.get("max_cache_len") or server.max_cache_len), "batch_sizes": (1,)}
+
+            def evaluator(workload):
+                ev = ShippingEvaluator(EngineEvaluator(client, workload), server.swapper.ship)
+                self.shipped = ev.shipped
+                return ev
+
+            watch(rolling, evaluator,
+                  lambda: BayesianSearch(SearchSpace.from_registry(exact_only=a.mode == "exact",
+                                                                   device=str(worker.get("device", "cpu")))),
+                  ExperimentStore(a.watch_store), name=f"serve-{server.model_name}", model=server.model_name,
+                  budget_s=parse_window(a.watch_budget), min_requests=a.watch_min_requests,
+                  poll_s=a.watch_poll, workload_kwargs=wk, progress=False, stop=self.stop_event)
