@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 from tkcc.errors import TkccError
@@ -96,8 +98,17 @@ def cmd_http(args):
               f"started in {ready['startup_s']} s", flush=True)
     uv = uvicorn_server(server.app, log_level=args.log_level,
                         max_connections=4 * (args.max_queue + 1) + 64)
+
+    def _stop(signum, frame):  # graceful: uvicorn stops accepting, finishes open responses, then we clean up
+        uv.should_exit = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    http = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="tkcc-serve-http")
     try:
-        uv.run(sockets=[sock])
+        http.start()  # off the main thread, so uvicorn leaves the signals to us
+        while http.is_alive():
+            http.join(0.5)
     finally:
         if watcher is not None:
             watcher.stop()
