@@ -407,3 +407,15 @@ def test_models_health_and_metrics(served):
     assert _metric(served, "tkcc_time_to_first_token_seconds_count") >= 1
     assert _metric(served, "tkcc_moe_count_seconds_count") >= 1
     assert _metric(served, "tkcc_request_rejected_total", status="400") >= 0
+
+
+def test_admin_measures_the_serving_decode_step(served):
+    from tkcc.serve.swap import AdminClient
+
+    admin = AdminClient(served.url, token=served.server.admin_token)
+    m = admin.measure_step(300, reps=5)
+    assert m["forward"] == served.tag and m["samples"] == 5 and 0 < m["p10_ms"] <= m["median_ms"] <= m["p90_ms"]
+    with pytest.raises(Exception, match="context must be"):
+        admin.measure_step(10 ** 6)
+    r = client(served).completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4)  # the cache is clean again
+    assert r.choices[0].token_ids == reference(served, [1, 2, 3], 4)

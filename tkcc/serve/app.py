@@ -216,15 +216,27 @@ def build_app(server) -> Starlette:
             return _error(400, str(e))
         return JSONResponse(res)
 
+    async def admin_measure(request: Request):
+        try:
+            check_admin(request)
+            try:
+                spec = json.loads(await read_body(request))
+                context, reps = int(spec["context"]), int(spec.get("reps", 30))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+                raise RequestError(f"the body must be {{\"context\": N, \"reps\": R}}: {e}") from None
+            res = await asyncio.to_thread(server.measure_step, context, reps)
+        except RequestError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except TkccError as e:
+            return _error(400, str(e))
+        return JSONResponse(res)
+
     async def admin_status(request: Request):
         try:
             check_admin(request)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
         return JSONResponse(server.status())
-
-    async def on_shutdown():
-        server.scheduler.stop()
 
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
@@ -234,6 +246,7 @@ def build_app(server) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/swap", admin_swap, methods=["POST"]),
         Route("/admin/status", admin_status, methods=["GET"]),
+        Route("/admin/measure", admin_measure, methods=["POST"]),
     ], exception_handlers={404: _not_found, 405: _not_allowed})
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import secrets
 import time
 
+import torch
+
 from tkcc.errors import TkccError
 from tkcc.serve.app import Limits, build_app
 from tkcc.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -95,6 +97,33 @@ class Server:
         With ``warm`` the new forward runs a two-token prompt on the scheduler thread first."""
         fut = self.scheduler.swap(compiled, tag or forward_tag(compiled), warm=warm)
         return fut.result(timeout_s)
+
+    def measure_step(self, context: int, reps: int = 30, warmup: int = 5) -> dict:
+        """The serving forward's decode step at ``context``, timed by the runtime's clock between requests.
+
+        What single-stream TPOT is compared with (benchmarks/serve.py): the same forward object, the
+        same device, ``tkcc.runtime.timing.time_eager`` (CUDA events on a GPU), on two input sets with
+        the KV cache filled to ``context``; run on the scheduler thread, so no request shares the cache."""
+        from tkcc.runtime.timing import time_eager
+        from tkcc.traffic.workload import Bucket
+
+        if not 0 <= int(context) < self.max_cache_len or not 1 <= int(reps) <= 10_000:
+            raise TkccError(f"measure_step: context must be in 0..{self.max_cache_len - 1} and reps in 1..10000")
+
+        def run():
+            served = self.scheduler.current
+            program = served.program
+            dev = torch.device(program.meta.get("device", "cpu"))
+            gen = torch.Generator().manual_seed(0)
+            sets = [program.inputs("decode", Bucket("decode", 1, int(context)), gen) for _ in range(2)]
+            try:
+                t = sorted(time_eager(served.compiled.forwards["decode"], sets, int(reps), int(warmup), dev))
+            finally:
+                program.reset_state()
+            return {"forward": served.tag, "context": int(context), "median_ms": 1e3 * t[len(t) // 2],
+                    "p10_ms": 1e3 * t[len(t) // 10], "p90_ms": 1e3 * t[(9 * len(t)) // 10], "samples": len(t),
+                    "device": str(dev), "clock": "tkcc.runtime.timing.time_eager"}
+        return self.scheduler.call(run).result()
 
     def status(self) -> dict:
         s = self.scheduler

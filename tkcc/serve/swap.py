@@ -123,3 +123,6 @@ class AdminClient:
 
     def status(self) -> dict:
         return self._call("GET", "/admin/status")
+
+    def measure_step(self, context: int, reps: int = 30) -> dict:
+        return self._call("POST", "/admin/measure", {"context": context, "reps": reps})
