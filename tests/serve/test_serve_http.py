@@ -419,3 +419,26 @@ def test_admin_measures_the_serving_decode_step(served):
         admin.measure_step(10 ** 6)
     r = client(served).completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4)  # the cache is clean again
     assert r.choices[0].token_ids == reference(served, [1, 2, 3], 4)
+
+
+def test_the_server_serves_what_a_watch_campaign_left_shipped(served, tmp_path):
+    """A campaign that keeps the baseline records the ship without calling the evaluator: --watch follows
+    the store and swaps it in (one in-process build, as a ship from the engine would be)."""
+    from tkcc.agents.store import ExperimentStore
+    from tkcc.agents.watch import WatchEvent
+    from tkcc.passes.plan import PassPlan
+    from tkcc.serve.watching import ServeWatch
+
+    watcher = ServeWatch(served.server, SimpleNamespace())  # not started: no engine, only its ship logic
+    watcher.store = ExperimentStore(str(tmp_path / "store.db"))
+    cid = watcher.store.open_campaign("serve-test-0", MODEL, {}, resume=False)
+    watcher.store.record_ship(cid, PassPlan().hash(), [], 1.0, "ship", "baseline")
+    try:
+        watcher.events.append(WatchEvent(time.time(), "campaign", {"shipped": (PassPlan().hash(), 1.0)}))
+        assert served.server.scheduler.current.tag == PassPlan().hash() and len(watcher.shipped) == 1
+        watcher.events.append(WatchEvent(time.time(), "campaign", {"shipped": (PassPlan().hash(), 1.0)}))
+        assert len(watcher.shipped) == 1  # already serving it: nothing to swap
+        assert watcher.status()["events"][0]["kind"] == "campaign"
+    finally:
+        watcher.store.close()
+        served.server.swap(served.compiled, served.tag)

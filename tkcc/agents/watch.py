@@ -29,14 +29,15 @@ class WatchEvent:
 def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, name: str, model: str,
           budget_s: float, min_requests: int = 200, poll_s: float = 5.0, max_polls: int | None = None,
           workload_kwargs: dict | None = None, tiers=("fast", "slow"), progress: bool = False,
-          stop=None) -> list[WatchEvent]:
+          stop=None, events: list | None = None) -> list[WatchEvent]:
     """Run the watch loop (until ``max_polls`` polls, ``stop`` is set, or forever). Returns what happened.
 
     ``make_evaluator(workload)`` gives an Evaluator measuring on that workload; ``make_proposer()`` a
     fresh proposer. Each re-optimisation is its own campaign in the store, named ``{name}-{n}``.
-    ``stop``: a ``threading.Event`` that ends the loop at its next poll (a server's ``--watch`` thread).
+    ``stop``: a ``threading.Event`` that ends the loop at its next poll (a server's ``--watch`` thread);
+    ``events``: a list to append the events to as they happen (to follow a loop that runs in a thread).
     """
-    events: list[WatchEvent] = []
+    events = events if events is not None else []
     polls, rounds, campaign_id, noise = 0, 0, None, None
     wk = dict(workload_kwargs or {})
     while (max_polls is None or polls < max_polls) and not (stop is not None and stop.is_set()):

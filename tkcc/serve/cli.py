@@ -84,7 +84,7 @@ def cmd_http(args):
     if args.watch:
         from tkcc.serve.watching import ServeWatch
 
-        watcher = ServeWatch(server, args).start()
+        watcher = server.watcher = ServeWatch(server, args).start()
     ready = {"ready": True, "url": url, "model": server.model_name, "forward": server.scheduler.current.tag,
              "device": info["device"], "dtype": info["dtype"], "trace": str(server.recorder.path)
              if server.recorder else None, "admin_token_file": info["admin_token_file"],

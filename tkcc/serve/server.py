@@ -69,6 +69,7 @@ class Server:
         self.scheduler = Scheduler(Served(compiled, tag), max_queue=max_queue, recorder=self.recorder,
                                    moe_counts=moe_counts, metrics=self.metrics)
         self.metrics.set_forward(tag)
+        self.watcher = None  # a tkcc.serve.watching.ServeWatch, when --watch runs
         self.swapper = None
         if builder is not None:
             from tkcc.serve.swap import Swapper
@@ -131,7 +132,8 @@ class Server:
                 "running": int(s.running is not None), "served": s.served, "swaps": s.swaps,
                 "trace": str(self.recorder.path) if self.recorder else None, "moe_counts": s.moe_counts,
                 "moe_note": self.moe_note, "ships": list(self.swapper.history) if self.swapper else [],
-                "max_cache_len": self.max_cache_len, "tokenizer": self.tokenizer.name}
+                "max_cache_len": self.max_cache_len, "tokenizer": self.tokenizer.name,
+                "watch": self.watcher.status() if self.watcher is not None else None}
 
     def close(self) -> None:
         self.scheduler.stop()

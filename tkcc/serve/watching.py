@@ -46,6 +46,18 @@ class _ServerTrace:
         return n
 
 
+class _Events(list):
+    """The watch loop's event list; ``on(event)`` runs as each one is appended (the loop runs in a thread)."""
+
+    def __init__(self, on):
+        super().__init__()
+        self.on = on
+
+    def append(self, ev) -> None:
+        super().append(ev)
+        self.on(ev)
+
+
 class ServeWatch:
     def __init__(self, server, args):
         if server.recorder is None:
@@ -56,6 +68,9 @@ class ServeWatch:
         self.stop_event = threading.Event()
         self.error: str | None = None
         self.shipped: list = []
+        self.events = _Events(self._on_event)  # tkcc.agents.watch.WatchEvent, as they happen
+        self.store = None
+        self.state = "starting the engine"
         self._thread = threading.Thread(target=self._run, name="tkcc-serve-watch", daemon=True)
 
     def start(self) -> "ServeWatch":
@@ -70,6 +85,7 @@ class ServeWatch:
         try:
             self._watch()
         except Exception as e:  # noqa: BLE001 - the server keeps serving; the failure is reported in status
+            self.state = "failed"
             if not self.stop_event.is_set():
                 self.error = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
@@ -87,18 +103,42 @@ class ServeWatch:
         if a.max_cache_len:
             extra += ["--max-cache-len", str(a.max_cache_len)]
         rolling = _ServerTrace(server, a.watch_horizon)
+        self.store = ExperimentStore(a.watch_store)
         with spawned_engine(a.model, a.device, extra=tuple(extra)) as client:
+            self.state = "watching"
             worker = client.status().get("worker") or {}
             wk = {"max_context": int(worker.get("max_cache_len") or server.max_cache_len), "batch_sizes": (1,)}
 
-            def evaluator(workload):
-                ev = ShippingEvaluator(EngineEvaluator(client, workload), server.swapper.ship)
-                self.shipped = ev.shipped
-                return ev
-
-            watch(rolling, evaluator,
+            watch(rolling, lambda workload: ShippingEvaluator(EngineEvaluator(client, workload), self._ship),
                   lambda: BayesianSearch(SearchSpace.from_registry(exact_only=a.mode == "exact",
                                                                    device=str(worker.get("device", "cpu")))),
-                  ExperimentStore(a.watch_store), name=f"serve-{server.model_name}", model=server.model_name,
+                  self.store, name=f"serve-{server.model_name}", model=server.model_name,
                   budget_s=parse_window(a.watch_budget), min_requests=a.watch_min_requests,
-                  poll_s=a.watch_poll, workload_kwargs=wk, progress=False, stop=self.stop_event)
+                  poll_s=a.watch_poll, workload_kwargs=wk, progress=False, stop=self.stop_event,
+                  events=self.events)
+        self.state = "stopped"
+
+    def _on_event(self, ev) -> None:
+        """After a campaign, serve what it left shipped: a campaign that keeps the baseline (or the candidate
+        serving before it) records that ship in the store without calling the evaluator's ``ship``."""
+        if ev.kind != "campaign" or not ev.detail.get("shipped") or self.store is None:
+            return
+        key = ev.detail["shipped"][0]
+        if key == self.server.scheduler.current.tag:
+            return
+        rows = [r for r in self.store.ships() if r["candidate"] == key and r["action"] in ("ship", "revert")]
+        if not rows:
+            return
+        plan = rows[-1]["plan"]
+        self._ship({"plan": plan} if plan else {"baseline": True})
+
+    def _ship(self, spec: dict) -> dict:
+        rec = self.server.swapper.ship(spec)
+        self.shipped.append(rec)
+        return rec
+
+    def status(self) -> dict:
+        evs = [{"time": e.time, "kind": e.kind, **{k: v for k, v in e.detail.items() if k != "shifts"}}
+               for e in self.events if e.kind != "quiet"]
+        return {"state": self.state, "error": self.error, "events": evs[-20:],
+                "polls_quiet": sum(e.kind == "quiet" for e in self.events)}
