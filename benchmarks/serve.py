@@ -69,7 +69,8 @@ class ServerProcess:
                device, "--json", "--trace-out", str(self.dir / "traffic"), *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.err = open(self.dir / "server.stderr", "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, cwd=self.dir)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, cwd=self.dir,
+                                     start_new_session=True)  # its own group: the server and an engine it starts
         got = {}
         t = threading.Thread(target=lambda: got.update(line=self.proc.stdout.readline()), daemon=True)
         t.start()
@@ -102,6 +103,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group outlived it (a --watch engine)
+        except ProcessLookupError:
+            pass
         self.err.close()
 
 
@@ -258,26 +263,48 @@ def campaign_cost(srv, model, vocab, trace, args, factor: float) -> dict:
                             start=args.trace_start)
     idle = summarize(asyncio.run(replay(srv.url, model, reqs, args.run_limit_s)))
     cmd = [sys.executable, "-m", "tkcc.cli", "campaign", "--model", args.engine_model, "--device", args.device,
-           "--budget", f"{args.campaign_budget_s:.0f}s", "--store", str(srv.dir / "campaign.db"), "--no-progress",
+           "--budget", f"{args.campaign_budget_s + args.campaign_warm_s:.0f}s", "--store", str(srv.dir / "campaign.db"), "--no-progress",
            "--json", "--reps", "10"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    camp = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=srv.dir)
+    camp = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=srv.dir,
+                            start_new_session=True)  # its own process group: it and the engine it starts
     try:
-        time.sleep(args.campaign_warm_s)  # the engine starts and begins measuring before the load is replayed
+        started = _wait_measuring(srv.dir / "campaign.db", camp, args.campaign_warm_s)
         busy = summarize(asyncio.run(replay(srv.url, model, reqs, args.run_limit_s)))
         measuring = camp.poll() is None
     finally:
         if camp.poll() is None:
-            camp.send_signal(signal.SIGTERM)
+            camp.send_signal(signal.SIGINT)  # KeyboardInterrupt: the campaign stops its engine on the way out
             try:
                 camp.wait(60)
             except subprocess.TimeoutExpired:
                 camp.kill()
                 camp.wait(30)
+        try:
+            os.killpg(camp.pid, signal.SIGKILL)  # the group this benchmark made: an engine left behind goes too
+        except ProcessLookupError:
+            pass
     p = lambda s: s["tpot_ms"]["p90"] if s["tpot_ms"] else None  # noqa: E731
     return {"rate_factor": factor, "idle": idle, "while_campaign": busy, "p90_tpot_ms_idle": p(idle),
-            "p90_tpot_ms_while_campaign": p(busy), "campaign_still_measuring_at_end": measuring,
+            "p90_tpot_ms_while_campaign": p(busy), "campaign_measuring_at_start": started,
+            "campaign_still_measuring_at_end": measuring,
             "ratio": (p(busy) / p(idle)) if p(idle) and p(busy) else None}
+
+
+def _wait_measuring(store: Path, proc, timeout_s: float) -> bool:
+    """Wait until the campaign's engine has recorded its first experiment (it measures from then on)."""
+    import sqlite3
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=1) as db:
+                if db.execute("SELECT count(*) FROM experiments").fetchone()[0] > 0:
+                    return True
+        except sqlite3.Error:
+            pass
+        time.sleep(1.0)
+    return False
 
 
 def drift_run(args, model_name, vocab, est) -> dict:
@@ -450,7 +477,8 @@ def main(argv=None):
     ap.add_argument("--trace-start", type=int, default=0)
     ap.add_argument("--cost-requests", type=int, default=60)
     ap.add_argument("--campaign-budget-s", type=float, default=60.0)
-    ap.add_argument("--campaign-warm-s", type=float, default=20.0)
+    ap.add_argument("--campaign-warm-s", type=float, default=240.0,
+                    help="longest wait for the campaign's engine to start measuring")
     ap.add_argument("--drift-requests", type=int, default=1000)
     ap.add_argument("--drift-max-output", type=int, default=16)
     ap.add_argument("--drift-util", type=float, default=0.6, help="offered load as a share of the estimated capacity")
@@ -465,16 +493,16 @@ def main(argv=None):
     import torch
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if a.smoke:
+    if a.smoke:  # small settings, each unless given on the command line
         a.model, a.device = "llama-tiny", "cpu"
-        a.max_cache_len = a.max_cache_len or 256
-        a.ss_context, a.ss_tokens, a.ss_requests = 32, 32, 3
-        a.load_requests, a.load_max_output, a.ladder_steps, a.run_limit_s = 20, 24, 3, 10.0
-        a.campaign_budget_s, a.cost_requests, a.campaign_warm_s = 0.0, 0, 0.0
-        a.drift_requests, a.drift_max_output, a.drift_limit_s, a.swap_every = 120, 8, 30.0, 40
-        a.watch = False
-        if a.out == str(ROOT / "benchmarks/results/serve.json"):
-            a.out = str(ROOT / "benchmarks/results/serve_cpu_smoke.json")
+        small = dict(max_cache_len=256, ss_context=32, ss_tokens=32, ss_requests=3, load_requests=20,
+                     load_max_output=24, ladder_steps=3, run_limit_s=10.0, campaign_budget_s=0.0, cost_requests=20,
+                     campaign_warm_s=120.0, drift_requests=120, drift_max_output=8, drift_limit_s=30.0, swap_every=40,
+                     watch=False, watch_budget_s=20.0, watch_min_requests=40,
+                     out=str(ROOT / "benchmarks/results/serve_cpu_smoke.json"))
+        for k, v in small.items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
     a.engine_model = a.model
     a.server_args = ["--max-queue", "256"] + (["--max-cache-len", str(a.max_cache_len)] if a.max_cache_len else [])
     a.workdir = Path(tempfile.mkdtemp(prefix="tkcc-bench-serve-"))

@@ -114,9 +114,10 @@ class EngineEvaluator:
 
 @contextmanager
 def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None, extra: tuple[str, ...] = (),
-                   start_timeout_s: float = 900, env: dict | None = None):
+                   start_timeout_s: float = 900, env: dict | None = None, on_start=None):
     """Start ``tkcc serve`` for this campaign and stop it afterwards; yields a connected EngineClient.
-    ``env``: variables set for the engine process only (e.g. its own TRITON_CACHE_DIR)."""
+    ``env``: variables set for the engine process only (e.g. its own TRITON_CACHE_DIR).
+    ``on_start(proc)``: called with the engine's Popen once it runs (an owner in another thread can end it)."""
     from tkcc.runtime import EngineClient
 
     tmp = Path(state_dir or tempfile.mkdtemp(prefix="tkcc-campaign-engine-"))
@@ -127,6 +128,8 @@ def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None
     with open(tmp / "engine.stderr", "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                                 env={**os.environ, **env} if env else None)
+    if on_start is not None:
+        on_start(proc)
     try:
         deadline = time.monotonic() + start_timeout_s
         line = proc.stdout.readline()

@@ -107,15 +107,16 @@ def build_app(server) -> Starlette:
     def check_lengths(prompts: list[list[int]], max_tokens: int, what: str) -> None:
         cache = server.max_cache_len
         cap = lim.max_prompt_tokens or cache
+        field = "prompt" if what == "prompt" else "messages"
         if max_tokens > lim.max_tokens:
             raise RequestError(f"max_tokens={max_tokens} is over this server's limit of {lim.max_tokens}",
                                param="max_tokens")
         for p in prompts:
             if not p:
-                raise RequestError(f"the {what} is empty (0 tokens)", param="prompt" if what == "prompt" else "messages")
+                raise RequestError(f"the {what} is empty (0 tokens)", param=field)
             if len(p) > cap:
-                raise RequestError(f"the {what} has {len(p)} tokens; this server's limit is {cap}",
-                                   param="prompt" if what == "prompt" else "messages", code="context_length_exceeded")
+                raise RequestError(f"the {what} has {len(p)} tokens; this server's limit is {cap}", param=field,
+                                   code="context_length_exceeded")
             if len(p) + max_tokens - 1 > cache:
                 raise RequestError(f"this model's maximum context length is {cache} tokens; the request needs "
                                    f"{len(p) + max_tokens - 1} ({len(p)} in the {what}, {max_tokens} to generate, the "
@@ -136,7 +137,7 @@ def build_app(server) -> Starlette:
             raise RequestError(str(e), status=503, kind="server_error") from None
         return jobs
 
-    async def run_request(request: Request, kind: type, endpoint: str):
+    async def run_request(request: Request, kind: type):
         t_arrival = time.time()
         try:
             check_key(request)
@@ -171,10 +172,10 @@ def build_app(server) -> Starlette:
         return await _whole(request, jobs, meta, chat)
 
     async def completions(request: Request):
-        return await run_request(request, CompletionRequest, "completions")
+        return await run_request(request, CompletionRequest)
 
     async def chat_completions(request: Request):
-        return await run_request(request, ChatRequest, "chat")
+        return await run_request(request, ChatRequest)
 
     async def models(request: Request):
         try:

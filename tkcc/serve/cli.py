@@ -71,20 +71,31 @@ def cmd_http(args):
         if v < 0:
             raise TkccError(f"{flag}: must be {'positive' if flag != '--max-queue' else '>= 0'}")
     sock = bind(host, port, allow_remote=args.allow_remote)  # fail on the address before minutes of compiling
+    server = watcher = None
     try:
         server, info = _build_server(args)
-    except BaseException:
+        if args.watch:
+            from tkcc.serve.watching import ServeWatch
+
+            watcher = server.watcher = ServeWatch(server, args).start()
+        _serve_forever(args, server, info, sock, t0)
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        if server is not None:
+            server.close()
         sock.close()
-        raise
+    if not args.json:
+        print("tkcc serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _serve_forever(args, server, info, sock, t0) -> None:
+    """Print the ready line, run uvicorn on ``sock`` until SIGINT/SIGTERM (graceful: open responses finish)."""
     from tkcc.serve.runner import uvicorn_server
 
     h, p = sock.getsockname()[:2]
     url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
-    watcher = None
-    if args.watch:
-        from tkcc.serve.watching import ServeWatch
-
-        watcher = server.watcher = ServeWatch(server, args).start()
     ready = {"ready": True, "url": url, "model": server.model_name, "forward": server.scheduler.current.tag,
              "device": info["device"], "dtype": info["dtype"], "trace": str(server.recorder.path)
              if server.recorder else None, "admin_token_file": info["admin_token_file"],
@@ -96,27 +107,17 @@ def cmd_http(args):
         print(f"tkcc serve: {server.model_name} ({info['dtype']} on {info['device']}), forward {ready['forward']}, "
               f"OpenAI API on {url}/v1; trace {ready['trace']}; admin token in {info['admin_token_file']}; "
               f"started in {ready['startup_s']} s", flush=True)
-    uv = uvicorn_server(server.app, log_level=args.log_level,
-                        max_connections=4 * (args.max_queue + 1) + 64)
+    uv = uvicorn_server(server.app, log_level=args.log_level, max_connections=4 * (args.max_queue + 1) + 64)
 
-    def _stop(signum, frame):  # graceful: uvicorn stops accepting, finishes open responses, then we clean up
+    def _stop(signum, frame):
         uv.should_exit = True
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     http = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="tkcc-serve-http")
-    try:
-        http.start()  # off the main thread, so uvicorn leaves the signals to us
-        while http.is_alive():
-            http.join(0.5)
-    finally:
-        if watcher is not None:
-            watcher.stop()
-        server.close()
-        sock.close()
-    if not args.json:
-        print("tkcc serve: stopped", file=sys.stderr)
-    return 0
+    http.start()  # off the main thread, so uvicorn leaves the signals to us
+    while http.is_alive():
+        http.join(0.5)
 
 
 def _build_server(args):

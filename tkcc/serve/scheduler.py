@@ -30,6 +30,7 @@ import itertools
 import math
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -130,6 +131,7 @@ class Scheduler:
         self._counter_of: tuple | None = None  # (program, its ExpertCounter or None)
         self.swaps = 0
         self.served = 0
+        self.moe_note: str | None = None
         self._thread = threading.Thread(target=self._loop, name="tkcc-serve-scheduler", daemon=True)
 
     # ---- the HTTP side -------------------------------------------------------------------------
@@ -196,9 +198,11 @@ class Scheduler:
         return ids
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the request being served, refuse the waiting ones (503), stop the thread."""
+        """Cancel the request being served, refuse the waiting ones (503), stop the thread."""
         with self._cv:
             self._stopping = True
+            if self.running is not None:
+                self.running.cancel()
             left = list(self._queue)
             self._queue.clear()
             controls = list(self._controls)
@@ -237,6 +241,11 @@ class Scheduler:
             self._report_queue()
             try:
                 self._serve(job)
+            except Exception as e:  # noqa: BLE001 - book-keeping that fails must not stop the server
+                traceback.print_exc()
+                if job.finish is None:
+                    job.finish = "error"
+                    job.deliver(Failed(500, f"the server failed serving this request: {type(e).__name__}: {e}"))
             finally:
                 with self._cv:
                     self.running = None
@@ -308,13 +317,15 @@ class Scheduler:
         moe = None
         served = job.served
         if served is not None and job.tokens and self._count_now():
-            counter = self._counter(served.program)
-            if counter is not None:
-                t = time.perf_counter()
-                fed = job.prompt + job.tokens[:-1]
-                moe = counter.count(fed)
-                if self.metrics is not None:
-                    self.metrics.on_moe_count(time.perf_counter() - t)
+            try:
+                counter = self._counter(served.program)
+                if counter is not None:
+                    t = time.perf_counter()
+                    moe = counter.count(job.prompt + job.tokens[:-1])
+                    if self.metrics is not None:
+                        self.metrics.on_moe_count(time.perf_counter() - t)
+            except TkccError as e:  # a forward whose graph has no recognisable routers: record without counts
+                self.moe_note = str(e)
         if self.recorder is not None:
             self.recorder.record(job.arrival - self.t0, job.prompt, len(job.tokens), moe=moe)
         if self.metrics is not None:

@@ -131,7 +131,7 @@ class Server:
         return {"model": self.model_name, "forward": s.current.tag, "waiting": s.waiting,
                 "running": int(s.running is not None), "served": s.served, "swaps": s.swaps,
                 "trace": str(self.recorder.path) if self.recorder else None, "moe_counts": s.moe_counts,
-                "moe_note": self.moe_note, "ships": list(self.swapper.history) if self.swapper else [],
+                "moe_note": self.moe_note or s.moe_note, "ships": list(self.swapper.history) if self.swapper else [],
                 "max_cache_len": self.max_cache_len, "tokenizer": self.tokenizer.name,
                 "watch": self.watcher.status() if self.watcher is not None else None}
 

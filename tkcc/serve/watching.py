@@ -14,6 +14,7 @@ campaign measures, against idle).
 """
 from __future__ import annotations
 
+import os
 import threading
 import traceback
 
@@ -64,6 +65,10 @@ class ServeWatch:
             raise TkccError("--watch follows the server's own trace; it cannot run with --no-record")
         if server.swapper is None:
             raise TkccError("--watch needs a server that can build forwards")
+        model = getattr(args, "model", None)
+        if model is not None and os.path.isdir(model):
+            raise TkccError(f"--watch: the engine that measures candidates builds built-in models; {model} is a "
+                            "model directory (run `tkcc watch --serve URL` with an engine of your own instead)")
         self.server, self.args = server, args
         self.stop_event = threading.Event()
         self.error: str | None = None
@@ -71,15 +76,25 @@ class ServeWatch:
         self.events = _Events(self._on_event)  # tkcc.agents.watch.WatchEvent, as they happen
         self.store = None
         self.state = "starting the engine"
+        self._engine = None  # the engine's Popen
         self._thread = threading.Thread(target=self._run, name="tkcc-serve-watch", daemon=True)
 
     def start(self) -> "ServeWatch":
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the loop at its next poll; a campaign still measuring is ended with its engine (SIGTERM)."""
         self.stop_event.set()
         self._thread.join(timeout_s)
+        eng = self._engine
+        if eng is not None and eng.poll() is None:
+            eng.terminate()
+            try:
+                eng.wait(60)
+            except Exception:  # noqa: BLE001 - then it is killed
+                eng.kill()
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         try:
@@ -104,7 +119,8 @@ class ServeWatch:
             extra += ["--max-cache-len", str(a.max_cache_len)]
         rolling = _ServerTrace(server, a.watch_horizon)
         self.store = ExperimentStore(a.watch_store)
-        with spawned_engine(a.model, a.device, extra=tuple(extra)) as client:
+        with spawned_engine(a.model, a.device, extra=tuple(extra),
+                            on_start=lambda proc: setattr(self, "_engine", proc)) as client:
             self.state = "watching"
             worker = client.status().get("worker") or {}
             wk = {"max_context": int(worker.get("max_cache_len") or server.max_cache_len), "batch_sizes": (1,)}
