@@ -321,3 +321,35 @@ def test_a_saved_artifact_is_served_as_compiled(compiled, builder, tmp_path):
     compiled.save(tmp_path / "art")
     loaded = load_artifact(str(tmp_path / "art"), builder.model)
     assert torch.equal(loaded.generate(prompt, 8), want)
+
+
+def test_ids_are_read_one_step_late_in_order():
+    """The CUDA path's order, with a recording stand-in for the device copy: step i+1 starts before id i is
+    read, every id comes out once and in order, and stopping early closes the steps."""
+    from tkcc.serve.scheduler import one_step_late
+
+    log = []
+
+    def steps(n):
+        try:
+            for i in range(n):
+                log.append(f"step {i}")
+                yield i
+        finally:
+            log.append("closed")
+
+    def start_copy(t):
+        log.append(f"copy {t}")
+        return lambda: (log.append(f"read {t}"), t)[1]
+
+    assert list(one_step_late(steps(3), start_copy)) == [0, 1, 2]
+    assert log == ["step 0", "copy 0", "step 1", "copy 1", "read 0", "step 2", "copy 2", "read 1", "closed",
+                   "read 2"]
+    log.clear()
+    s = steps(10)
+    for v in one_step_late(s, start_copy):
+        if v == 1:
+            break
+    s.close()
+    assert log[-1] == "closed" and "step 3" not in log  # a stop at id 1 spent one step more (step 2), no more
+    assert list(one_step_late(steps(0), start_copy)) == []

@@ -360,20 +360,32 @@ def token_ids(steps, program):
     """The ids a CompiledModel's ``stream`` yields, as ints; on CUDA each read one step late (see above)."""
     dev = torch.device(program.meta.get("device", "cpu"))
     if dev.type != "cuda":
-        for t in steps:
-            yield int(t[0])
-        return
+        return (int(t[0]) for t in steps)
     bufs = [torch.empty(1, dtype=torch.long, pin_memory=True) for _ in range(2)]
-    prev = None
-    for i, t in enumerate(steps):
-        buf = bufs[i % 2]
+    n = itertools.count()
+
+    def start_copy(t):
+        buf = bufs[next(n) % 2]  # step i's buffer is read at step i+1, before step i+2 writes it again
         buf.copy_(t[:1], non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        if prev is not None:
-            prev[1].synchronize()
-            yield int(prev[0][0])
-        prev = (buf, ev)
-    if prev is not None:
-        prev[1].synchronize()
-        yield int(prev[0][0])
+
+        def wait():
+            ev.synchronize()
+            return int(buf[0])
+        return wait
+
+    return one_step_late(steps, start_copy)
+
+
+def one_step_late(steps, start_copy):
+    """Yield each step's value after the next step was started: ``start_copy(t)`` begins reading step t
+    back and returns a function that waits for it; the last value is read after the steps run out."""
+    pending = None
+    for t in steps:
+        ready = start_copy(t)
+        if pending is not None:
+            yield pending()
+        pending = ready
+    if pending is not None:
+        yield pending()
