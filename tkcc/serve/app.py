@@ -359,6 +359,8 @@ async def _whole(request: Request, jobs, meta: dict, chat: bool):
             return _error(ev.status, ev.message, ev.kind)
         if ev.finish == "timeout":
             return _error(504, "the request timed out", "timeout")
+        if ev.finish == "cancelled":  # not by this client (it is still here): the server is stopping
+            return _error(503, "the server is shutting down", "server_error")
     choices = []
     for i, (job, ev) in enumerate(zip(jobs, ends)):
         text = job.stop.text
