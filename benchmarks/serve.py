@@ -356,7 +356,10 @@ def drift_run(args, model_name, vocab, est) -> dict:
                                                                                   "clipped_inputs": clipped_b, **after},
                 "max_output_tokens": args.drift_max_output, "utilisation_target": args.drift_util,
                 "wall_s": wall, "watch": bool(args.watch), "ships": status.get("ships", [])[-10:],
-                "ships_by_watch_detail": ships_by_watch[-5:], "server_metrics": _pick(srv.metrics())}
+                "ships_by_watch_detail": ships_by_watch[-5:], "server_metrics": (m := _pick(srv.metrics())),
+                "moe_counts": args.moe_counts, "moe_counted_requests": m.get("tkcc_moe_count_seconds_count"),
+                "moe_count_s_per_request": (m["tkcc_moe_count_seconds_sum"] / m["tkcc_moe_count_seconds_count"])
+                if m.get("tkcc_moe_count_seconds_count") else None}
     finally:
         srv.stop()
 
@@ -464,7 +467,7 @@ def main(argv=None):
     ap.add_argument("--model", default="llama-1b-16l")
     ap.add_argument("--device", default=None, help="default cuda when there is one, else cpu")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serve.json"))
-    ap.add_argument("--smoke", action="store_true", help="CPU: llama-tiny, small runs, < 2 min")
+    ap.add_argument("--smoke", action="store_true", help="CPU: llama-tiny (or a tiny --model), small runs, < 2 min")
     ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget; later phases shrink")
     ap.add_argument("--max-cache-len", type=int, default=None)
     ap.add_argument("--ss-context", type=int, default=512)
@@ -487,15 +490,16 @@ def main(argv=None):
     ap.add_argument("--watch", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--watch-budget-s", type=float, default=40.0)
     ap.add_argument("--watch-min-requests", type=int, default=150)
-    ap.add_argument("--moe-counts", default="all", choices=["all", "idle", "off"],
-                    help="what the drift run's server records (its cost is in drift_run.server_metrics)")
+    ap.add_argument("--moe-counts", default="idle", choices=["all", "idle", "off"],
+                    help="MoE counts in the drift run's server (default idle: counted between requests when none "
+                         "waits; the cost per counted request is drift_run.moe_count_s_per_request)")
     a = ap.parse_args(argv)
     import torch
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if a.smoke:  # small settings, each unless given on the command line
-        a.model, a.device = "llama-tiny", "cpu"
-        small = dict(max_cache_len=256, ss_context=32, ss_tokens=32, ss_requests=3, load_requests=20,
+        a.device = "cpu"
+        small = dict(model="llama-tiny", max_cache_len=256, ss_context=32, ss_tokens=32, ss_requests=3, load_requests=20,
                      load_max_output=24, ladder_steps=3, run_limit_s=10.0, campaign_budget_s=0.0, cost_requests=20,
                      campaign_warm_s=120.0, drift_requests=120, drift_max_output=8, drift_limit_s=30.0, swap_every=40,
                      watch=False, watch_budget_s=20.0, watch_min_requests=40,

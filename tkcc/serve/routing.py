@@ -8,7 +8,7 @@ the number of experts and whose ``k`` is the number of experts per token. A
 copy of that graph returns each router's selected expert ids beside the
 logits, and after a request has been answered the counter replays the tokens
 the model processed for it (the prompt, and each generated token that was fed
-back: ``in + out - 1`` tokens) through the copy, in chunks, on the same KV
+back: ``in + out - 1`` tokens) through the copy, in chunks of ``CHUNK``, on the same KV
 cache. ``bincount`` of the ids gives (num_layers, num_experts) counts: how many
 (token, slot) assignments each expert got, the tkcc trace's ``moe`` field.
 
@@ -25,7 +25,7 @@ import torch.fx
 
 from tkcc.errors import TkccError
 
-CHUNK = 256  # replay tokens per prefill call (bounds the experts' gather memory of long requests)
+CHUNK = 128  # replay tokens per prefill call (bounds the experts' gather memory of long requests)
 
 
 def _config_moe(model) -> tuple[int, int] | None:
