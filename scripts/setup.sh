@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Create .venv and install tkcc into it. `--dev` adds the test tools.
+# Create .venv and install tkcc into it (with the server's libraries). `--dev` adds the test tools.
 # With no NVIDIA GPU, the CPU build of torch goes in first (an unpinned torch
 # would pull a multi-GB CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-extras="hf,cuda"
-[ "${1:-}" = "--dev" ] && extras="hf,cuda,science,dev"
+extras="hf,cuda,serve"
+[ "${1:-}" = "--dev" ] && extras="hf,cuda,serve,science,dev"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

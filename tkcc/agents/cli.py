@@ -41,6 +41,9 @@ def register(sub) -> None:
                    help="requests in the window needed before deciding anything: the reference, a drift verdict, "
                         "a re-optimisation (default 200)")
     w.add_argument("--name", default=None, help="campaign name prefix in the store (default: watch-<model>)")
+    w.add_argument("--serve", default=None, metavar="URL",
+                   help="also hot-swap each ship/revert into this running `tkcc serve --http` server")
+    w.add_argument("--serve-token-file", default=None, help="that server's admin token file")
     _proposer_args(w)
     add_json_flag(w)
     w.set_defaults(func=cmd_watch)
@@ -255,6 +258,22 @@ def cmd_watch(args):
         raise TkccError(f"--trace-stream {path} does not exist")
     rolling = RollingWorkload(path, horizon=args.horizon, format=args.format, min_reopt_requests=args.min_requests)
     reps = _reps(args, budget)
+    ship_to = None
+    if args.serve:  # a live server: each ship/revert is also swapped into it (tkcc.serve.swap)
+        from tkcc.serve.swap import AdminClient
+
+        live = AdminClient(args.serve, token_file=args.serve_token_file)
+        live.status()  # fail now on a wrong URL or token, not at the first ship
+        ship_to = live.ship
+
+    def make_ev(client, wl):
+        ev = EngineEvaluator(client, wl, pass_modules=args.pass_module, reps=reps, keep_artifacts=keep)
+        if ship_to is None:
+            return ev
+        from tkcc.serve.swap import ShippingEvaluator
+
+        return ShippingEvaluator(ev, ship_to)
+
     events: list = []  # filled as they happen: neither an interrupt nor a failing engine stop loses them
     on_event = None if args.no_progress else (lambda e: print(e.line(), file=sys.stderr, flush=True))
     interrupted = False
@@ -266,8 +285,7 @@ def cmd_watch(args):
         model = str((client.status().get("engine") or {}).get("model") or args.model)
         store = ExperimentStore(args.store)
         keep = _artifacts_dir(args.store)
-        watch(rolling, lambda wl: EngineEvaluator(client, wl, pass_modules=args.pass_module, reps=reps,
-                                                  keep_artifacts=keep),
+        watch(rolling, lambda wl: make_ev(client, wl),
               lambda: BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance,
                                                                device=str(worker.get("device", "cpu"))),
                                      seed=args.seed),

@@ -103,6 +103,10 @@ class EngineEvaluator:
         self.build_info[key] = info
         return key
 
+    def spec_of(self, key: str) -> dict:
+        """The candidate spec an artifact hash from ``build`` was built from (what a live server rebuilds)."""
+        return dict(self._specs[key])
+
     def _run(self, key: str, tier: str, keep: bool) -> dict:
         try:
             return self.client.experiment(self._specs[key], tiers=tier, workload=self.workload, keep=keep,
@@ -165,12 +169,13 @@ _KEEP_FILE_BYTES = 1 << 20  # a kept artifact's files above this (binaries) are 
 @contextmanager
 def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None, extra: tuple[str, ...] = (),
                    start_timeout_s: float = 900, env: dict | None = None, keep_temp: bool = False,
-                   stop_timeout_s: float = 30):
+                   stop_timeout_s: float = 30, on_start=None):
     """Start ``tkcc serve`` for this campaign and stop it afterwards; yields a connected EngineClient.
 
     ``env``: variables set for the engine process only (e.g. its own TRITON_CACHE_DIR). Without
     ``state_dir`` the engine works in a temporary folder, removed when it stops (kept with ``keep_temp``).
-    Stopping never raises: the engine is asked to shut down, then terminated, then killed."""
+    Stopping never raises: the engine is asked to shut down, then terminated, then killed.
+    ``on_start(proc)``: called with the engine's Popen once it runs (an owner in another thread can end it)."""
     from tkcc.runtime import EngineClient
 
     own = state_dir is None
@@ -184,6 +189,8 @@ def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None
         with open(tmp / "engine.stderr", "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
                                     env={**os.environ, **env} if env else None)
+        if on_start is not None:
+            on_start(proc)
         line = _ready_line(proc, start_timeout_s)
         try:
             ready = json.loads(line) if line else {}

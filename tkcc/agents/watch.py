@@ -49,14 +49,16 @@ class WatchEvent:
 def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, name: str, model: str,
           budget_s: float, min_requests: int = 200, poll_s: float = 5.0, max_polls: int | None = None,
           workload_kwargs: dict | None = None, tiers=("fast", "slow"), progress=False, on_event=None,
-          sleep=time.sleep, events: list | None = None) -> list[WatchEvent]:
-    """Run the watch loop (until ``max_polls`` polls, or forever). Returns what happened, in order.
+          sleep=time.sleep, events: list | None = None, stop=None) -> list[WatchEvent]:
+    """Run the watch loop (until ``max_polls`` polls, ``stop`` is set, or forever). Returns what happened.
 
     ``make_evaluator(workload)`` gives an Evaluator measuring on that workload; ``make_proposer()`` a
     fresh proposer. Each re-optimisation is its own campaign in the store, named ``{name}-{n}``.
     ``min_requests`` is the one threshold: the window needs that many requests for a reference, a drift
     verdict and a re-optimisation. Every poll adds one event (``on_event(event)`` is called with each, as it
-    happens); pass ``events`` to keep them where an interrupt cannot lose them.
+    happens); pass ``events`` to keep them where an interrupt cannot lose them (or to follow a loop that
+    runs in a thread). ``stop``: a ``threading.Event`` that ends the loop at its next poll (a server's
+    ``--watch`` thread).
     """
     events = events if events is not None else []
 
@@ -72,7 +74,7 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
         rolling.params["min_reopt_requests"] = min_requests  # the flag decides, not a default inside
     polls, rounds, campaign_id, noise = 0, 0, None, None
     wk = dict(workload_kwargs or {})
-    while max_polls is None or polls < max_polls:
+    while (max_polls is None or polls < max_polls) and not (stop is not None and stop.is_set()):
         polls += 1
         arrived = rolling.update()
         cur = rolling.current()
@@ -106,7 +108,10 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
                 emit("quiet", {"requests": len(cur), "arrived": arrived, "note": note, "ratios": verdict.ratios,
                                "ks": verdict.ks})
         if max_polls is None or polls < max_polls:
-            sleep(poll_s)
+            if stop is not None:
+                stop.wait(poll_s)
+            else:
+                sleep(poll_s)
     return events
 
 

@@ -45,6 +45,9 @@ def register(subparsers) -> None:
                    help="GiB of host memory the worker may use before it is restarted (0: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request accepted (1 MiB)")
     p.add_argument("--max-artifact-bytes", type=int, default=256 << 20, help="largest artifact/source loaded")
+    from tkcc.serve.cli import add_http_args
+
+    add_http_args(p)  # `tkcc serve --http ADDR`: the OpenAI server instead of the RPC (tkcc.serve)
     add_json_flag(p)
     p.set_defaults(func=cmd_serve)
 
@@ -112,6 +115,10 @@ def _client(args):
 
 # ------------------------------------------------------------------- serve
 def cmd_serve(args):
+    if getattr(args, "http", None):
+        from tkcc.serve.cli import cmd_http
+
+        return cmd_http(args)
     from tkcc.runtime import protocol
     from tkcc.runtime.journal import Journal
     from tkcc.runtime.server import EngineServer

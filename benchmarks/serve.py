@@ -1,0 +1,526 @@
+"""Serving benchmark: `tkcc serve --http` driven by a replayed real trace, measured as `vllm bench serve` does.
+
+The server is started through the front door (`python -m tkcc.cli serve --http 127.0.0.1:0 ...`, a
+subprocess) and driven on loopback by a bounded load generator (aiohttp, streaming completions with
+token-id prompts): every request is sent at its trace arrival time divided by the rate factor, with the
+trace's input and output lengths (clipped to the KV cache; the clipped share is reported). Per request:
+TTFT (send to first token), ITL (gaps between tokens), TPOT ((E2E - TTFT) / (out - 1)) and E2E; reported
+as mean, median, P90 and P99 over the run.
+
+Phases, per model:
+1. single stream: sequential requests at one context; TPOT against the serving forward's decode step at
+   the same context, timed in the server between requests by the runtime's clock (`/admin/measure`).
+2. load: Azure conv arrivals time-scaled by a ladder of rate factors; the largest factor whose P90 TTFT
+   stays under 1 s.
+3. cost of measuring: the same steady load, idle and while `tkcc campaign` measures candidates on the
+   same device (P90 TPOT both ways).
+4. drift run: Azure conv, then a long-context ServeGen client, on a server started with `--watch` (it
+   sees the drift in its own trace, re-optimises with an engine beside it and hot-swaps what ships); the
+   benchmark also ships alternately the baseline and the default plan every `--swap-every` requests
+   (`/admin/swap`) so the run holds several swaps whatever the campaigns decide. Failed = any request
+   without a 200 and its max_tokens (429s included).
+
+  PYTHONPATH=. python benchmarks/serve.py --model llama-1b-16l --out benchmarks/results/serve.json   # H200
+  PYTHONPATH=. python benchmarks/serve.py --model olmoe-16l --out benchmarks/results/serve.json      # adds a run
+  PYTHONPATH=. python benchmarks/serve.py --smoke                                                   # CPU, < 2 min
+
+serve.json: {"runs": [one object per model: model, single_stream_tpot_ms, engine_step_ms, drift_run
+{requests, failed, swaps, p90_tpot_ms_before, p90_tpot_ms_after, ...}, load {factor: {ttft_ms, tpot_ms,
+itl_ms, e2e_ms: {mean, median, p90, p99}, ...}}, max_rate_factor_p90_ttft_under_1s, campaign_cost,
+measured_on]}; a run replaces the earlier run of the same model.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tkcc.serve.swap import AdminClient  # noqa: E402
+from tkcc.traffic.loaders import bundled_trace, load_trace  # noqa: E402
+
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:5.0f}s]", *a, flush=True)
+
+
+# ---- the server, as a user starts it ------------------------------------------------------------
+
+class ServerProcess:
+    def __init__(self, model: str, device: str, workdir: Path, extra=(), start_timeout_s: float = 900):
+        self.dir = Path(tempfile.mkdtemp(prefix="serve-", dir=workdir))
+        cmd = [sys.executable, "-m", "tkcc.cli", "serve", "--http", "127.0.0.1:0", "--model", model, "--device",
+               device, "--json", "--trace-out", str(self.dir / "traffic"), *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.err = open(self.dir / "server.stderr", "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err, text=True, env=env, cwd=self.dir,
+                                     start_new_session=True)  # its own group: the server and an engine it starts
+        got = {}
+        t = threading.Thread(target=lambda: got.update(line=self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(start_timeout_s)
+        if not got.get("line"):
+            self.stop()
+            raise RuntimeError(f"server did not start: {(self.dir / 'server.stderr').read_text()[-3000:]}")
+        self.ready = json.loads(got["line"])
+        self.url = self.ready["url"]
+        self.admin = AdminClient(self.url, token_file=self.ready["admin_token_file"])
+
+    def metrics(self) -> dict:
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=30).read().decode()
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + "".join(f"[{k}={v}]" for k, v in sorted(s.labels.items()) if k != "model")
+                out[key] = s.value
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group outlived it (a --watch engine)
+        except ProcessLookupError:
+            pass
+        self.err.close()
+
+
+# ---- the load generator -------------------------------------------------------------------------
+
+def requests_from(trace, n: int, rate_factor: float, max_ctx: int, max_out: int | None, vocab: int, seed: int,
+                  start: int = 0, rate: float | None = None):
+    """n consecutive requests of a trace: (arrival s, prompt ids, max_tokens), arrivals / rate_factor.
+
+    ``rate``: instead of the trace's own gaps scaled by ``rate_factor``, its gaps rescaled to this mean rate."""
+    rng = np.random.default_rng(seed)
+    sel = slice(start, start + n)
+    arr = trace.arrival_s[sel] - trace.arrival_s[start]
+    if rate is not None and len(arr) > 1 and arr[-1] > 0:
+        arr = arr * ((len(arr) - 1) / arr[-1]) / rate
+    else:
+        arr = arr / rate_factor
+    out, clipped = [], 0
+    for a, i, o in zip(arr, trace.input_tokens[sel], trace.output_tokens[sel]):
+        o = max(1, int(o) if max_out is None else min(int(o), max_out))
+        o = min(o, max_ctx // 2)
+        i = max(1, int(i))
+        if i + o - 1 > max_ctx:
+            i, clipped = max(1, max_ctx - o + 1), clipped + 1
+        out.append((float(a), rng.integers(0, vocab, i).tolist(), o))
+    return out, clipped / max(1, len(out))
+
+
+async def _one(session, url: str, model: str, prompt, max_tokens: int, res: dict):
+    t0 = time.perf_counter()
+    res.update(sent=t0, tokens=[], status=None, error=None, max_tokens=max_tokens, prompt=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            res["status"] = r.status
+            if r.status != 200:
+                res["error"] = (await r.text())[:300]
+                return
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res["error"] = obj["error"].get("message")
+                    break
+                now = time.perf_counter()
+                for c in obj.get("choices", []):
+                    res["tokens"] += [now] * len(c.get("token_ids") or [])
+    except Exception as e:  # noqa: BLE001 - a failed request is a result
+        res["error"] = f"{type(e).__name__}: {e}"
+    res["end"] = time.perf_counter()
+
+
+async def replay(url: str, model: str, reqs, time_limit_s: float, on_done=None) -> list[dict]:
+    """Send each request at its arrival time; bounded by count and ``time_limit_s`` (the rest is not sent)."""
+    import aiohttp
+
+    results = []
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=max(60.0, time_limit_s))
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        tasks = []
+        for k, (a, prompt, n) in enumerate(reqs):
+            delay = t0 + a - time.perf_counter()
+            if a > time_limit_s:
+                break
+            if delay > 0:
+                await asyncio.sleep(delay)
+            res = {"index": k}
+            results.append(res)
+            task = asyncio.ensure_future(_one(session, url, model, prompt, n, res))
+            if on_done is not None:
+                task.add_done_callback(lambda _t, r=res: on_done(r))
+            tasks.append(task)
+        await asyncio.gather(*tasks)
+    return results
+
+
+def _stats(xs) -> dict | None:
+    if not len(xs):
+        return None
+    a = np.asarray(xs, dtype=np.float64) * 1e3
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "n": int(a.size)}
+
+
+def summarize(results) -> dict:
+    ok = [r for r in results if r.get("status") == 200 and not r.get("error") and len(r["tokens"]) == r["max_tokens"]]
+    ttft = [r["tokens"][0] - r["sent"] for r in ok]
+    tpot = [(r["tokens"][-1] - r["tokens"][0]) / (len(r["tokens"]) - 1) for r in ok if len(r["tokens"]) > 1]
+    itl = [b - a for r in ok for a, b in zip(r["tokens"], r["tokens"][1:])]
+    e2e = [r["end"] - r["sent"] for r in ok]
+    span = (max(r["end"] for r in ok) - min(r["sent"] for r in ok)) if ok else 0.0
+    out_tok = sum(len(r["tokens"]) for r in ok)
+    return {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+            "rejected_429": sum(r.get("status") == 429 for r in results),
+            "ttft_ms": _stats(ttft), "tpot_ms": _stats(tpot), "itl_ms": _stats(itl), "e2e_ms": _stats(e2e),
+            "duration_s": span, "output_tok_per_s": out_tok / span if span else None,
+            "request_rate_per_s": len(ok) / span if span else None,
+            "errors": sorted({str(r.get("error"))[:120] for r in results if r.get("error")})[:5]}
+
+
+# ---- phases -------------------------------------------------------------------------------------
+
+def single_stream(srv, model, vocab, ctx: int, new: int, n: int) -> dict:
+    rng = np.random.default_rng(1)
+    reqs = [(0.0, rng.integers(0, vocab, ctx).tolist(), new)]
+    asyncio.run(replay(srv.url, model, reqs, 600))  # warm-up: first-call compiles at this shape
+    runs = []
+    for k in range(n):
+        reqs = [(0.0, rng.integers(0, vocab, ctx).tolist(), new)]
+        runs += asyncio.run(replay(srv.url, model, reqs, 600))
+    s = summarize(runs)
+    step = srv.admin.measure_step(ctx + new // 2, reps=30)
+    tpot = s["tpot_ms"]["median"] if s["tpot_ms"] else None
+    return {"context": ctx, "new_tokens": new, "requests": n, "tpot_ms": s["tpot_ms"], "ttft_ms": s["ttft_ms"],
+            "engine_step": step, "tpot_over_step": tpot / step["median_ms"] if tpot else None,
+            "failed": s["failed"]}
+
+
+def load_ladder(srv, model, vocab, trace, args, est_service_s: float) -> tuple[dict, float | None]:
+    rate = len(trace) / max(trace.duration_s(), 1e-9)
+    f = max(1e-3, 0.5 / (rate * est_service_s))  # start at half the estimated capacity
+    load, best, fail = {}, None, None
+    for _ in range(args.ladder_steps):
+        reqs, clipped = requests_from(trace, args.load_requests, f, args.max_ctx, args.load_max_output, vocab,
+                                      seed=2, start=args.trace_start)
+        t = time.perf_counter()
+        s = summarize(asyncio.run(replay(srv.url, model, reqs, args.run_limit_s)))
+        s.update(rate_factor=f, offered_rate_per_s=rate * f, clipped_inputs=clipped,
+                 wall_s=time.perf_counter() - t)
+        load[f"{f:.4g}"] = s
+        p90 = s["ttft_ms"]["p90"] if s["ttft_ms"] else float("inf")
+        ok = p90 < 1000.0 and s["failed"] == 0
+        log(f"  load x{f:.4g}: {s['completed']}/{s['requests']} ok, P90 TTFT {p90:.0f} ms, "
+            f"P90 TPOT {s['tpot_ms']['p90'] if s['tpot_ms'] else float('nan'):.2f} ms")
+        if ok:
+            best = f if best is None else max(best, f)
+        else:
+            fail = f if fail is None else min(fail, f)
+        f = (f * 2.0) if fail is None else (((best or f / 4) * fail) ** 0.5 if best is not None else f / 2.0)
+        if best is not None and fail is not None and fail / best < 1.3:
+            break
+    return load, best
+
+
+def campaign_cost(srv, model, vocab, trace, args, factor: float) -> dict:
+    reqs, _ = requests_from(trace, args.cost_requests, factor, args.max_ctx, args.load_max_output, vocab, seed=3,
+                            start=args.trace_start)
+    idle = summarize(asyncio.run(replay(srv.url, model, reqs, args.run_limit_s)))
+    cmd = [sys.executable, "-m", "tkcc.cli", "campaign", "--model", args.engine_model, "--device", args.device,
+           "--budget", f"{args.campaign_budget_s + args.campaign_warm_s:.0f}s", "--store", str(srv.dir / "campaign.db"), "--no-progress",
+           "--json", "--reps", "10"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    camp = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=srv.dir,
+                            start_new_session=True)  # its own process group: it and the engine it starts
+    try:
+        started = _wait_measuring(srv.dir / "campaign.db", camp, args.campaign_warm_s)
+        busy = summarize(asyncio.run(replay(srv.url, model, reqs, args.run_limit_s)))
+        measuring = camp.poll() is None
+    finally:
+        if camp.poll() is None:
+            camp.send_signal(signal.SIGINT)  # KeyboardInterrupt: the campaign stops its engine on the way out
+            try:
+                camp.wait(60)
+            except subprocess.TimeoutExpired:
+                camp.kill()
+                camp.wait(30)
+        try:
+            os.killpg(camp.pid, signal.SIGKILL)  # the group this benchmark made: an engine left behind goes too
+        except ProcessLookupError:
+            pass
+    p = lambda s: s["tpot_ms"]["p90"] if s["tpot_ms"] else None  # noqa: E731
+    return {"rate_factor": factor, "idle": idle, "while_campaign": busy, "p90_tpot_ms_idle": p(idle),
+            "p90_tpot_ms_while_campaign": p(busy), "campaign_measuring_at_start": started,
+            "campaign_still_measuring_at_end": measuring,
+            "ratio": (p(busy) / p(idle)) if p(idle) and p(busy) else None}
+
+
+def _wait_measuring(store: Path, proc, timeout_s: float) -> bool:
+    """Wait until the campaign's engine has recorded its first experiment (it measures from then on)."""
+    import sqlite3
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=1) as db:
+                if db.execute("SELECT count(*) FROM experiments").fetchone()[0] > 0:
+                    return True
+        except sqlite3.Error:
+            pass
+        time.sleep(1.0)
+    return False
+
+
+def drift_run(args, model_name, vocab, est) -> dict:
+    extra = list(args.server_args) + ["--moe-counts", args.moe_counts]
+    if args.watch:
+        extra += ["--watch", "--watch-budget", f"{args.watch_budget_s:.0f}s", "--watch-poll", "2",
+                  "--watch-min-requests", str(args.watch_min_requests), "--watch-horizon", "10m"]
+    srv = ServerProcess(args.model, args.device, args.workdir, extra)
+    try:
+        azure = load_trace(bundled_trace("azure-conv"))
+        servegen = load_trace(bundled_trace("servegen-m-mid-81"), max_requests=20000)
+        half = args.drift_requests // 2
+        ra, _ = requests_from(azure, half, 1.0, args.max_ctx, args.drift_max_output, vocab, seed=4,
+                              rate=args.drift_util / est(azure, args.drift_max_output), start=args.trace_start)
+        rb, clipped_b = requests_from(servegen, args.drift_requests - half, 1.0, args.max_ctx, args.drift_max_output,
+                                      vocab, seed=5, rate=args.drift_util / est(servegen, args.drift_max_output))
+        span_a = ra[-1][0] + 1.0
+        reqs = ra + [(span_a + a, p, n) for a, p, n in rb]
+        done = {"n": 0}
+        lock = threading.Lock()
+        plans = [{"baseline": True}, {"plan": _default_plan_json()}]
+        forced = []
+
+        def on_done(_r):
+            with lock:
+                done["n"] += 1
+                k = done["n"]
+            if args.swap_every and k % args.swap_every == 0:
+                spec = plans[len(forced) % 2]
+                threading.Thread(target=lambda: forced.append(_safe_ship(srv, spec)), daemon=True).start()
+
+        t = time.perf_counter()
+        res = asyncio.run(replay(srv.url, model_name, reqs, args.drift_limit_s, on_done=on_done))
+        wall = time.perf_counter() - t
+        time.sleep(1.0)
+        status = srv.admin.status()
+        health = json.loads(__import__("urllib.request").request.urlopen(srv.url + "/health", timeout=30).read())
+        before = summarize([r for r in res if r["index"] < half])
+        after = summarize([r for r in res if r["index"] >= half])
+        allr = summarize(res)
+        ships_by_watch = [s for s in status.get("ships", []) if s not in forced]
+        return {"requests": allr["requests"], "failed": allr["failed"], "swaps": health["swaps"],
+                "swaps_forced": sum(1 for f in forced if "current" in f), "swap_errors": [f for f in forced
+                                                                                      if "error" in f][:3],
+                "swaps_by_watch": max(0, health["swaps"] - sum(1 for f in forced if "current" in f)),
+                "p90_tpot_ms_before": before["tpot_ms"]["p90"] if before["tpot_ms"] else None,
+                "p90_tpot_ms_after": after["tpot_ms"]["p90"] if after["tpot_ms"] else None,
+                "phase_before": {"trace": "azure-conv", **before}, "phase_after": {"trace": "servegen-m-mid-81",
+                                                                                  "clipped_inputs": clipped_b, **after},
+                "max_output_tokens": args.drift_max_output, "utilisation_target": args.drift_util,
+                "wall_s": wall, "watch": bool(args.watch), "ships": status.get("ships", [])[-10:],
+                "ships_by_watch_detail": ships_by_watch[-5:], "server_metrics": (m := _pick(srv.metrics())),
+                "moe_counts": args.moe_counts, "moe_counted_requests": m.get("tkcc_moe_count_seconds_count"),
+                "moe_count_s_per_request": (m["tkcc_moe_count_seconds_sum"] / m["tkcc_moe_count_seconds_count"])
+                if m.get("tkcc_moe_count_seconds_count") else None}
+    finally:
+        srv.stop()
+
+
+def _safe_ship(srv, spec):
+    try:
+        return srv.admin.ship(spec)
+    except Exception as e:  # noqa: BLE001 - a failed swap is a result to report
+        return {"error": str(e)[:300], "spec": spec}
+
+
+def _default_plan_json():
+    from tkcc.compiler import default_plan
+
+    return default_plan().to_json()
+
+
+def _pick(m: dict) -> dict:
+    keep = ("tkcc_moe_count_seconds_sum", "tkcc_moe_count_seconds_count", "tkcc_forward_swaps_total")
+    return {k: v for k, v in m.items() if k.startswith(keep) or k.startswith("tkcc_request_success_total")}
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def run_model(args) -> dict:
+    from tkcc.frontend.models import make_config
+
+    cfg = make_config(args.model)
+    vocab = int(cfg.vocab_size)
+    args.max_ctx = int(args.max_cache_len or min(cfg.max_position_embeddings, 4096))
+    out = {"model": args.model, "device": args.device, "started": datetime.datetime.now().isoformat()}
+    log(f"{args.model}: starting the server")
+    srv = ServerProcess(args.model, args.device, args.workdir, list(args.server_args) + ["--moe-counts", "off"])
+    try:
+        out["startup_s"] = srv.ready["startup_s"]
+        out["forward"] = srv.ready["forward"]
+        log(f"  ready in {srv.ready['startup_s']} s; single stream")
+        ss = single_stream(srv, args.model, vocab, args.ss_context, args.ss_tokens, args.ss_requests)
+        out["single_stream"] = ss
+        out["single_stream_tpot_ms"] = ss["tpot_ms"]["median"] if ss["tpot_ms"] else None
+        out["engine_step_ms"] = ss["engine_step"]["median_ms"]
+        log(f"  single stream TPOT {out['single_stream_tpot_ms']:.3f} ms vs decode step "
+            f"{out['engine_step_ms']:.3f} ms (x{ss['tpot_over_step']:.3f})")
+        tpot_s = out["single_stream_tpot_ms"] / 1e3
+        prefill_s = ss["ttft_ms"]["median"] / 1e3 / max(1, args.ss_context)  # per prompt token, roughly
+
+        def est(trace, max_out):  # estimated seconds of service per request of this trace (batch 1)
+            i = np.minimum(trace.input_tokens[:2000], args.max_ctx).mean()
+            o = np.minimum(trace.output_tokens[:2000], max_out or args.max_ctx).mean()
+            return float(i * prefill_s + o * tpot_s)
+
+        azure = load_trace(bundled_trace("azure-conv"))
+        log("  load ladder (Azure conv)")
+        out["load"], best = load_ladder(srv, args.model, vocab, azure, args, est(azure, args.load_max_output))
+        out["max_rate_factor_p90_ttft_under_1s"] = best
+        out["load_max_output_tokens"] = args.load_max_output
+        if args.campaign_budget_s > 0 and time.time() - T0 < args.budget_s * 0.6:
+            log("  serving while a campaign measures beside it")
+            out["campaign_cost"] = campaign_cost(srv, args.model, vocab, azure, args,
+                                                 0.5 * (best or 1.0 / (len(azure) / azure.duration_s()
+                                                                       * est(azure, args.load_max_output))))
+        else:
+            out["campaign_cost"] = {"skipped": "time budget"}
+    finally:
+        srv.stop()
+    log("  drift run")
+    out["drift_run"] = drift_run(args, args.model, vocab, est)
+    d = out["drift_run"]
+    log(f"  drift: {d['requests']} requests, {d['failed']} failed, {d['swaps']} swaps, P90 TPOT "
+        f"{d['p90_tpot_ms_before']} -> {d['p90_tpot_ms_after']} ms")
+    out["measured_on"] = environment(args)
+    out["wall_s"] = round(time.time() - T0, 1)
+    return out
+
+
+def environment(args) -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+           "device": args.device, "command": " ".join(sys.argv), "commit": _commit(),
+           "timing": "aiohttp client on loopback, time.perf_counter per SSE chunk; engine step: "
+                     "tkcc.runtime.timing.time_eager in the server between requests",
+           "prompts": "random token ids of the trace's lengths (the trace's prefix sharing is not replayed)"}
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-1b-16l")
+    ap.add_argument("--device", default=None, help="default cuda when there is one, else cpu")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serve.json"))
+    ap.add_argument("--smoke", action="store_true", help="CPU: llama-tiny (or a tiny --model), small runs, < 2 min")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget; later phases shrink")
+    ap.add_argument("--max-cache-len", type=int, default=None)
+    ap.add_argument("--ss-context", type=int, default=512)
+    ap.add_argument("--ss-tokens", type=int, default=128)
+    ap.add_argument("--ss-requests", type=int, default=5)
+    ap.add_argument("--load-requests", type=int, default=80)
+    ap.add_argument("--load-max-output", type=int, default=None, help="clip output lengths in the load runs")
+    ap.add_argument("--ladder-steps", type=int, default=5)
+    ap.add_argument("--run-limit-s", type=float, default=60.0, help="arrival span one load run may send over")
+    ap.add_argument("--trace-start", type=int, default=0)
+    ap.add_argument("--cost-requests", type=int, default=60)
+    ap.add_argument("--campaign-budget-s", type=float, default=60.0)
+    ap.add_argument("--campaign-warm-s", type=float, default=240.0,
+                    help="longest wait for the campaign's engine to start measuring")
+    ap.add_argument("--drift-requests", type=int, default=1000)
+    ap.add_argument("--drift-max-output", type=int, default=16)
+    ap.add_argument("--drift-util", type=float, default=0.6, help="offered load as a share of the estimated capacity")
+    ap.add_argument("--drift-limit-s", type=float, default=240.0)
+    ap.add_argument("--swap-every", type=int, default=200)
+    ap.add_argument("--watch", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--watch-budget-s", type=float, default=40.0)
+    ap.add_argument("--watch-min-requests", type=int, default=150)
+    ap.add_argument("--moe-counts", default="idle", choices=["all", "idle", "off"],
+                    help="MoE counts in the drift run's server (default idle: counted between requests when none "
+                         "waits; the cost per counted request is drift_run.moe_count_s_per_request)")
+    a = ap.parse_args(argv)
+    import torch
+
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.smoke:  # small settings, each unless given on the command line
+        a.device = "cpu"
+        small = dict(model="llama-tiny", max_cache_len=256, ss_context=32, ss_tokens=32, ss_requests=3, load_requests=20,
+                     load_max_output=24, ladder_steps=3, run_limit_s=10.0, campaign_budget_s=0.0, cost_requests=20,
+                     campaign_warm_s=120.0, drift_requests=120, drift_max_output=8, drift_limit_s=30.0, swap_every=40,
+                     watch=False, watch_budget_s=20.0, watch_min_requests=40,
+                     out=str(ROOT / "benchmarks/results/serve_cpu_smoke.json"))
+        for k, v in small.items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
+    a.engine_model = a.model
+    a.server_args = ["--max-queue", "256"] + (["--max-cache-len", str(a.max_cache_len)] if a.max_cache_len else [])
+    a.workdir = Path(tempfile.mkdtemp(prefix="tkcc-bench-serve-"))
+    log(f"benchmark serve: {a.model} on {a.device}; work in {a.workdir}")
+    run = run_model(a)
+    path = Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    runs = [r for r in old.get("runs", []) if r.get("model") != a.model] + [run]
+    path.write_text(json.dumps({"runs": runs}, indent=1, default=str))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(path.read_text())
+    log(f"wrote {path} ({run['wall_s']} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""What the server serves, built through the front door: models, ``tkcc.compile``, ``tkcc.load``.
+
+This module belongs to the API layer (like ``frontend/backend.py``): it calls
+``tkcc.compile`` and ``tkcc.load``; the rest of ``tkcc.serve`` only receives
+what it builds.
+
+``--model`` is a built-in model (``tkcc.frontend.models``: seeded random
+weights, served with the byte tokenizer) or a local Hugging Face model
+directory (``config.json``, weights and tokenizer files; loaded with
+``local_files_only``).
+"""
+from __future__ import annotations
+
+import os
+
+from tkcc.errors import TkccError
+
+
+def load_model(name: str, dtype, device: str):
+    """(nn.Module, served name, tokenizer directory or None) for a built-in name or a local HF directory."""
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise TkccError(f"--model {name}: a model directory needs a config.json (Hugging Face layout)")
+        try:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise TkccError(f"--model {name}: could not load it as a causal LM: {e}") from None
+        model = model.to(device).eval()
+        model.requires_grad_(False)
+        return model, os.path.basename(os.path.normpath(name)), name
+    if ":" in name and name.rsplit(":", 1)[0].endswith(".py"):
+        raise TkccError(f"--model {name}: the HTTP server needs a model (a built-in name or an HF directory), not a "
+                        "Program factory")
+    from tkcc.frontend.models import build_model, get_spec
+
+    get_spec(name)  # unknown names fail here, listing the built-in ones
+    return build_model(name, dtype=dtype, device=device), name, None
+
+
+def load_artifact(path: str, model):
+    """``tkcc.load(path, model)``: a saved artifact as a CompiledModel (the one place the server loads one)."""
+    import tkcc
+
+    load = getattr(tkcc, "load", None)
+    if load is None:
+        raise TkccError(f"--artifact {path}: loading a saved artifact is not available in this tkcc (tkcc.load is "
+                        "missing); serve a compiled plan instead (--plan)")
+    if not os.path.isdir(path):
+        raise TkccError(f"--artifact {path}: no such directory")
+    return load(path, model)
+
+
+class ForwardBuilder:
+    """Builds forwards of one model for the server: the first one, and each candidate shipped into it."""
+
+    def __init__(self, model, *, max_cache_len: int | None = None, mode: str = "exact", pass_modules=()):
+        self.model, self.max_cache_len, self.mode = model, max_cache_len, mode
+        self.pass_modules = list(pass_modules)
+
+    def capture(self):
+        """A new Program of the model (weights shared, its own KV cache)."""
+        from tkcc.frontend import capture
+
+        kw = {"max_cache_len": self.max_cache_len} if self.max_cache_len else {}
+        return capture(self.model, **kw)
+
+    def can_build_on(self, program) -> bool:
+        return program is not None and program.model is self.model
+
+    def needs_program(self, spec: dict) -> bool:
+        return "artifact" not in spec
+
+    def first(self, plan=None, artifact: str | None = None, check: bool = False):
+        """The forward the server starts with: ``artifact`` loaded, else ``plan`` (default plan) compiled."""
+        if artifact is not None:
+            compiled = load_artifact(artifact, self.model)
+            return compiled, _artifact_tag(compiled, artifact)
+        return self._compile(plan, self.capture(), check=check)
+
+    def build(self, spec: dict, program):
+        """A candidate as the engine names it -> (CompiledModel, tag). Plans are compiled and golden-checked."""
+        unknown = set(spec) - {"plan", "baseline", "artifact", "pass_modules"}
+        if unknown or not ({"plan", "baseline", "artifact"} & set(spec)):
+            raise TkccError(f"cannot ship {json_keys(spec)}: a candidate is {{\"plan\": [...]}}, "
+                            "{\"baseline\": true} or {\"artifact\": DIR}"
+                            + (" (agent source candidates are served once saved as artifacts)"
+                               if "source" in spec else ""))
+        if "artifact" in spec:
+            compiled = load_artifact(str(spec["artifact"]), self.model)
+            return compiled, _artifact_tag(compiled, spec["artifact"])
+        from tkcc.passes.plan import PassPlan
+
+        plan = PassPlan() if spec.get("baseline") else PassPlan.from_json(spec["plan"])
+        for pm in spec.get("pass_modules") or ():
+            if pm not in self.pass_modules:
+                self.pass_modules.append(pm)
+        return self._compile(plan, program, check=True)
+
+    def _compile(self, plan, program, check: bool):
+        import tkcc
+
+        kw = {"plan": plan} if plan is not None else {}
+        compiled = tkcc.compile(self.model, "azure-conv", measure=False, check=check, mode=self.mode,
+                                program=program, pass_modules=tuple(self.pass_modules), **kw)
+        if check and compiled.report(print_report=False).golden is not None:
+            g = compiled.report(print_report=False).golden
+            if not getattr(g, "ok", True):
+                raise TkccError(f"plan {compiled.plan.hash()} failed its golden check: {g.summary()}")
+        from tkcc.serve.server import forward_tag
+
+        return compiled, forward_tag(compiled)
+
+
+def _artifact_tag(compiled, path) -> str:
+    from tkcc.serve.server import forward_tag
+
+    return f"{forward_tag(compiled)}@{os.path.basename(os.path.normpath(str(path)))}"
+
+
+def json_keys(spec) -> str:
+    return "{" + ", ".join(sorted(map(str, spec))) + "}"
