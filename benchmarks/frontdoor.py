@@ -140,10 +140,13 @@ def main(argv=None):
     rows, notes = [], {}
     out_paths = [Path(a.out)] + ([Path(os.environ["OUT"]) / Path(a.out).name] if os.environ.get("OUT") else [])
 
-    def save():
+    def save():  # the rows (the format: a list), and beside them what they ran on and the loop's notes
         for p in out_paths:
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(json.dumps({"meta": meta, "rows": rows, "notes": notes}, indent=1, default=str))
+            p.write_text(json.dumps([dict(r, **{k: meta[k] for k in ("device", "commit", "date", "dtype")})
+                                     for r in rows], indent=1, default=str))
+            p.with_name(p.stem + "_notes.json").write_text(json.dumps({"meta": meta, "notes": notes}, indent=1,
+                                                                      default=str))
 
     for name in a.models:
         cap = max(a.contexts) + a.tokens + 64

@@ -258,7 +258,7 @@ def test_entry_point_names_the_backend():
     ({"inductor_options": {"max_autotun": True}}, "'max_autotun' is not an Inductor config option \\(did you mean "
                                                   "'max_autotune'\\?\\)"),
     ({"plan": '[{"name": "fuse_elementwise"}]'}, "pass is not bit-exact and mode is 'exact'"),
-    ({"plan": '[{"name": "no-such-pass"}]'}, "options\\['plan'\\]: plan step 0 \\('no-such-pass'\\)"),
+    ({"plan": '[{"name": "no-such-pass"}]'}, "options\\['plan'\\]: plan step 1 \\('no-such-pass'\\)"),
 ])
 def test_bad_options_name_the_cause(options, match):
     with pytest.raises(BackendError, match=match):
