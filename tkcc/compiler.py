@@ -322,7 +322,7 @@ def compile(model, trace=None, *, budget=None, plan=None, example_inputs=None, d
                                       store, progress, seed, check, timings, max_buckets, measure_max_context,
                                       pass_modules)
         else:
-            result = _compile_plan(model, program, user_plan or default_plan(mode), mode, work, codegen, check,
+            result = _compile_plan(model, program, user_plan if user_plan is not None else default_plan(mode), mode, work, codegen, check,
                                    measure, trace_obj, max_buckets, measure_max_context, timings)
         if final is not None:
             replace_dir(work, final)

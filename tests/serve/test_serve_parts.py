@@ -298,21 +298,6 @@ def test_models_the_server_refuses_by_name(tmp_path):
         load_model("models.py:build", torch.float32, "cpu")
 
 
-def _has_load():
-    import tkcc
-
-    return hasattr(tkcc, "load")
-
-
-@pytest.mark.skipif(_has_load(), reason="tkcc.load exists: artifacts load (tested below)")
-def test_artifact_loading_says_it_is_not_available(builder):
-    from tkcc.serve.loading import load_artifact
-
-    with pytest.raises(TkccError, match="tkcc.load is missing"):
-        load_artifact("some/dir", builder.model)
-
-
-@pytest.mark.skipif(not _has_load(), reason="tkcc.load is not in this tkcc yet")
 def test_a_saved_artifact_is_served_as_compiled(compiled, builder, tmp_path):
     from tkcc.serve.loading import load_artifact
 

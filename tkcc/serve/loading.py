@@ -43,13 +43,9 @@ def load_artifact(path: str, model):
     """``tkcc.load(path, model)``: a saved artifact as a CompiledModel (the one place the server loads one)."""
     import tkcc
 
-    load = getattr(tkcc, "load", None)
-    if load is None:
-        raise TkccError(f"--artifact {path}: loading a saved artifact is not available in this tkcc (tkcc.load is "
-                        "missing); serve a compiled plan instead (--plan)")
     if not os.path.isdir(path):
         raise TkccError(f"--artifact {path}: no such directory")
-    return load(path, model)
+    return tkcc.load(path, model)
 
 
 class ForwardBuilder:
