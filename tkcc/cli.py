@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "tkcc.traffic.cli",            # trace stats | drift
     "tkcc.runtime.cli",            # serve, submit, engine status|stop
     "tkcc.agents.cli",             # campaign, watch, report
+    "tkcc.commands.export_cmd",    # export (a campaign's shipped candidate, for tkcc.load)
 ]
 
 

@@ -222,3 +222,30 @@ def test_model_argument_local_hf_dir_and_factory(tmp_path, capsys):
     assert main(["compile", "--model", str(tmp_path / "hf"), "--no-measure", "--out", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert data["model"] == "hf" and (out / "model" / "tkcc.json").exists()
+
+
+def test_export_writes_a_campaigns_shipped_candidate_for_tkcc_load(tmp_path, capsys):
+    from tkcc.agents.store import ExperimentStore
+    from tkcc.cli import main
+    from tkcc.frontend import capture, greedy
+    from tkcc.frontend.models import build_model
+    from tkcc.passes.plan import PassPlan
+
+    plan = PassPlan.from_json('[{"name": "cse"}, {"name": "dce"}]')
+    db = tmp_path / "s.db"
+    store = ExperimentStore(str(db))
+    cid = store.open_campaign("c1", "llama-tiny", {"device": "cpu"}, resume=False)
+    store.record_ship(cid, plan.hash(), plan.to_json(), 1.0, "ship", "gain past the noise")
+    store.close()
+    out = tmp_path / "exported"
+    assert main(["export", "c1", "--store", str(db), "--out", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["candidate"] == plan.hash() and "rebuilt" in data["source"]
+    model = build_model("llama-tiny")
+    loaded = tkcc.load(out, model)
+    assert loaded.plan.hash() == plan.hash()
+    ids = torch.tensor([[5, 6, 7]])
+    ref = capture(build_model("llama-tiny"))
+    assert torch.equal(loaded.generate(ids, 4), greedy(ref, ids, 4))
+    assert main(["export", "nope", "--store", str(db), "--out", str(tmp_path / "x"), "--json"]) == 2
+    assert "no campaign 'nope'" in capsys.readouterr().out
