@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tkcc.agents.noise import NoiseModel
+from tkcc.agents.noise import NoiseModel, check_aa_pairs
 from tkcc.agents.proposer import Candidate, Outcome, Proposer
 from tkcc.agents.store import ExperimentStore
 from tkcc.errors import TkccError
@@ -77,6 +77,7 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
     """Run until the wall-clock budget is spent; returns the final state (also in the store)."""
     if cfg.budget_s <= 0:
         raise TkccError(f"campaign budget must be positive, got {cfg.budget_s} s")
+    check_aa_pairs(cfg.aa_pairs)
     if not cfg.tiers or cfg.tiers[-1] != "slow":
         raise TkccError(f"campaign tiers must end with 'slow', got {cfg.tiers}")
     wfp = evaluator.workload_fingerprint()

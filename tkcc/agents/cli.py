@@ -124,28 +124,25 @@ def _proposer(args, client, evaluator):
     if args.proposer == "search":
         return BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance, device=evaluator.device_type),
                               seed=args.seed)
-    from tkcc.agents.external import ExternalAgent
+    from tkcc.agents.external import agent_for_engine
 
     if not args.agent_cmd:
         raise TkccError("--proposer agent needs --agent-cmd")
-    base = client.load({"baseline": True}, tiers="slow")
-    del base  # the baseline has no generated source; agents start from the default plan's artifact
-    from tkcc.compiler import DEFAULT_PLAN
 
-    built = client.load({"plan": DEFAULT_PLAN.to_json()}, tiers="slow")
-    art = ((built.get("slow") or {}).get("info") or {}).get("artifact")
-    return ExternalAgent(args.agent_cmd, Path(args.store).with_suffix(".agent"), notes=args.agent_notes,
-                         time_limit_s=_seconds(args.agent_time_limit, "--agent-time-limit"),
-                         base_artifact=Path(art) if art else None)
+    return agent_for_engine(client, args.agent_cmd, Path(args.store).with_suffix(".agent"), notes=args.agent_notes,
+                            time_limit_s=_seconds(args.agent_time_limit, "--agent-time-limit"))
 
 
 def cmd_campaign(args):
     from tkcc.agents.campaign import CampaignConfig, run_campaign
     from tkcc.agents.engine_eval import EngineEvaluator
+    from tkcc.agents.noise import check_aa_pairs
     from tkcc.agents.store import ExperimentStore
     from tkcc.compiler import resolve_trace
 
     budget = _seconds(args.budget, "--budget")
+    check_aa_pairs(args.aa_pairs)
+    store = ExperimentStore(args.store)  # a bad store is refused before an engine starts
     trace = resolve_trace(args.trace, format=args.format)
     t0 = time.time()
     with _Engine(args) as client:
@@ -157,7 +154,6 @@ def cmd_campaign(args):
                              batch=args.batch, aa_pairs=args.aa_pairs, resume=args.resume,
                              extra={"trace": str(args.trace), "objective": workload.objective,
                                     "buckets": [b.__dict__ for b in workload.buckets]})
-        store = ExperimentStore(args.store)
         state = run_campaign(cfg, store, _proposer(args, client, ev), ev, progress=not args.no_progress)
     return _summary(store, state, name, time.time() - t0, ev.device)
 
@@ -194,6 +190,7 @@ def cmd_watch(args):
     if not path.exists():
         raise TkccError(f"--trace-stream {path} does not exist")
     rolling = RollingWorkload(path, horizon=args.horizon, format=args.format)
+    store = ExperimentStore(args.store)  # a bad store is refused before an engine starts
     with _Engine(args) as client:
         worker = client.status().get("worker") or {}
         wk = {"max_context": int(worker.get("max_cache_len") or 4096), "batch_sizes": (int(worker.get("batch") or 1),)}
@@ -202,7 +199,7 @@ def cmd_watch(args):
                        lambda: BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance,
                                                                         device=str(worker.get("device", "cpu"))),
                                               seed=args.seed),
-                       ExperimentStore(args.store), name=args.name or f"watch-{model}", model=model,
+                       store, name=args.name or f"watch-{model}", model=model,
                        budget_s=_seconds(args.budget, "--budget"), min_requests=args.min_requests,
                        poll_s=args.poll, max_polls=args.polls, workload_kwargs=wk, progress=not args.no_progress)
     evs = [{"time": e.time, "kind": e.kind, **e.detail} for e in events]

@@ -43,8 +43,35 @@ def _die_with_parent() -> None:
 
 def _error(e: BaseException, candidate_failure: bool) -> dict:
     tb = traceback.format_exception(type(e), e, e.__traceback__)
-    return {"type": type(e).__name__, "message": str(e) or type(e).__name__,
-            "traceback": "".join(tb[-6:])[-4000:], "candidate_failure": candidate_failure}
+    out = {"type": type(e).__name__, "message": str(e) or type(e).__name__,
+           "traceback": "".join(tb[-6:])[-4000:], "candidate_failure": candidate_failure}
+    kind = getattr(e, "kind", None)  # a trial process that died, hung or passed its memory limit, or raised
+    if isinstance(kind, str):
+        out["kind"] = kind
+    if isinstance(getattr(e, "pid", None), int):  # the trial process that failed
+        out["pid"] = e.pid
+    if getattr(e, "tb", None):  # raised in the candidate's trial process: its own traceback
+        out["traceback"] = str(e.tb)[-4000:]
+        out["type"] = getattr(e, "type_name", out["type"])
+        out["message"] = str(e).split(": ", 1)[-1] if ": " in str(e) else out["message"]
+    if getattr(e, "invalid", False):  # a sampled check of the timed calls failed
+        out["invalid"] = True
+    return out
+
+
+def _events(runner) -> list:
+    drain = getattr(runner.core, "drain_events", None)
+    try:
+        return drain() if drain is not None else []
+    except Exception as e:  # noqa: BLE001 - never lose the reply over the events
+        return [{"kind": "events_error", "reason": f"{type(e).__name__}: {e}"}]
+
+
+def _set_deadline(runner, timeout_s) -> None:
+    trials = getattr(runner.core, "trials", None)
+    if trials is not None:
+        trials.deadline = time.monotonic() + float(timeout_s) if timeout_s else None
+        trials.op_timeout_s = float(timeout_s) if timeout_s else trials.timeout_s
 
 
 def worker_main(conn, cfg: dict) -> None:
@@ -78,10 +105,11 @@ def worker_main(conn, cfg: dict) -> None:
             conn.send({"ok": False, "error": {"type": "EngineError", "message": f"unknown operation {op!r}",
                                               "candidate_failure": False}})
             continue
+        _set_deadline(runner, msg.get("timeout_s"))
         try:
             result = runner.run(op, params)
             fatal = bool(isinstance(result, dict) and result.get("fatal"))
-            conn.send({"ok": True, "result": result, "fatal": fatal})
+            conn.send({"ok": True, "result": result, "fatal": fatal, "events": _events(runner)})
             if fatal:
                 runner.close(graceful=False)
                 os._exit(71)
@@ -95,14 +123,14 @@ def worker_main(conn, cfg: dict) -> None:
                 sys.stdout.flush()
                 os._exit(RANK_LOST)
         except TkccError as e:
-            conn.send({"ok": False, "error": _error(e, False), "fatal": False})
+            conn.send({"ok": False, "error": _error(e, False), "fatal": False, "events": _events(runner)})
         except BaseException as e:  # noqa: BLE001 - a candidate's failure, of any kind
             err = _error(e, True)
             fatal = runner.unhealthy(e)
             if fatal:
                 err["message"] += f" (device/weights unusable afterwards: {fatal}; the worker restarts)"
             try:
-                conn.send({"ok": False, "error": err, "fatal": bool(fatal)})
+                conn.send({"ok": False, "error": err, "fatal": bool(fatal), "events": _events(runner)})
             finally:
                 if fatal:
                     runner.close(graceful=False)
@@ -137,7 +165,8 @@ class _Single:
         return _unhealthy(self.core, exc)
 
     def close(self, graceful: bool = True) -> None:
-        pass
+        if getattr(self.core, "trials", None) is not None:
+            self.core.trials.close()
 
 
 def make_core(cfg: dict, rank: int, world: int):
