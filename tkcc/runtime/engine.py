@@ -386,7 +386,7 @@ class EngineCore:
         from tkcc.runtime.tp import check_layout_of, exact_at_degree_1
 
         check_tier(tier)
-        cid = cands.candidate_id(spec)
+        cid = cands.candidate_id(spec, self.max_bytes)
         cand = self.candidates.get(cid)
         if cand is None:
             check_layout_of(spec, self.tp)

@@ -232,13 +232,22 @@ class Supervisor:
                 err = reply.get("error") or {}
                 reason = err.get("message") or (reply.get("result") or {}).get("reason") or "fatal"
                 self._recover(f"the worker exited after a fatal failure during {op}: {reason}")
+                result = reply.get("result") or {}
+                if reply.get("ok") and isinstance(result, dict) and (result.get("tampered") or result.get("leaked")):
+                    kind = "memory" if result.get("leaked") else "tampered"
+                    failed = CandidateFailed(kind, result.get("leaked") or result["tampered"], result)
+                    failed.recovered = True
+                    raise failed
                 if reply.get("ok"):
                     return reply["result"]
                 failed = CandidateFailed(err.get("kind") or "corrupted", reason, err)
                 failed.recovered = True
                 raise failed
             if reply.get("ok"):
-                return reply["result"]
+                result = reply["result"]
+                if isinstance(result, dict) and result.get("tampered"):  # put back, but timed/checked under it
+                    raise CandidateFailed("tampered", result["tampered"], result)
+                return result
             err = reply.get("error") or {}
             if err.get("invalid"):
                 raise CandidateFailed("invalid", err.get("message", "a sampled check failed"), err)
@@ -434,6 +443,8 @@ class Supervisor:
         if out["candidate"] and not keep:
             try:  # free its compiled forwards unless a tier still serves it (the worker checks)
                 self.call("unload", None, candidate=out["candidate"])
+            except CandidateFailed as e:  # in-process: memory it left behind is charged to it
+                out.update(ok=False, reason=f"after unload: {e.reason}", unload={"failure": e.kind, "reason": e.reason})
             except TkccError:
                 pass
         rec = self.journal.append("experiment", **out)

@@ -126,7 +126,7 @@ def worker_main(conn, cfg: dict) -> None:
             conn.send({"ok": False, "error": _error(e, False), "fatal": False, "events": _events(runner)})
         except BaseException as e:  # noqa: BLE001 - a candidate's failure, of any kind
             err = _error(e, True)
-            fatal = runner.unhealthy(e)
+            fatal = "global state the audit cannot put back" if isinstance(e, Tampered) else runner.unhealthy(e)
             if fatal:
                 err["message"] += f" (device/weights unusable afterwards: {fatal}; the worker restarts)"
             try:
@@ -139,6 +139,17 @@ def worker_main(conn, cfg: dict) -> None:
 
 
 RANK_LOST = 72  # exit status of a worker whose rank group lost a rank (the supervisor names it)
+
+
+class Tampered(Exception):
+    """A candidate op raised and left global state the audit cannot put back: the worker must restart."""
+
+    kind = "tampered"
+
+    def __init__(self, audit, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}; and the candidate changed the worker's global state: "
+                         f"{'; '.join(audit.unproven + audit.restored)[:2000]}")
+        self.audit = audit
 SEEDED = ("validate", "swap", "revert", "measure")  # ops that draw random inputs: one seed for every rank
 
 
@@ -150,16 +161,63 @@ class GroupLost(Exception):
         self.kind = kind
 
 
+AUDITED = ("load", "validate", "swap", "revert", "measure", "generate", "unload")  # ops that may run candidate code
+
+
 class _Single:
-    """One process, one EngineCore: ``run`` calls the op directly."""
+    """One process, one EngineCore: ``run`` calls the op directly.
+
+    In-process isolation: after every op that may have run candidate code, the worker's global state is
+    audited against its start-up snapshot (``tkcc.runtime.global_state``). A change the candidate made is put
+    back where it can be, and the op's result is refused (``tampered``: timed or checked under the change);
+    a change that cannot be put back, or memory the candidate left behind, ends the worker (``fatal``)."""
 
     def __init__(self, cfg: dict):
         from tkcc.runtime.engine import EngineCore
 
         self.core = EngineCore(cfg)
+        self.base = None
+        if self.core.isolation == "inprocess" and cfg.get("audit", True):
+            from tkcc.runtime import global_state
+
+            self.base = global_state.take()
+            self.loaded_at: dict = {}  # candidate -> memory before its first load
 
     def run(self, op: str, params: dict):
-        return getattr(self.core, f"op_{op}")(**params)
+        if self.base is None or op not in AUDITED:
+            return getattr(self.core, f"op_{op}")(**params)
+        from tkcc.runtime import global_state
+
+        if op == "load":
+            from tkcc.runtime import candidates as cands
+
+            try:
+                cid = cands.candidate_id(params.get("spec"), self.core.max_bytes)
+            except Exception:  # noqa: BLE001 - the op itself reports a bad spec
+                cid = None
+            if cid and cid not in self.core.candidates:
+                self.loaded_at[cid] = global_state.memory_now()
+        try:
+            result = getattr(self.core, f"op_{op}")(**params)
+        except BaseException as e:
+            a = global_state.audit(self.base)
+            if not a.clean:
+                raise Tampered(a, e) from e
+            raise
+        a = global_state.audit(self.base)
+        if op == "unload" and isinstance(result, dict) and result.get("unloaded"):
+            before = self.loaded_at.pop(params.get("candidate"), None)
+            why = global_state.leaked(before, global_state.memory_now()) if before else ""
+            if why:
+                return {**result, "fatal": True, "leaked": why, "reason": f"candidate {params.get('candidate')}: {why}"}
+        if a.restored or a.unproven:
+            why = "; ".join(a.unproven + a.restored)
+            out = result if isinstance(result, dict) else {"result": result}
+            out = {**out, "audit": a.to_json(), "tampered": f"the candidate changed the worker's global state: {why}"}
+            if not a.clean:
+                out.update(fatal=True, reason=out["tampered"] + " (not all of it can be put back: the worker restarts)")
+            return out
+        return result
 
     def unhealthy(self, exc: BaseException) -> str:
         return _unhealthy(self.core, exc)
