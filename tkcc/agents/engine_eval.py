@@ -117,11 +117,13 @@ class EngineEvaluator:
             raise TkccError(f"shipping {key} failed re-validation: {res.get('reason')}")
 
 
-def die_with_parent() -> None:
-    """In a child between fork and exec: SIGKILL it when the process that started it dies (Linux prctl)."""
+def die_with_parent(parent: int | None = None):
+    """A ``preexec_fn``: in the child, between fork and exec, have the kernel SIGKILL it when this process
+    (``parent``, default the caller) dies; if that already happened, the child exits at once."""
     from tkcc.runtime.procs import set_parent_death_signal
 
-    set_parent_death_signal()
+    parent = os.getpid() if parent is None else parent
+    return lambda: set_parent_death_signal(parent=parent)
 
 
 @contextmanager
@@ -140,7 +142,7 @@ def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None
         # the engine dies with this process, on SIGKILL too (the kernel's parent-death signal; the engine's
         # worker and candidate processes follow it the same way)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, **env} if env else None, preexec_fn=die_with_parent)
+                                env={**os.environ, **env} if env else None, preexec_fn=die_with_parent())
     try:
         deadline = time.monotonic() + start_timeout_s
         line = proc.stdout.readline()

@@ -129,6 +129,19 @@ class ExperimentStore:
             raise StoreError(f"experiment store {self.path}: tables {sorted(tables & _TABLES)} but no 'meta' "
                              "table: not written by tkcc, or damaged")
 
+    def _init_schema(self) -> None:
+        for stmt in _SCHEMA.split(";"):
+            if stmt.strip():
+                self.db.execute(stmt)
+        row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            self.db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path}: experiment store has schema version {row[0]}, this tkcc reads version "
+                f"{SCHEMA_VERSION}; use a new --store path or the tkcc version that wrote it"
+            )
+
     # campaigns -----------------------------------------------------------------------------
     def open_campaign(self, name: str, model: str, config: dict, resume: bool) -> int:
         row = self.db.execute("SELECT id, model FROM campaigns WHERE name=?", (name,)).fetchone()
