@@ -135,6 +135,7 @@ def source_tree(path, max_bytes: int) -> tuple[str, list[tuple[str, bytes]]]:
             raise EngineError(f"source candidate {path!r}: its folder {root} holds more than {MAX_SOURCE_FILES} "
                               "importable files; put the candidate in a folder of its own")
     total, files, h = 0, [], hashlib.sha256()
+    h.update(b"entry\0" + os.path.basename(path).encode() + b"\0")  # which of the files is the candidate
     for rel in rels:
         full = os.path.join(root, rel)
         size = os.path.getsize(full)

@@ -415,6 +415,8 @@ class EngineCore:
         if not res["ok"] and res.get("mismatch") and self._demote_on_own_failure(cand, tier, res):
             exact, note = self._mode(cand, tier)  # tolerance from here on: validate this candidate again under it
             res = self._run_validation(prog, self._reference(tier), fwd, buckets, exact, atol, rtol, seed)
+        if getattr(self, "before_canary", None) is not None:
+            self.before_canary()  # in-process: the worker's audit puts back what a candidate changed, first
         tampered = self._canary_ok(tier)
         if tampered:
             res.update(ok=False, fatal=True, reason=f"{tampered}: the candidate changed shared state; the worker "

@@ -256,8 +256,8 @@ class Supervisor:
                 memory = ("outofmemory" in text or "memoryerror" in text or "out of memory" in text
                           or "can't allocate memory" in text)
                 kind = err.get("kind") or ("memory" if memory else "raised")
-                if kind in ("crashed", "timeout", "memory") and err.get("kind"):
-                    raise CandidateFailed(kind, err.get("message", ""), err)  # the candidate's own process
+                if err.get("type") == "TrialFailed":  # the candidate's own process died, hung or grew too big
+                    raise CandidateFailed(kind, err.get("message", ""), err)
                 raise CandidateFailed(kind, f"{err.get('type')}: {err.get('message')}", err)
             raise EngineError(err.get("message", "the worker refused the request"))
 

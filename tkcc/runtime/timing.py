@@ -10,7 +10,7 @@ import time
 import torch
 
 from tkcc.runtime.measurement import BucketTiming, ci_tight
-from tkcc.runtime.validation import tensors_of
+from tkcc.runtime.validation import ValidationFailure, tensors_of
 
 _perf_counter_ns = time.perf_counter_ns
 _Event = torch.cuda.Event if hasattr(torch, "cuda") else None
@@ -51,6 +51,8 @@ class _Clock:
         self.i += 1
         if self.refresh is not None:
             self.refresh(args)
+        if self.check is not None:  # what the call was given, kept out of its reach for the check
+            self.given = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         return args
 
     def _outputs(self, out):
@@ -59,15 +61,19 @@ class _Clock:
     def _after(self, args, out) -> None:
         idx = self.recorded
         self.recorded += 1
-        self.last, self.last_checked = (args, out), False
+        self.last, self.last_checked = (args, getattr(self, "given", args), out), False
         if self.check is not None and idx in self.sample:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._check()
 
     def _check(self) -> None:
-        args, out = self.last
-        self.check(args, tensors_of(self._outputs(out)))
+        args, given, out = self.last
+        for j, (a, g) in enumerate(zip(args, given)):
+            if isinstance(a, torch.Tensor) and not torch.equal(a, g):
+                raise ValidationFailure(f"a timed call modified its input {j} (the reference is computed on the "
+                                        "inputs it was given)")
+        self.check(given, tensors_of(self._outputs(out)))
         self.checked += 1
         self.last_checked = True
 

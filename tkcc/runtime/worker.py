@@ -182,6 +182,19 @@ class _Single:
 
             self.base = global_state.take()
             self.loaded_at: dict = {}  # candidate -> memory before its first load
+            self.found = None          # what the audits of the current op found
+            self.core.before_canary = self._audit  # restore first: the canary then sees only what could not be
+
+    def _audit(self):
+        from tkcc.runtime import global_state
+
+        a = global_state.audit(self.base)
+        if self.found is None:
+            self.found = a
+        else:
+            self.found.restored += a.restored
+            self.found.unproven += a.unproven
+        return self.found
 
     def run(self, op: str, params: dict):
         if self.base is None or op not in AUDITED:
@@ -197,14 +210,15 @@ class _Single:
                 cid = None
             if cid and cid not in self.core.candidates:
                 self.loaded_at[cid] = global_state.memory_now()
+        self.found = None
         try:
             result = getattr(self.core, f"op_{op}")(**params)
         except BaseException as e:
-            a = global_state.audit(self.base)
+            a = self._audit()
             if not a.clean:
                 raise Tampered(a, e) from e
             raise
-        a = global_state.audit(self.base)
+        a = self._audit()
         if op == "unload" and isinstance(result, dict) and result.get("unloaded"):
             before = self.loaded_at.pop(params.get("candidate"), None)
             why = global_state.leaked(before, global_state.memory_now()) if before else ""
