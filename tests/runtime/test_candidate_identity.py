@@ -26,15 +26,16 @@ def test_identity_covers_every_importable_file_and_the_entry(tmp_path):
     before = _cid(a / "candidate.py")
     (a / "notes.txt").write_text("not importable")
     (a / "run.log").write_text("x")
-    assert _cid(a / "candidate.py") != before  # other.py was added: importable
+    assert _cid(a / "candidate.py") == before  # a log beside it is nothing it can import
+    (a / "more.py").write_text("")
+    assert _cid(a / "candidate.py") != before  # a module beside it is
     before = _cid(a / "candidate.py")
-    (a / "notes2.txt").write_text("still not importable")
-    assert _cid(a / "candidate.py") == before
     (a / "pkg" / "data.json").write_text("{}")  # a package's files are all its own
     assert _cid(a / "candidate.py") != before
     assert _cid(a / "candidate.py", exact=False) != _cid(a / "candidate.py")
     digest, files = source_tree(str(a / "candidate.py"), 1 << 20)
-    assert {r for r, _ in files} == {"candidate.py", "helper.py", "other.py", "pkg/__init__.py", "pkg/data.json"}
+    assert {r for r, _ in files} == {"candidate.py", "helper.py", "more.py", "other.py", "pkg/__init__.py",
+                                     "pkg/data.json"}
 
 
 def test_a_folder_too_big_to_be_a_candidate_is_refused(tmp_path):
