@@ -41,7 +41,7 @@ def test_identity_covers_every_importable_file_and_the_entry(tmp_path):
 def test_a_folder_too_big_to_be_a_candidate_is_refused(tmp_path):
     (tmp_path / "candidate.py").write_text("x = 1\n")
     (tmp_path / "big.py").write_bytes(b"#" * 5000)
-    with pytest.raises(EngineError, match="pass the engine's limit of 4096 bytes"):
+    with pytest.raises(EngineError, match="over the engine's limit of 4096 bytes"):
         source_tree(str(tmp_path / "candidate.py"), 4096)
     with pytest.raises(EngineError, match="does not exist"):
         source_tree(str(tmp_path / "missing.py"), 4096)

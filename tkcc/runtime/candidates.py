@@ -141,7 +141,7 @@ def source_tree(path, max_bytes: int) -> tuple[str, list[tuple[str, bytes]]]:
         size = os.path.getsize(full)
         total += size
         if total > max_bytes:
-            raise EngineError(f"source candidate {path!r}: the files it can import in {root} pass the engine's "
+            raise EngineError(f"source candidate {path!r}: the files it can import in {root} are over the engine's "
                               f"limit of {max_bytes} bytes (at {rel}); put the candidate in a folder of its own")
         with open(full, "rb") as f:
             data = f.read(max_bytes + 1)
