@@ -39,17 +39,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-WATCHED = ("torch", "tkcc", "triton", "numpy", "builtins", "math", "time", "operator", "functools", "os", "sys",
-           "random", "threading", "copy", "pickle", "itertools", "statistics", "hashlib", "json", "struct",
-           "collections", "contextlib", "typing", "inspect", "types", "gc", "io", "ctypes", "signal", "mmap",
-           "socket", "select", "subprocess", "multiprocessing")
+# every module of tkcc, and these (with the classes they hold): torch's function table and the rest of what
+# the engine's own code calls into
+WATCHED = {"torch", "torch.functional", "torch.nn", "torch.nn.functional", "torch.nn.init", "torch.nn.modules.module",
+           "torch._C", "torch._C._VariableFunctions", "torch._C._nn", "torch._C._linalg", "torch._C._fft",
+           "torch._C._special", "torch._tensor", "torch.linalg", "torch.fft", "torch.special", "torch.autograd",
+           "torch.autograd.grad_mode", "torch.cuda", "torch.cuda.graphs", "torch.cuda.streams", "torch.random",
+           "torch.backends", "torch.backends.cudnn", "torch.backends.mkldnn", "torch.backends.cuda", "torch.fx",
+           "torch.fx.graph_module", "torch.library", "torch._ops", "torch.overrides", "torch.utils._pytree",
+           "torch.export", "triton", "triton.language", "triton.runtime.jit", "numpy", "builtins", "math", "time",
+           "operator", "functools", "os", "sys", "random", "threading", "gc", "copy", "pickle", "struct", "itertools",
+           "statistics", "hashlib", "json", "ctypes", "signal", "mmap", "socket", "select", "subprocess",
+           "multiprocessing", "multiprocessing.connection", "secrets", "zlib"}
 SKIP_ATTRS = {"__builtins__", "__loader__", "__spec__", "__cached__", "__warningregistry__",
               "__slotnames__"}  # set lazily by copyreg on the first copy or pickle of an instance
 MEMORY_SLACK = 64 << 20  # bytes a worker may differ by, before and after a candidate, without blame
 
 
 def _watched(name: str) -> bool:
-    return name.split(".", 1)[0] in WATCHED and not name.startswith(("tkcc_user_", "tkcc_artifact_"))
+    return name in WATCHED or name == "tkcc" or name.startswith("tkcc.")
 
 
 def _function_parts(f) -> tuple:

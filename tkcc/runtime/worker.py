@@ -161,7 +161,8 @@ class GroupLost(Exception):
         self.kind = kind
 
 
-AUDITED = ("load", "validate", "swap", "revert", "measure", "generate", "unload")  # ops that may run candidate code
+AUDITED = ("load", "validate", "measure", "generate", "unload")  # ops that run candidate code (and unload's leak check)
+AUDITED_CUDA = AUDITED + ("swap", "revert")  # ... and, on a GPU, the CUDA-graph capture of a swapped-in forward
 
 
 class _Single:
@@ -181,6 +182,7 @@ class _Single:
             from tkcc.runtime import global_state
 
             self.base = global_state.take()
+            self.clean = global_state.memory_now()  # memory with no candidate's garbage (after each unload)
             self.loaded_at: dict = {}  # candidate -> memory before its first load
             self.found = None          # what the audits of the current op found
             self.core.before_canary = self._audit  # restore first: the canary then sees only what could not be
@@ -197,7 +199,8 @@ class _Single:
         return self.found
 
     def run(self, op: str, params: dict):
-        if self.base is None or op not in AUDITED:
+        audited = AUDITED_CUDA if self.core.device.type == "cuda" else AUDITED
+        if self.base is None or op not in audited:
             return getattr(self.core, f"op_{op}")(**params)
         from tkcc.runtime import global_state
 
@@ -209,7 +212,7 @@ class _Single:
             except Exception:  # noqa: BLE001 - the op itself reports a bad spec
                 cid = None
             if cid and cid not in self.core.candidates:
-                self.loaded_at[cid] = global_state.memory_now()
+                self.loaded_at[cid] = self.clean
         self.found = None
         try:
             result = getattr(self.core, f"op_{op}")(**params)
@@ -218,12 +221,17 @@ class _Single:
             if not a.clean:
                 raise Tampered(a, e) from e
             raise
-        a = self._audit()
-        if op == "unload" and isinstance(result, dict) and result.get("unloaded"):
+        if op == "unload":  # unloading runs no candidate code: what is left is the memory it held
             before = self.loaded_at.pop(params.get("candidate"), None)
-            why = global_state.leaked(before, global_state.memory_now()) if before else ""
-            if why:
-                return {**result, "fatal": True, "leaked": why, "reason": f"candidate {params.get('candidate')}: {why}"}
+            if isinstance(result, dict) and result.get("unloaded") and before:
+                now = global_state.memory_now()
+                why = global_state.leaked(before, now)
+                if why:
+                    return {**result, "fatal": True, "leaked": why,
+                            "reason": f"candidate {params.get('candidate')}: {why}"}
+                self.clean = now
+            return result
+        a = self._audit()
         if a.restored or a.unproven:
             why = "; ".join(a.unproven + a.restored)
             out = result if isinstance(result, dict) else {"result": result}
