@@ -252,6 +252,16 @@ def audit(base: Snapshot) -> Audit:
     return out
 
 
+def _lazy_state(name: str, before, now) -> bool:
+    """A private, non-callable value (``_initialized``, a cache, a lazily computed constant): libraries set
+    these themselves on first use, so a change there is not taken for a candidate's. A private function,
+    class or method (``tkcc.runtime.timing._perf_counter_ns``) is always audited."""
+    if not name.startswith("_") or name.startswith("__"):
+        return False
+    return not any(callable(x) or isinstance(x, (classmethod, staticmethod, property)) for x in (before, now)
+                   if x is not None and x is not _MISSING)
+
+
 def _label(owner) -> str:
     return getattr(owner, "__name__", None) or type(owner).__name__
 
@@ -270,6 +280,8 @@ def _audit_attrs(base: Snapshot, out: Audit) -> None:
             cur = d.get(k, _MISSING)
             if cur is v:
                 continue
+            if _lazy_state(k, v, cur):
+                continue
             where = f"{_label(owner)}.{k}"
             try:
                 setattr(owner, k, v)
@@ -279,8 +291,8 @@ def _audit_attrs(base: Snapshot, out: Audit) -> None:
         for k in [k for k in list(d) if k not in names and k not in SKIP_ATTRS]:
             if isinstance(owner, types.ModuleType) and isinstance(d.get(k), types.ModuleType):
                 continue  # a submodule imported since: the import system sets it
-            if isinstance(owner, types.ModuleType) and k.startswith("_") and not k.startswith("__"):
-                continue  # a module's private cache filled lazily
+            if _lazy_state(k, None, d.get(k)):
+                continue
             try:
                 delattr(owner, k)
                 out.restored.append(f"{_label(owner)}.{k} was added")

@@ -181,6 +181,7 @@ class _Single:
         if self.core.isolation == "inprocess" and cfg.get("audit", True):
             from tkcc.runtime import global_state
 
+            _preload()  # what any candidate's build imports, imported before the snapshot
             self.base = global_state.take()
             self.clean = global_state.memory_now()  # memory with no candidate's garbage (after each unload)
             self.loaded_at: dict = {}  # candidate -> memory before its first load
@@ -247,6 +248,22 @@ class _Single:
     def close(self, graceful: bool = True) -> None:
         if getattr(self.core, "trials", None) is not None:
             self.core.trials.close()
+
+
+def _preload() -> None:
+    """Import what building any candidate imports (passes, codegen, kernels, Triton), so that its first
+    candidate's build finds them loaded and the audit's snapshot already holds them."""
+    import importlib
+
+    from tkcc.passes.base import all_passes
+
+    all_passes()
+    for name in ("tkcc.passes.manager", "tkcc.passes.plan", "tkcc.codegen.artifact", "tkcc.codegen.forward_source",
+                 "tkcc.kernels.ops", "triton", "triton.language"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # not in this build
 
 
 def make_core(cfg: dict, rank: int, world: int):

@@ -87,3 +87,16 @@ def test_a_change_that_cannot_be_undone_restarts_the_worker_charged_to_the_candi
     assert st["engine"]["restarts"] == before + 1
     assert st["engine"]["recoveries"][-1]["reason"].count(words) or words in res["reason"]
     assert engine.honest / NOISE <= _honest(engine) <= engine.honest * NOISE
+
+
+def test_honest_candidates_pass_the_audit(engine):
+    """No false alarms: plans through the passes and codegen, and a source candidate, leave nothing behind."""
+    from tkcc.compiler import default_plan
+
+    with engine.client() as c:
+        before = c.status()["engine"]["restarts"]
+        for spec in ({"plan": [{"name": "dce"}, {"name": "cse"}]}, {"plan": default_plan().to_json()},
+                     {"source": engine.forward_source("honest_again", "y = base(x)\n        return y")}):
+            res = c.experiment(spec, tiers="both", reps=10)
+            assert res["ok"], res
+        assert c.status()["engine"]["restarts"] == before
