@@ -107,3 +107,35 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_kept_candidate_that_leaks_while_idle_is_killed_and_its_tier_falls_back(adversary):
+    """The memory limit holds between requests too: the worker's watchdog kills a kept candidate whose thread
+    grows past it while nothing is asked of the engine, the tier goes back to the baseline, and the journal says
+    why. The leak is charged to that candidate; the next candidate measures as before."""
+    setup = """
+        def _later():
+            time.sleep(2.0)                               # after its experiment, while it serves, idle
+            keep = []
+            while True:
+                keep.append(torch.ones(1 << 24))          # 64 MiB every 20 ms
+                time.sleep(0.02)
+        threading.Thread(target=_later, daemon=True).start()
+    """
+    res = adversary.run({"source": adversary.source("idle_leak", setup=setup, body="return f(ids, pos)")}, keep=True)
+    assert res["ok"], res
+    cid = res["candidate"]
+    with adversary.eng.client() as c:
+        assert c.status()["serving"]["fast"]["current"] == cid
+        end = time.time() + 30
+        while time.time() < end:
+            lost = [r for r in c.results(kind="trial_lost")["records"] if r.get("candidate") == cid]
+            if lost:
+                break
+            time.sleep(0.5)
+        assert lost and "over the limit" in lost[-1]["reason"], lost
+        st = c.status()
+    assert st["serving"]["fast"]["current"] == "baseline" and st["worker"]["tiers"]["fast"]["current"] == "baseline"
+    assert cid not in st["worker"]["isolation"]["trials"].values()
+    honest = adversary.honest()
+    assert adversary.honest_objective / NOISE <= honest <= adversary.honest_objective * NOISE
