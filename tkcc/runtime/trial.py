@@ -207,7 +207,7 @@ class TrialHost:
     def __init__(self, core):
         self.core = core
         self.parent = os.getpid()
-        self.threads = int(core.cfg.get("threads") or os.cpu_count() or 1)
+        self.threads = int(core.threads)  # --threads, or torch's default (the worker itself computes with one)
         self.timeout_s = float(core.cfg.get("timeout_s") or 600.0)
         self.trials: dict[str, "Trial"] = {}
         self.killed: dict[int, str] = {}  # pid -> why the watchdog killed it
@@ -273,8 +273,7 @@ class TrialHost:
         """Kill a trial past its memory limit (idle or not) and any orphan re-parented to the worker."""
         while True:
             time.sleep(WATCH_S)
-            with self.lock:
-                live = {t.pid: (cid, t) for cid, t in self.trials.items() if t.pid and not t.dead}
+            live = {t.pid: (cid, t) for cid, t in list(self.trials.items()) if t.pid and not t.dead}  # list(): atomic
             for pid, (cid, t) in live.items():
                 used = procs.private_bytes(pid)
                 if used is not None and used > self.limit:
@@ -353,12 +352,8 @@ class Trial:
         self.pid = pid
         self.conn = Connection(a.detach())
         self.exit_code: int | None = None
-        try:
-            ready = self._reply(READY_TIMEOUT_S, "start-up")
-        except TrialFailed:
-            raise
+        self._reply(READY_TIMEOUT_S, "start-up")
         self.start_s = time.perf_counter() - t0
-        self.private0 = ready.get("private_bytes")
         host.forks.append(self.start_s)
 
     # -- liveness --------------------------------------------------------------------------
