@@ -79,3 +79,64 @@ while True:
     rows = ExperimentStore(p).experiments()
     assert len(rows) >= acked + 1  # everything acknowledged is there
     assert [r.objective for r in rows] == [float(i) for i in range(len(rows))]
+
+
+# ------------------------------------------------------------------ bad stores: the path and the cause, at once
+def _bad_stores(tmp_path):
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"\x89PNG\r\n" + os.urandom(3000))
+    good = tmp_path / "good.db"
+    s = ExperimentStore(good)
+    cid = s.open_campaign("c", "m", {}, resume=False)
+    for i in range(200):
+        _record(s, cid, i)
+    s.close()
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.db"
+    truncated.write_bytes(data[: len(data) // 2 + 100])
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(data[:4096] + os.urandom(len(data) - 4096))
+    other = tmp_path / "other.db"
+    db = sqlite3.connect(other)
+    db.execute("CREATE TABLE photos (id INTEGER PRIMARY KEY, blob BLOB)")
+    db.commit()
+    db.close()
+    folder = tmp_path / "folder.db"
+    folder.mkdir()
+    return [(empty, "empty (0 bytes)"), (garbage, "not an SQLite database"), (truncated, "truncated"),
+            (corrupt, "corrupt"), (other, "something else"), (folder, "is a folder")]
+
+
+def test_bad_stores_are_refused_naming_the_path_and_the_cause(tmp_path):
+    from tkcc.agents.store import StoreError
+
+    for path, cause in _bad_stores(tmp_path):
+        size = path.stat().st_size if path.is_file() else None
+        with pytest.raises(StoreError) as e:
+            ExperimentStore(path)
+        assert str(path) in str(e.value) and cause in str(e.value), (path, str(e.value))
+        if size is not None:
+            assert path.stat().st_size == size  # never "repaired" or re-created
+
+
+def test_campaign_refuses_a_bad_store_and_too_few_aa_pairs_before_any_engine_starts(tmp_path, monkeypatch, capsys):
+    import tkcc.agents.engine_eval as engine_eval
+    from tkcc.agents.noise import MIN_AA_SAMPLES
+    from tkcc.cli import main
+
+    def no_engine(*a, **k):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(engine_eval, "spawned_engine", no_engine)
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    assert main(["campaign", "--model", "llama-tiny", "--store", str(empty), "--budget", "5s"]) == 2
+    err = capsys.readouterr().err
+    assert str(empty) in err and "empty (0 bytes)" in err
+    good = tmp_path / "new.db"
+    assert main(["campaign", "--model", "llama-tiny", "--store", str(good), "--aa-pairs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--aa-pairs 2" in err and f"at least {MIN_AA_SAMPLES}" in err
+    assert not good.exists()  # refused before the store was even created

@@ -1,7 +1,8 @@
 """What makes an engine experiment cheaper must not change what it means.
 
 - adaptive repetitions: the median's confidence interval from order statistics, stopping early on a stable
-  forward and running to the cap on a noisy one (real timed callables, the engine's own clock);
+  forward and running to the cap on a noisy one (the engine's own timing loop, on a fake clock the forwards
+  advance, so the machine's load cannot change the outcome);
 - the PassManager's engine mode (no per-pass numerics, no per-pass FX Python): the same rewritten graphs
   and outputs as the fully checked mode, the caller's Program untouched, a graph a pass made itself copied
   before a later pass edits it, and a numerics-breaking pass still refused, now by the engine's validation;
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
@@ -47,32 +47,49 @@ def test_median_ci_is_the_order_statistic_interval_and_covers_the_median():
         assert hits / trials >= cover - 0.02, (n, hits / trials, cover)
 
 
-def _spin(seconds: float):
-    """A forward whose duration is what we ask: a busy wait on the monotonic clock."""
-    def fn(*_args):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
-    return fn
+class FakeTime:
+    """A clock the timed forwards advance themselves: timing decisions tested without the machine's load."""
+
+    def __init__(self):
+        self.ns = 0
+
+    def now(self) -> int:
+        return self.ns
+
+    def forward(self, seconds):
+        """A forward that takes ``seconds`` (a number, or a function returning one per call)."""
+        def fn(*_args):
+            self.ns += int((seconds() if callable(seconds) else seconds) * 1e9)
+        return fn
 
 
 def test_adaptive_reps_stop_early_on_a_stable_forward_and_run_longer_on_a_noisy_one():
     cpu = torch.device("cpu")
     sets = [(torch.zeros(1),)]
-    stable, stop = timed_samples(_Clock(_spin(0.002), None, sets, cpu), reps=30, warmup=2, min_reps=10, ci_rel=0.02)
-    assert stop == "ci" and 10 <= len(stable) < 30, (stop, len(stable))
-    assert ci_tight(stable, 0.02)
+    ft = FakeTime()
+    jitter = random.Random(1)
+    stable_fn = ft.forward(lambda: 0.002 * (1 + jitter.uniform(-0.001, 0.001)))  # +-0.1 %
+    stable, stop = timed_samples(_Clock(stable_fn, None, sets, cpu, clock=ft.now), reps=30, warmup=2, min_reps=10,
+                                 ci_rel=0.02)
+    assert stop == "ci" and len(stable) == 10, (stop, len(stable))  # tight at the first look
+    assert ci_tight(stable, 0.02) and all(abs(x - 0.002) < 1e-5 for x in stable)
 
     rng = random.Random(3)
-    def noisy_fn(*_a):  # a forward whose time varies 8x
-        _spin(rng.uniform(0.0005, 0.004))()
-
-    noisy, stop = timed_samples(_Clock(noisy_fn, None, sets, cpu), reps=30, warmup=2, min_reps=10, ci_rel=0.02)
+    noisy_fn = ft.forward(lambda: rng.uniform(0.0005, 0.004))  # a forward whose time varies 8x
+    noisy, stop = timed_samples(_Clock(noisy_fn, None, sets, cpu, clock=ft.now), reps=30, warmup=2, min_reps=10,
+                                ci_rel=0.02)
     assert stop == "max_reps" and len(noisy) == 30
     assert not ci_tight(noisy, 0.02)
 
-    fixed, stop = timed_samples(_Clock(_spin(0.001), None, sets, cpu), reps=7, warmup=0, min_reps=None)
-    assert stop == "fixed" and len(fixed) == 7
+    # a forward that settles: noisy for its first calls, then stable; stops once the interval is tight
+    calls = iter([rng.uniform(0.001, 0.004) for _ in range(6)] + [0.002] * 100)
+    settling, stop = timed_samples(_Clock(ft.forward(lambda: next(calls)), None, sets, cpu, clock=ft.now), reps=30,
+                                   warmup=0, min_reps=10, ci_rel=0.02)
+    assert stop == "ci" and 10 < len(settling) < 30, (stop, len(settling))
+
+    fixed, stop = timed_samples(_Clock(ft.forward(0.001), None, sets, cpu, clock=ft.now), reps=7, warmup=0,
+                                min_reps=None)
+    assert stop == "fixed" and len(fixed) == 7 and fixed == [0.001] * 7
     bt = BucketTiming.from_samples("k", "forward", 1.0, stable, False, stop="ci", warmup=2)
     assert bt.ci_low_s <= bt.median_s <= bt.ci_high_s and bt.reps == len(stable) and bt.stop == "ci"
 
@@ -93,12 +110,13 @@ def test_ranks_that_vote_stop_at_the_same_repetition():
         return agree
 
     rng = random.Random(5)
-    fns = {0: _spin(0.002), 1: lambda *_a: _spin(rng.uniform(0.0005, 0.004))()}
+    clocks = {0: FakeTime(), 1: FakeTime()}
+    fns = {0: clocks[0].forward(0.002), 1: clocks[1].forward(lambda: rng.uniform(0.0005, 0.004))}
     sets = [(torch.zeros(1),)]
 
     def rank(r):
-        out[r] = timed_samples(_Clock(fns[r], None, sets, torch.device("cpu")), reps=24, warmup=1, min_reps=10,
-                               ci_rel=0.02, agree=agree_for(r))
+        out[r] = timed_samples(_Clock(fns[r], None, sets, torch.device("cpu"), clock=clocks[r].now), reps=24,
+                               warmup=1, min_reps=10, ci_rel=0.02, agree=agree_for(r))
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:
@@ -106,6 +124,7 @@ def test_ranks_that_vote_stop_at_the_same_repetition():
     for t in threads:
         t.join(120)
     assert len(out[0][0]) == len(out[1][0]) == 24 and out[0][1] == out[1][1] == "max_reps"
+    assert ci_tight(out[0][0], 0.02)  # rank 0 alone would have stopped at 10
 
 
 def test_clock_rotates_inputs_across_chunks():

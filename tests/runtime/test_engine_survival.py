@@ -1,12 +1,14 @@
 """A candidate that raises, hangs, crashes, exhausts memory or returns wrong outputs costs only itself.
 
-One engine (a small residual-MLP model, CPU) serves the whole module; each
-test submits a misbehaving source candidate and then checks the engine still
-answers, still serves the baseline, and journaled the failure.
+One engine (a small residual-MLP model, CPU, process isolation: each candidate in its own process) serves
+the whole module; each test submits a misbehaving source candidate and then checks the engine still
+answers, still serves the baseline, and journaled the failure. What a candidate kills is its own process:
+the worker is not restarted. The worker's own recovery is tested by killing the worker.
 """
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -62,22 +64,50 @@ def test_candidate_that_raises(blocks_engine):
     ("hangs", "import time; time.sleep(3600)", "timeout", "did not finish within 3", 3),
     ("exits", "import os; os._exit(13)", "crashed", "exit code 13", 30),
     ("segfaults", "import ctypes; ctypes.string_at(0)", "crashed", "SIGSEGV", 30),
-    ("creeps", "import torch; keep = [torch.ones(1 << 26) for _ in range(400)]", "memory", "memory passed the limit",
-     60),
+    ("creeps", "import torch; keep = [torch.ones(1 << 26) for _ in range(400)]", "memory", "over the limit", 60),
 ])
-def test_candidate_that_kills_the_worker_costs_only_itself(blocks_engine, name, body, kind, words, timeout):
+def test_candidate_that_kills_its_process_costs_only_itself(blocks_engine, name, body, kind, words, timeout):
     cand = _cand(blocks_engine, name, body)
     with blocks_engine.client() as c:
         before = c.status()["engine"]["restarts"]
         res = c.experiment(cand, tiers="fast", reps=5, timeout_s=timeout)
-        recs = c.results(kind="recovery")["records"]
+        journal = c.results(request_id=res["request_id"], kind="experiment")["records"]
     assert not res["ok"]
     rec = res["tiers"]["fast"]
     assert rec["failure"] == kind, rec
     assert words in rec["reason"], rec["reason"]
-    assert rec["recovery"]["recovery_s"] > 0 and recs and recs[-1]["recovery_s"] == rec["recovery"]["recovery_s"]
+    assert "recovery" not in rec  # the worker was never at risk
+    assert journal and journal[-1]["tiers"]["fast"]["failure"] == kind
     st = _ok_after(blocks_engine)
-    assert st["engine"]["restarts"] == before + 1
+    assert st["engine"]["restarts"] == before
+    pid = rec["trial"]["pid"]  # its process is gone, and reaped
+    assert str(pid) not in st["worker"]["isolation"]["trials"] and not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_killed_worker_is_replaced_and_the_kept_candidate_restored(blocks_engine):
+    """The worker itself dying (the OOM killer, a kill -9) is what still costs a restart: it is replaced
+    between requests and what each tier served comes back."""
+    import signal
+    import time
+
+    good = _cand(blocks_engine, "keeper_w", "return base(x * 1)")
+    with blocks_engine.client() as c:
+        res = c.experiment(good, tiers="slow", reps=5, keep=True)
+        assert res["ok"], res
+        cid = res["candidate"]
+        st = c.status()
+        before = st["engine"]["restarts"]
+        os.kill(st["engine"]["worker_pid"], signal.SIGKILL)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            st = c.status()
+            if st["engine"]["restarts"] > before and "worker" in st and not st.get("busy"):
+                break
+            time.sleep(0.5)
+        assert st["engine"]["restarts"] == before + 1
+        assert st["engine"]["recoveries"][-1]["restored"] == {"slow": cid}
+        assert st["worker"]["tiers"]["slow"]["current"] == cid
+        assert c.revert(tier="slow")["current"] == "baseline"
 
 
 def test_absurd_allocation_is_a_memory_failure(blocks_engine):
@@ -120,16 +150,17 @@ def test_tolerance_mode_accepts_small_error_but_not_large(blocks_engine):
     assert not bad["ok"] and "exceeds the tolerance" in bad["tiers"]["fast"]["reason"]
 
 
-def test_candidate_that_changes_weights_is_rejected_and_the_worker_replaced(blocks_engine):
+def test_candidate_that_changes_weights_changes_only_its_own_copy(blocks_engine):
+    """Its process holds a copy-on-write copy of the weights: its change is its own (and makes it wrong)."""
     body = "with torch.no_grad():\n            program.model.head.weight.add_(1.0)\n        return base(x)"
     cand = _cand(blocks_engine, "weights", body)
     with blocks_engine.client() as c:
         before = c.status()["engine"]["restarts"]
         res = c.experiment(cand, tiers="slow", reps=5)
     assert not res["ok"], res
-    assert "weights" in res["tiers"]["slow"]["reason"]
+    assert res["tiers"]["slow"]["failure"] == "invalid" and "not bit-exact" in res["tiers"]["slow"]["reason"]
     st = _ok_after(blocks_engine)
-    assert st["engine"]["restarts"] == before + 1
+    assert st["engine"]["restarts"] == before
 
 
 def test_keep_swap_revert_and_recovery_restores_the_served_candidate(blocks_engine):
@@ -142,11 +173,11 @@ def test_keep_swap_revert_and_recovery_restores_the_served_candidate(blocks_engi
         # measuring what already serves leaves it serving
         assert c.experiment(good, tiers="slow", reps=5)["ok"]
         assert c.status()["worker"]["tiers"]["slow"]["current"] == cid
-        # a crashing candidate now: after recovery the kept candidate serves again
+        # a crashing candidate now: only its own process goes; the kept candidate never stopped serving
         crash = c.experiment(_cand(blocks_engine, "crash2", "import os; os._exit(9)"), tiers="slow", reps=5)
-        assert not crash["ok"] and crash["tiers"]["slow"]["recovery"]["restored"] == {"slow": cid}
+        assert not crash["ok"] and crash["tiers"]["slow"]["failure"] == "crashed"
         st = c.status()
-        assert st["worker"]["tiers"]["slow"]["current"] == cid
+        assert st["worker"]["tiers"]["slow"]["current"] == cid and st["serving"]["slow"]["current"] == cid
         rev = c.revert(tier="slow")
         assert rev["reverted"] == cid and rev["current"] == "baseline"
         assert c.status()["worker"]["tiers"]["slow"]["current"] == "baseline"
@@ -164,7 +195,8 @@ def test_results_are_journaled_before_they_are_acknowledged(blocks_engine):
 
 
 def test_candidate_that_patches_torch_to_fool_the_reference_is_caught(blocks_engine):
-    # wrong outputs *and* the same wrong outputs from the reference, by patching a torch function both use
+    # wrong outputs *and* a patched torch function the reference uses too: the reference runs in another
+    # process, which the patch never reaches
     body = ("import torch.nn.functional as F\n        if not hasattr(F, '_orig_silu'):\n"
             "            F._orig_silu = F.silu\n            F.silu = lambda t, inplace=False: F._orig_silu(t) * 1.5\n"
             "        return base(x)")
@@ -172,6 +204,6 @@ def test_candidate_that_patches_torch_to_fool_the_reference_is_caught(blocks_eng
     with blocks_engine.client() as c:
         before = c.status()["engine"]["restarts"]
         res = c.experiment(cand, tiers="slow", reps=5)
-    assert not res["ok"] and "no longer computes what it did at start-up" in res["reason"], res
+    assert not res["ok"] and "not bit-exact" in res["reason"], res
     st = _ok_after(blocks_engine)
-    assert st["engine"]["restarts"] == before + 1  # the patched process is gone
+    assert st["engine"]["restarts"] == before

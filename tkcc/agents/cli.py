@@ -151,19 +151,13 @@ def _proposer(args, client, evaluator):
 
     if args.proposer == "search":
         return BayesianSearch(_search_space(args, evaluator.device_type), seed=args.seed)
-    from tkcc.agents.external import ExternalAgent
+    from tkcc.agents.external import agent_for_engine
 
     if not args.agent_cmd:
         raise TkccError("--proposer agent needs --agent-cmd")
-    base = client.load({"baseline": True}, tiers="slow")
-    del base  # the baseline has no generated source; agents start from the default plan's artifact
-    from tkcc.compiler import DEFAULT_PLAN
 
-    built = client.load({"plan": DEFAULT_PLAN.to_json()}, tiers="slow")
-    art = ((built.get("slow") or {}).get("info") or {}).get("artifact")
-    return ExternalAgent(args.agent_cmd, Path(args.store).with_suffix(".agent"), notes=args.agent_notes,
-                         time_limit_s=_seconds(args.agent_time_limit, "--agent-time-limit"),
-                         base_artifact=Path(art) if art else None)
+    return agent_for_engine(client, args.agent_cmd, Path(args.store).with_suffix(".agent"), notes=args.agent_notes,
+                            time_limit_s=_seconds(args.agent_time_limit, "--agent-time-limit"))
 
 
 def cmd_campaign(args):
@@ -171,14 +165,14 @@ def cmd_campaign(args):
     from tkcc.agents.campaign import CampaignConfig, run_campaign
     from tkcc.agents.summary import summary_of, summary_text
     from tkcc.agents.engine_eval import EngineEvaluator
+    from tkcc.agents.noise import check_aa_pairs
     from tkcc.agents.store import ExperimentStore
     from tkcc.cli import builtin_models, command_started
     from tkcc.traffic.names import load_named_trace
 
     started = command_started()
     budget = _seconds(args.budget, "--budget")
-    if args.aa_pairs < 2:
-        raise TkccError(f"--aa-pairs must be at least 2 (a spread needs two pairs), got {args.aa_pairs}")
+    check_aa_pairs(args.aa_pairs)
     if args.batch < 1:
         raise TkccError(f"--batch must be at least 1, got {args.batch}")
     tiers = tuple(args.tiers.split(","))
@@ -277,14 +271,14 @@ def cmd_watch(args):
     events: list = []  # filled as they happen: neither an interrupt nor a failing engine stop loses them
     on_event = None if args.no_progress else (lambda e: print(e.line(), file=sys.stderr, flush=True))
     interrupted = False
+    store = ExperimentStore(args.store)  # a bad store is refused before an engine starts
+    keep = _artifacts_dir(args.store)
     engine = _Engine(args)
     client = engine.__enter__()
     try:
         worker = client.status().get("worker") or {}
         wk = {"max_context": int(worker.get("max_cache_len") or 4096), "batch_sizes": (int(worker.get("batch") or 1),)}
         model = str((client.status().get("engine") or {}).get("model") or args.model)
-        store = ExperimentStore(args.store)
-        keep = _artifacts_dir(args.store)
         watch(rolling, lambda wl: make_ev(client, wl),
               lambda: BayesianSearch(SearchSpace.from_registry(exact_only=not args.tolerance,
                                                                device=str(worker.get("device", "cpu"))),

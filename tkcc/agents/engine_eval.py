@@ -73,9 +73,16 @@ class EngineEvaluator:
         if cand.compare:
             return {"compare": cand.compare}
         if cand.artifact_dir is not None:
-            src = Path(cand.artifact_dir) / "candidate.py"
+            folder = Path(cand.artifact_dir)
+            tiers = {p.parent.name: str(p.parent.resolve()) for p in sorted(folder.glob("*/manifest.json"))}
+            if tiers:  # an artifact per tier (an agent's edited, resealed forwards)
+                return {"artifacts": tiers}
+            if (folder / "manifest.json").exists():
+                return {"artifact": str(folder.resolve())}
+            src = folder / "candidate.py"
             if not src.exists():
-                raise TkccError(f"agent candidate {cand.artifact_dir} has no candidate.py defining build(program)")
+                raise TkccError(f"agent candidate {folder}: neither artifacts (<tier>/manifest.json) nor a "
+                                "candidate.py defining build(program)")
             return {"source": str(src)}
         if not cand.plan.steps:
             return {"baseline": True}
@@ -92,7 +99,9 @@ class EngineEvaluator:
         except EngineError as e:
             raise TkccError(f"the engine could not build {cand.key} for the {tier} tier: {e}") from None
         info = ((res or {}).get(tier) or {}).get("info") or {}
-        key = info.get("artifact_hash")
+        key = info.get("artifact_hash") or info.get("hash")
+        if not key and info.get("tree_sha256"):  # a source candidate: every file it can import
+            key = f"{tier}-src-{info['tree_sha256'][:16]}"
         if not key:  # baseline and source candidates: no artifact; name what determines the build
             blob = json.dumps({"spec": spec, "tier": tier, "model": self.model_fp,
                                "source": hashlib.sha256(Path(spec["source"]).read_bytes()).hexdigest()
@@ -166,6 +175,15 @@ class EngineEvaluator:
 _KEEP_FILE_BYTES = 1 << 20  # a kept artifact's files above this (binaries) are left out
 
 
+def die_with_parent(parent: int | None = None):
+    """A ``preexec_fn``: in the child, between fork and exec, have the kernel SIGKILL it when this process
+    (``parent``, default the caller) dies; if that already happened, the child exits at once."""
+    from tkcc.runtime.procs import set_parent_death_signal
+
+    parent = os.getpid() if parent is None else parent
+    return lambda: set_parent_death_signal(parent=parent)
+
+
 @contextmanager
 def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None, extra: tuple[str, ...] = (),
                    start_timeout_s: float = 900, env: dict | None = None, keep_temp: bool = False,
@@ -187,8 +205,10 @@ def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None
     proc = None
     try:
         with open(tmp / "engine.stderr", "w") as err:
+            # the engine dies with this process, on SIGKILL too (the kernel's parent-death signal; the engine's
+            # worker and candidate processes follow it the same way)
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    env={**os.environ, **env} if env else None)
+                                    env={**os.environ, **env} if env else None, preexec_fn=die_with_parent())
         if on_start is not None:
             on_start(proc)
         line = _ready_line(proc, start_timeout_s)

@@ -15,9 +15,19 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from tkcc.errors import TkccError
+
 DEFAULT_Z = 3.0
 DEFAULT_FLOOR = 0.01  # 1% — below this a win is not worth a swap on any machine we have measured
 MIN_AA_SAMPLES = 3
+
+
+def check_aa_pairs(n: int) -> int:
+    """``--aa-pairs``: fewer A/A pairs than the noise model needs would mean nothing can ever ship."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < MIN_AA_SAMPLES:
+        raise TkccError(f"--aa-pairs {n}: the ship rule needs at least {MIN_AA_SAMPLES} A/A pairs to measure the "
+                        f"noise (with fewer, no candidate could ever ship); pass --aa-pairs {MIN_AA_SAMPLES} or more")
+    return n
 
 
 @dataclass

@@ -5,10 +5,16 @@ committed row (each experiment is one transaction), readers (``tkcc report``,
 ``watch``) never block the writer, and results already measured for the same
 artifact, workload and tier are found by one indexed lookup instead of being
 measured again.
+
+Opening a store checks it before anything else runs (``ExperimentStore(path)``
+raises ``StoreError`` naming the path and the cause): a 0-byte file, a file
+that is not SQLite, a truncated or corrupt database, an SQLite database of
+something else, a folder, or a path that cannot be written.
 """
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -17,6 +23,11 @@ from pathlib import Path
 from tkcc.errors import TkccError
 
 SCHEMA_VERSION = 1
+_TABLES = {"meta", "campaigns", "experiments", "ships"}
+
+
+class StoreError(TkccError):
+    """The experiment store cannot be used: the message names the path and the cause."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -88,12 +99,40 @@ class ExperimentStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self._init_schema()
+        _check_file(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+        except (OSError, sqlite3.Error) as e:
+            raise StoreError(f"experiment store {self.path}: cannot open it ({e})") from None
+        try:
+            self._check_database()
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self._init_schema()
+        except sqlite3.Error as e:
+            self.db.close()
+            raise StoreError(f"experiment store {self.path}: {_sqlite_cause(e)}") from None
+        except TkccError:
+            self.db.close()
+            raise
+
+    def _check_database(self) -> None:
+        """An existing file must be an intact SQLite database holding tkcc's tables (or none: a new store)."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        rows = self.db.execute("PRAGMA quick_check").fetchall()
+        if [r[0] for r in rows] != ["ok"]:
+            raise StoreError(f"experiment store {self.path}: the database is corrupt (SQLite integrity check: "
+                             f"{'; '.join(str(r[0]) for r in rows[:3])})")
+        tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if tables and not tables & _TABLES:
+            raise StoreError(f"experiment store {self.path}: an SQLite database of something else (tables "
+                             f"{sorted(tables)[:8]}), not a tkcc experiment store; use another --store path")
+        if tables & _TABLES and "meta" not in tables:
+            raise StoreError(f"experiment store {self.path}: tables {sorted(tables & _TABLES)} but no 'meta' "
+                             "table: not written by tkcc, or damaged")
 
     def _init_schema(self) -> None:
         for stmt in _SCHEMA.split(";"):
@@ -108,7 +147,7 @@ class ExperimentStore:
         if row is None:
             self.db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         elif int(row[0]) != SCHEMA_VERSION:
-            raise TkccError(
+            raise StoreError(
                 f"{self.path}: experiment store has schema version {row[0]}, this tkcc reads version "
                 f"{SCHEMA_VERSION}; use a new --store path or the tkcc version that wrote it"
             )
@@ -228,3 +267,44 @@ class ExperimentStore:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _check_file(path: Path) -> None:
+    """What can be said of the path before SQLite opens it (which would silently re-create a 0-byte file)."""
+    if path.is_dir():
+        raise StoreError(f"experiment store {path}: is a folder; name a file (e.g. {path / 'tkcc-campaigns.db'})")
+    if not path.exists():
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise StoreError(f"experiment store {path}: {parent} is a file, not a folder")
+        if parent is not None and not os.access(parent, os.W_OK):
+            raise StoreError(f"experiment store {path}: cannot create it ({parent} is not writable)")
+        return
+    size = path.stat().st_size
+    if size == 0:
+        raise StoreError(f"experiment store {path}: the file is empty (0 bytes), not a database; a store is "
+                         "never empty once created: remove the file to start a new store, or restore it")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise StoreError(f"experiment store {path}: cannot read it ({e.strerror})") from None
+    if head != b"SQLite format 3\x00":
+        raise StoreError(f"experiment store {path}: not an SQLite database ({size} bytes; it starts with "
+                         f"{head[:8]!r}, a store starts with b'SQLite f')")
+    if size < 512 or size % 512:
+        raise StoreError(f"experiment store {path}: truncated ({size} bytes is not a whole number of database "
+                         "pages)")
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise StoreError(f"experiment store {path}: not readable and writable by this user")
+
+
+def _sqlite_cause(e: Exception) -> str:
+    text = str(e)
+    if "not a database" in text:
+        return f"not an SQLite database, or encrypted or truncated ({text})"
+    if "malformed" in text:
+        return f"the database is corrupt ({text})"
+    if "locked" in text:
+        return f"the database is locked by another process ({text})"
+    return text

@@ -10,7 +10,11 @@ A candidate spec (JSON, as sent over RPC) is one of:
   manifest's program fingerprint must be the tier's.
 - ``{"source": PATH, "sha256": HEX}``: a Python file defining
   ``build(program) -> {phase: callable}`` (e.g. an external agent's edited
-  forward); the file's bytes are hashed and must match before they run.
+  forward); the file's bytes are hashed and must match before they run. The
+  candidate is everything Python can import from the file's folder (its
+  modules and packages: ``source_tree``): their hash names it, and they are
+  copied into a content-addressed snapshot that is what gets imported, so
+  the same ``candidate.py`` beside other files is another candidate.
 - ``{"baseline": true}``: the captured, un-rewritten forward.
 - ``{"eager": true}``: the model's own eager forward (``Program.eager``), the
   same call as each phase's graph. Always inexact: it is the model's code, not
@@ -40,6 +44,8 @@ from tkcc.errors import ArtifactError, EngineError, TkccError
 
 KINDS = ("plan", "artifact", "artifacts", "source", "baseline", "eager", "compare")
 COMPARE = ("inductor",)
+IMPORTABLE = (".py", ".so", ".pyd")  # what Python imports from a folder (with packages: folders with __init__.py)
+MAX_SOURCE_FILES = 2000
 
 
 @dataclass
@@ -62,15 +68,20 @@ def spec_kind(spec) -> str:
     return kinds[0]
 
 
-def candidate_id(spec: dict) -> str:
-    """Names what will run: the plan, or the artifacts' own hashes (so a rebuilt artifact is a new candidate)."""
+def candidate_id(spec: dict, max_bytes: int = 256 << 20) -> str:
+    """Names what will run: the plan, the artifacts' own hashes (so a rebuilt artifact is a new candidate), or
+    every file a source candidate can import (``source_tree``)."""
     kind = spec_kind(spec)
     if kind in ("baseline", "eager"):
         return kind
     if kind == "compare":
         return f"compare-{spec['compare']}"
     if kind == "source":
-        return f"src-{str(spec.get('sha256', ''))[:12]}"
+        digest, _ = source_tree(spec.get("source"), max_bytes)
+        key = {k: v for k, v in spec.items() if k in ("exact", "atol", "rtol")}
+        if key:
+            digest = hashlib.sha256((digest + json.dumps(key, sort_keys=True)).encode()).hexdigest()
+        return f"src-{digest[:12]}"
     key = {k: v for k, v in spec.items() if k in ("plan", "artifact", "artifacts", "pass_modules", "exact", "atol",
                                                     "rtol", "hash")}
     if kind in ("artifact", "artifacts"):
@@ -98,6 +109,76 @@ def _read_bounded(path: str, max_bytes: int, what: str) -> bytes:
         raise EngineError(f"{what} {path!r} is {size} bytes, over the engine's limit of {max_bytes} bytes")
     with open(path, "rb") as f:
         return f.read(max_bytes + 1)
+
+
+def source_tree(path, max_bytes: int) -> tuple[str, list[tuple[str, bytes]]]:
+    """(SHA-256, files) of everything Python can import from a source candidate's folder: the modules beside
+    it (``IMPORTABLE``) and every file of the packages beside it (folders with ``__init__.py``), recursively;
+    ``__pycache__`` and hidden folders skipped. Bounded by ``max_bytes`` and ``MAX_SOURCE_FILES``."""
+    if not isinstance(path, str) or not path:
+        raise EngineError("source candidate: expected a file path")
+    if not os.path.isfile(path):
+        raise EngineError(f"source candidate {path!r} does not exist on the engine's machine")
+    root = os.path.dirname(os.path.abspath(path))
+    rels: list[str] = []
+
+    def package(folder: str, rel: str) -> None:
+        for dirpath, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+            for f in sorted(files):
+                rels.append(os.path.relpath(os.path.join(dirpath, f), root))
+            if len(rels) > MAX_SOURCE_FILES:
+                break
+
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError as e:
+        raise EngineError(f"source candidate {path!r}: cannot list its folder {root} ({e.strerror})") from None
+    for name in entries:
+        full = os.path.join(root, name)
+        if name.startswith(".") or name == "__pycache__":
+            continue
+        if os.path.isfile(full) and name.endswith(IMPORTABLE):
+            rels.append(name)
+        elif os.path.isdir(full) and os.path.isfile(os.path.join(full, "__init__.py")):
+            package(full, name)
+        if len(rels) > MAX_SOURCE_FILES:
+            raise EngineError(f"source candidate {path!r}: its folder {root} holds more than {MAX_SOURCE_FILES} "
+                              "importable files; put the candidate in a folder of its own")
+    total, files, h = 0, [], hashlib.sha256()
+    h.update(b"entry\0" + os.path.basename(path).encode() + b"\0")  # which of the files is the candidate
+    for rel in rels:
+        full = os.path.join(root, rel)
+        size = os.path.getsize(full)
+        total += size
+        if total > max_bytes:
+            raise EngineError(f"source candidate {path!r}: the files it can import in {root} are over the engine's "
+                              f"limit of {max_bytes} bytes (at {rel}); put the candidate in a folder of its own")
+        with open(full, "rb") as f:
+            data = f.read(max_bytes + 1)
+        files.append((rel, data))
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest(), files
+
+
+def _snapshot(work_dir: str, digest: str, files: list[tuple[str, bytes]]) -> str:
+    """The hashed files, written once into ``<work_dir>/src-<digest>`` (atomically): what gets imported."""
+    out = os.path.join(work_dir, f"src-{digest[:32]}")
+    if os.path.isdir(out):
+        return out
+    tmp = f"{out}.tmp-{os.getpid()}"
+    for rel, data in files:
+        p = os.path.join(tmp, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process wrote the same snapshot first: the same bytes
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _dir_size(path: str) -> int:
@@ -162,7 +243,7 @@ def build_for_tier(cand: Candidate, tier: str, programs: dict, work_dir: str, ma
     elif kind in ("artifact", "artifacts"):
         fwd, info = _open_artifact(spec, tier, programs, max_bytes, cand)
     else:
-        fwd, info = _load_source(spec, program, max_bytes, cand)
+        fwd, info = _load_source(spec, program, max_bytes, cand, work_dir)
     missing = [p for p in program.phases if p not in fwd]
     extra = [p for p in fwd if p not in program.phases]
     if extra:
@@ -281,7 +362,7 @@ def _open_artifact(spec, tier, programs, max_bytes, cand):
                                      "plan": manifest.get("plan")}
 
 
-def _load_source(spec, program, max_bytes, cand):
+def _load_source(spec, program, max_bytes, cand, work_dir: str):
     path, want = spec["source"], spec.get("sha256")
     if not isinstance(want, str) or len(want) != 64:
         raise EngineError("source candidate: 'sha256' (64 hex digits of the file) is required")
@@ -289,7 +370,12 @@ def _load_source(spec, program, max_bytes, cand):
     got = hashlib.sha256(data).hexdigest()
     if got != want.lower():
         raise ArtifactError(f"source candidate {path!r}: sha256 {got} does not match the expected {want}")
-    mod = _import_file(path, data)
+    digest, files = source_tree(path, max_bytes)
+    name = os.path.basename(os.path.abspath(path))
+    if dict(files).get(name) != data:
+        raise ArtifactError(f"source candidate {path!r} changed while it was being read; submit it again")
+    snap = _snapshot(work_dir, digest, files)
+    mod = _import_tree(os.path.join(snap, name), data, digest, snap)
     build = getattr(mod, "build", None)
     if not callable(build):
         raise EngineError(f"source candidate {path!r} defines no build(program) -> {{phase: callable}}")
@@ -297,4 +383,37 @@ def _load_source(spec, program, max_bytes, cand):
     if not isinstance(fwd, dict):
         raise EngineError(f"source candidate {path!r}: build() returned {type(fwd).__name__}, not a dict")
     cand.exact = bool(spec.get("exact", getattr(mod, "EXACT", True)))
-    return fwd, {"kind": "source", "path": path, "sha256": got}
+    return fwd, {"kind": "source", "path": path, "sha256": got, "tree_sha256": digest, "files": len(files),
+                 "snapshot": snap}
+
+
+def _import_tree(path: str, data: bytes, digest: str, snap: str) -> types.ModuleType:
+    """Execute a source candidate from its snapshot; its sibling imports resolve in the snapshot only.
+
+    The snapshot folder is on ``sys.path`` while the module runs; modules imported from it are then removed
+    from ``sys.modules`` (the candidate keeps its references), so a later candidate's ``import helpers``
+    never finds this one's."""
+    name = f"tkcc_user_{digest[:16]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    sys.path.insert(0, snap)
+    try:
+        mod = types.ModuleType(name)
+        mod.__file__ = path
+        sys.modules[name] = mod
+        try:
+            exec(compile(data, path, "exec"), mod.__dict__)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+    finally:
+        try:
+            sys.path.remove(snap)
+        except ValueError:
+            pass
+        prefix = snap + os.sep
+        for k, m in list(sys.modules.items()):
+            f = getattr(m, "__file__", None) or ""
+            if k != name and isinstance(f, str) and f.startswith(prefix):
+                del sys.modules[k]
+    return mod

@@ -42,7 +42,16 @@ def register(subparsers) -> None:
     p.add_argument("--state-dir", default=None, help="folder for compiled candidates (default: next to the socket)")
     p.add_argument("--timeout", type=float, default=600.0, help="default seconds one operation may take (600)")
     p.add_argument("--worker-max-rss", type=float, default=0.0,
-                   help="GiB of host memory the worker may use before it is restarted (0: no limit)")
+                   help="GiB of host memory the worker may use before it is restarted (default 0: its size after "
+                        "start-up plus max(2 GiB, 4x the model and its KV cache))")
+    p.add_argument("--trial-max-rss", type=float, default=0.0,
+                   help="GiB a candidate's own process may write before it is killed (process isolation; default "
+                        "0: max(1 GiB, 4x the model and its KV cache), at most half the machine)")
+    p.add_argument("--isolation", default="auto", choices=["auto", "process", "inprocess"],
+                   help="process: every candidate runs in a clean process forked from the worker, which keeps the "
+                        "clock, the reference and the checks; inprocess: candidates run in the worker, which "
+                        "audits its global state after each; auto (default): process on a CPU with one rank, "
+                        "else inprocess (a CUDA context does not survive fork). See docs/engine.md")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request accepted (1 MiB)")
     p.add_argument("--max-artifact-bytes", type=int, default=256 << 20, help="largest artifact/source loaded")
     from tkcc.serve.cli import add_http_args
@@ -142,7 +151,8 @@ def cmd_serve(args):
     cfg = {"model": args.model, "device": args.device, "dtype": dtype, "max_cache_len": args.max_cache_len,
            "batch": args.batch, "fast_blocks": args.fast_blocks, "state_dir": state_dir,
            "work_dir": os.path.join(state_dir, "candidates"), "timeout_s": args.timeout,
-           "worker_max_rss_bytes": int(args.worker_max_rss * (1 << 30)),
+           "worker_max_rss_bytes": int(args.worker_max_rss * (1 << 30)), "isolation": args.isolation,
+           "trial_max_bytes": int(args.trial_max_rss * (1 << 30)),
            "max_artifact_bytes": args.max_artifact_bytes, "threads": args.threads, "tp": args.tp,
            "validation": args.validation, "tolerance_safety": args.tolerance_safety}
     sup = Supervisor(cfg, Journal(args.journal or (base + ".journal.jsonl")))
@@ -159,7 +169,8 @@ def cmd_serve(args):
              "pid": os.getpid(), "worker_pid": info.get("pid"), "model": args.model, "device": cfg["device"],
              "dtype": dtype, "tiers": {t: v["blocks"] for t, v in info["tiers"].items()},
              "startup_s": info.get("worker_start_s"), "tp": args.tp,
-             "validation": {t: v.get("validation") for t, v in info["tiers"].items()}}
+             "validation": {t: v.get("validation") for t, v in info["tiers"].items()},
+             "isolation": (info.get("isolation") or {}).get("mode"), "worker_max_rss_bytes": sup.max_rss}
     if args.tp > 1:
         ready["rank_pids"] = [r["pid"] for r in info.get("ranks", [])]
     if args.host is not None:

@@ -7,6 +7,14 @@ earlier ones (for revert) and, on a GPU, the CUDA graphs captured for the
 current forward on the workload's shapes. A candidate is swapped into a
 slot only after it passed validation on that tier in this process.
 
+Isolation (``cfg["isolation"]``): ``process`` runs every candidate, and the
+reference, in trial processes forked from this one (``tkcc.runtime.trial``);
+this process never runs candidate code, and the clock and every comparison
+stay here. ``inprocess`` (a GPU, ``--tp``, or a direct user of EngineCore
+such as an in-process evaluator of trusted plans) runs them here. ``auto``
+picks ``process`` where a fork is safe (CPU, one rank). Without the key
+EngineCore runs in-process, as it always has.
+
 With ``tkcc serve --tp N`` every rank's worker holds a ``TPEngineCore``
 (``tkcc.runtime.tp``), a subclass that serves the sharded model; the hooks
 here (``_serving_tiers``, ``_reference``, ``_build``, ``op_startup``) are
@@ -15,8 +23,8 @@ where it differs.
 from __future__ import annotations
 
 import dataclasses
-
 import os
+import random
 import secrets
 import time
 import zlib
@@ -43,6 +51,29 @@ MIN_GPU_REPS = 30  # the cap on timed repetitions per bucket on a GPU, at least 
 MIN_REPS = 10      # adaptive timing: repetitions per bucket before the stopping rule is asked
 CI_REL = 0.005     # ... which stops once the median's 95 % confidence interval is within +-0.5 % of it
 CAPTURE_WARMUP = 1  # eager calls on the side stream before a candidate's capture (see _capture)
+SAMPLED_CALLS = 2   # timed calls per bucket, chosen at random, whose outputs are checked (and the last one)
+ISOLATIONS = ("auto", "process", "inprocess")
+
+
+class CheckFailed(EngineError):
+    """A timed call's outputs did not match the reference on its fresh inputs: the candidate is invalid."""
+
+    invalid = True
+
+
+def resolve_isolation(mode, device: torch.device, tp: int) -> str:
+    """``process`` where a fork of the worker is safe (CPU, one rank), else ``inprocess``; see the module doc."""
+    m = "inprocess" if mode is None else str(mode)
+    if m not in ISOLATIONS:
+        raise EngineError(f"--isolation {mode!r}: must be one of {list(ISOLATIONS)}")
+    fork_safe = device.type == "cpu" and tp == 1
+    if m == "auto":
+        return "process" if fork_safe else "inprocess"
+    if m == "process" and not fork_safe:
+        why = "a CUDA context does not survive fork" if device.type != "cpu" else "--tp ranks share one group"
+        raise EngineError(f"--isolation process needs a CPU engine with one rank ({why}); use --isolation auto or "
+                          "inprocess (candidates then run in the worker, which audits its global state after each)")
+    return m
 
 
 @dataclass
@@ -67,8 +98,14 @@ class EngineCore:
         self.max_bytes = int(cfg.get("max_artifact_bytes", 256 << 20))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if cfg.get("threads"):
-            torch.set_num_threads(int(cfg["threads"]))  # CPU timing: a fixed, stated thread count
+        self.isolation = resolve_isolation(cfg.get("isolation"), self.device, self.tp)
+        self.threads = int(cfg["threads"]) if cfg.get("threads") else torch.get_num_threads()
+        if self.isolation == "process":
+            torch.set_num_threads(1)  # fork safety (tkcc.runtime.trial); every trial runs with self.threads
+        elif cfg.get("threads"):
+            torch.set_num_threads(self.threads)  # CPU timing: a fixed, stated thread count
+        self.trials = None
+        self.events: list[dict] = []  # for the supervisor: what changed outside a request (trials lost)
         t1 = time.perf_counter()
         if cfg.get("program") is not None:  # an in-process engine (tkcc.compile): the Program captured there
             self.program = cfg["program"]
@@ -83,9 +120,13 @@ class EngineCore:
         self.slots = {t: Slot() for t in self.programs}
         self.ref_graphs: dict = {}  # (tier, bucket key) -> the reference's own CapturedGraph (False: not capturable)
         baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
+        self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
+        if self.isolation == "process":
+            from tkcc.runtime.trial import TrialHost
+
+            self.trials = TrialHost(self)
         for t in self.programs:
             self._build(baseline, t)
-        self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
         self.validated: set[tuple[str, str]] = {("baseline", t) for t in self.programs}
         self.validations: dict[tuple[str, str], dict] = {}
         self.weights = weights_checksum(self.program.model)
@@ -127,11 +168,73 @@ class EngineCore:
         return build_tiers(program, self.fast_blocks)
 
     def _reference(self, tier: str) -> dict:
-        """{phase: callable}: what candidates on ``tier`` are validated against (the golden forward)."""
-        return self.programs[tier].graphs
+        """{phase: callable}: what candidates on ``tier`` are validated against (the golden forward). With
+        process isolation, the captured graphs run in the baseline's trial process, with the same threads as
+        every candidate's (this process computes nothing, so it can fork)."""
+        if self.trials is None:
+            return self.programs[tier].graphs
+        return self._forwards(self.candidates["baseline"], tier)
 
     def _build(self, cand: cands.Candidate, tier: str) -> None:
-        cands.build_for_tier(cand, tier, self.programs, self.work_dir, self.max_bytes)
+        if self.trials is None:
+            cands.build_for_tier(cand, tier, self.programs, self.work_dir, self.max_bytes)
+            return
+        from tkcc.runtime.trial import RemoteForward
+
+        trial = self.trials.trial(cand.id)
+        res = trial.build(cand.spec, cand.kind, tier)
+        cand.exact = bool(res["exact"])
+        cand.compile_s[tier] = float(res["compile_s"])
+        cand.info[tier] = {**res["info"], "trial": {"pid": trial.pid, "fork_s": round(trial.start_s, 6)}}
+        cand.forwards[tier] = {p: RemoteForward(trial, tier, p) for p in res["phases"]}
+
+    def _forwards(self, cand: cands.Candidate, tier: str) -> dict:
+        """The candidate's forwards on ``tier``; the baseline's are rebuilt if its trial process was lost."""
+        fwd = cand.forwards.get(tier)
+        if fwd is None and cand.id == "baseline":
+            self._build(cand, tier)
+            fwd = cand.forwards[tier]
+        if fwd is None:
+            raise EngineError(f"candidate {cand.id!r} is not loaded for the {tier} tier; load it first")
+        return fwd
+
+    def trial_lost(self, cid: str, reason: str) -> None:
+        """A candidate's trial process is gone: drop its forwards; a tier it served goes back to what served
+        before it (the supervisor learns it from ``events``)."""
+        cand = self.candidates.get(cid)
+        if cand is None:
+            return
+        cand.forwards.clear()
+        if cid == "baseline":
+            return  # rebuilt on the next use: it runs no candidate code
+        for key in [k for k in self.validated if k[0] == cid]:
+            self.validated.discard(key)
+        moved = {}
+        for t, slot in self.slots.items():
+            slot.history = [h for h in slot.history if h != cid]
+            if slot.current == cid:
+                slot.current = slot.history.pop() if slot.history else "baseline"
+                self._drop_graphs(slot)
+                moved[t] = slot.current
+        if moved:
+            self.events.append({"kind": "trial_lost", "candidate": cid, "reason": reason, "moved": moved,
+                                "slots": {t: {"current": s.current, "history": list(s.history)}
+                                          for t, s in self.slots.items()}})
+
+    def drain_events(self) -> list[dict]:
+        """Trials found dead since the last request (the watchdog kills, this thread reaps), and what changed."""
+        if self.trials is not None:
+            for cid, trial in list(self.trials.trials.items()):
+                if trial.dead is None and not trial.alive():
+                    why = self.trials.killed.pop(trial.pid, None) or f"its process died ({trial.dead})"
+                    self.trials.trials.pop(cid, None)
+                    trial.kill()
+                    self.trial_lost(cid, why)
+                    if not any(e.get("candidate") == cid for e in self.events):
+                        self.events.append({"kind": "trial_lost", "candidate": cid, "reason": why, "moved": {}})
+            self.events += self.trials.drain_events()
+        out, self.events = self.events, []
+        return out
 
     def _run_validation(self, prog, reference: dict, forwards: dict, buckets: list, exact: bool, atol: float,
                         rtol: float, seed: int) -> dict:
@@ -205,7 +308,7 @@ class EngineCore:
             inputs = bucket_inputs(prog, b, gen, 1)[0]
             guard = StateGuard(prog.state)
             with torch.no_grad():
-                out.append([t.clone() for t in tensors_of(prog.graphs[b.phase](*clone_all(inputs)))])
+                out.append([t.clone() for t in tensors_of(self._reference(tier)[b.phase](*clone_all(inputs)))])
             guard.restore()
         if prog.state is not None and hasattr(prog.state, "reset"):
             prog.state.reset()
@@ -270,13 +373,23 @@ class EngineCore:
             "memory": self.memory(),
             "env": self.env,
             "startup": self.startup,
+            "isolation": self._isolation_status(),
         }
+
+    def _isolation_status(self) -> dict:
+        out = {"mode": self.isolation, "threads": self.threads}
+        if self.trials is not None:
+            forks = self.trials.forks
+            out.update(trials={str(pid): cid for pid, cid in self.trials.pids().items()},
+                       trial_max_bytes=self.trials.limit, forks=len(forks),
+                       fork_s_median=sorted(forks)[len(forks) // 2] if forks else None)
+        return out
 
     def op_load(self, spec: dict, tier: str) -> dict:
         from tkcc.runtime.tp import check_layout_of, exact_at_degree_1
 
         check_tier(tier)
-        cid = cands.candidate_id(spec)
+        cid = cands.candidate_id(spec, self.max_bytes)
         cand = self.candidates.get(cid)
         if cand is None:
             check_layout_of(spec, self.tp)
@@ -294,19 +407,19 @@ class EngineCore:
                     max_shapes: int = 4) -> dict:
         check_tier(tier)
         cand = self._cand(candidate)
-        if tier not in cand.forwards:
-            raise EngineError(f"candidate {candidate!r} is not loaded for the {tier} tier; load it first")
+        fwd = self._forwards(cand, tier)
         w = self._workload(workload)
         prog = self.programs[tier]
         exact, note = self._mode(cand, tier)
         atol, rtol = self._tolerance(cand)
         seed = secrets.randbits(62) if seed is None else int(seed)  # fresh: drawn after the candidate loaded
         buckets = pick_buckets(w, max_shapes)
-        res = self._run_validation(prog, self._reference(tier), cand.forwards[tier], buckets, exact, atol, rtol, seed)
+        res = self._run_validation(prog, self._reference(tier), fwd, buckets, exact, atol, rtol, seed)
         if not res["ok"] and res.get("mismatch") and self._demote_on_own_failure(cand, tier, res):
             exact, note = self._mode(cand, tier)  # tolerance from here on: validate this candidate again under it
-            res = self._run_validation(prog, self._reference(tier), cand.forwards[tier], buckets, exact, atol, rtol,
-                                       seed)
+            res = self._run_validation(prog, self._reference(tier), fwd, buckets, exact, atol, rtol, seed)
+        if getattr(self, "before_canary", None) is not None:
+            self.before_canary()  # in-process: the worker's audit puts back what a candidate changed, first
         tampered = self._canary_ok(tier)
         if tampered:
             res.update(ok=False, fatal=True, reason=f"{tampered}: the candidate changed shared state; the worker "
@@ -364,7 +477,7 @@ class EngineCore:
         eager run by 0.69 in bf16 logits), so a candidate's replay is held to the reference's replay; the
         eager reference is used where the reference cannot be captured."""
         ref_graphs = self.ref_graphs
-        g = ref_graphs.get((tier, key))
+        g = ref_graphs.get((tier, key)) if self.device.type == "cuda" else False
         if g is None:
             try:
                 g = CapturedGraph(self._reference(tier)[b.phase], inputs, self.device)
@@ -497,10 +610,11 @@ class EngineCore:
                 "replay_notes": notes_exact}
 
     def _check_replay(self, tier: str, cand: cands.Candidate, b, key: str, inputs, guard, ref: list, outs: list,
-                      exact: bool, scaled, atol: float, rtol: float) -> tuple[bool, object, str | None]:
-        """Hold a candidate's graph replay to the reference's; (exact, scaled, note) as they stand afterwards
-        (the tier may have switched mode on the way), or ValidationFailure with the reason."""
-        what = f"CUDA graph of bucket {key}"
+                      exact: bool, scaled, atol: float, rtol: float,
+                      what: str | None = None) -> tuple[bool, object, str | None]:
+        """Hold a candidate's graph replay (or a timed call's outputs) to the reference's; (exact, scaled, note)
+        as they stand afterwards (the tier may have switched mode on the way), or ValidationFailure."""
+        what = what or f"CUDA graph of bucket {key}"
         try:
             compare(ref, outs, exact, atol, rtol, what, scaled)
             return exact, scaled, None
@@ -545,7 +659,9 @@ class EngineCore:
                    seed: int | None = None, min_reps: int | None = MIN_REPS, ci_rel: float = CI_REL) -> dict:
         """Time the tier's current forward per bucket: ``warmup`` calls, then ``min_reps``..``reps`` recorded
         ones, stopping once the median's 95 % confidence interval is within +-``ci_rel`` (``min_reps=None``
-        or ``ci_rel=0``: exactly ``reps``). See ``tkcc.runtime.measurement``."""
+        or ``ci_rel=0``: exactly ``reps``). Every call gets fresh input values, and a sample of the timed calls
+        (``SAMPLED_CALLS`` at random, and the last) is checked against the reference on those inputs: a
+        mismatch raises CheckFailed. See ``tkcc.runtime.measurement``."""
         check_tier(tier)
         if reps < 1 or warmup < 0 or rotations < 1 or (min_reps is not None and min_reps < 1) or ci_rel < 0:
             raise EngineError(f"measure: reps={reps}, warmup={warmup}, rotations={rotations}, min_reps={min_reps}, "
@@ -561,30 +677,123 @@ class EngineCore:
             self._capture(tier, w, seed)
         prog = self.programs[tier]
         cand = self._cand(slot.current)
-        fwd = cand.forwards[tier]
+        fwd = self._forwards(cand, tier)
         t0 = time.perf_counter()
-        gen = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else int(seed))
-        timings, seen = [], {}
+        seed = secrets.randbits(62) if seed is None else int(seed)
+        gen = torch.Generator().manual_seed(seed)
+        picks = random.Random(seed ^ 0x5A5A)  # which timed calls are checked: drawn here, never told to the forward
+        timings, seen, checked = [], {}, {}
         for b in w.buckets:
             key = b.key()
             if key in seen:
                 continue
             seen[key] = True
-            timings.append(time_bucket(fwd[b.phase], slot.graphs.get(key), prog, b, gen, reps, warmup, rotations,
-                                       self.device, slot.graph_notes.get(key, ""), min_reps, ci_rel,
-                                       self._all_ok))  # --tp: every rank stops at the same repetition
+            sets = bucket_inputs(prog, b, gen, rotations)
+            guard = StateGuard(prog.state)  # the context every timed call of this bucket runs on
+            check, outputs, sample = None, None, ()
+            if self.tp == 1:  # --tp: ranks would have to agree on every check; they validate, not sample
+                check, outputs = self._sampler(tier, cand, b, fwd[b.phase], sets[0], guard)
+                first = min(reps, min_reps or reps) if ci_rel > 0 else reps  # calls every run makes
+                sample = picks.sample(range(first), min(SAMPLED_CALLS, first))
+            try:
+                bt = time_bucket(fwd[b.phase], slot.graphs.get(key), prog, b, gen, reps, warmup, rotations,
+                                 self.device, slot.graph_notes.get(key, ""), min_reps, ci_rel, self._all_ok,
+                                 sets=sets, refresh=self._refresher(prog, b.phase, gen), check=check, sample=sample,
+                                 outputs=outputs)
+            except (ValidationFailure, CheckFailed) as e:
+                self.validated.discard((cand.id, tier))
+                self.validations[(cand.id, tier)] = {"ok": False, "reason": str(e)}
+                if prog.state is not None and hasattr(prog.state, "reset"):
+                    prog.state.reset()
+                raise CheckFailed(f"candidate {cand.id} on the {tier} tier: {e}") from None
+            except Exception as e:
+                from tkcc.runtime.trial import BenchCheckFailed
+
+                if not isinstance(e, BenchCheckFailed):
+                    raise
+                self.validated.discard((cand.id, tier))
+                raise CheckFailed(f"candidate {cand.id} on the {tier} tier: bucket {key}, a timed call: {e}") from None
+            checked[key] = bt.checked
+            timings.append(bt)
         if prog.state is not None and hasattr(prog.state, "reset"):
             prog.state.reset()  # timing filled the cache with random context; leave it as a fresh request finds it
         medians = {t.key: t.median_s for t in timings}
         name, value, why = objective_of(w, medians)
         mode = "" if self.policies[tier].exact else f"validation in {self.policies[tier].why()}"
         note = "; ".join(x for x in (note, why, mode) if x)
+        env = dict(self.env, isolation=self.isolation)
+        if self.trials is not None:
+            env["timed"] = "by the worker's clock, across the trial process boundary (one round trip per call)"
         m = Measurement(candidate=cand.id, tier=tier, blocks=prog.num_blocks, buckets=timings, objective_name=name,
                         objective=value, workload_fingerprint=w.fingerprint(),
                         validation={**self.validations.get((cand.id, tier), {"ok": True, "reason": "baseline"}),
                                     "policy": self.policies[tier].summary()},
-                        env=self.env, wall_s=time.perf_counter() - t0, note=note)
+                        env=env, wall_s=time.perf_counter() - t0, note=note,
+                        checks={"fresh_inputs": True, "calls_checked": checked, "ok": True,
+                                "per_bucket": SAMPLED_CALLS + 1 if self.tp == 1 else 0})
         return m.to_json()
+
+    def _sampler(self, tier: str, cand: cands.Candidate, b, fn, first: tuple, guard: StateGuard):
+        """(check, outputs) for one bucket's timed calls: ``check(args, outs)`` holds a timed call's outputs and
+        the cache it wrote to the reference's on the same (fresh) inputs; ``outputs`` are the reference's
+        outputs on ``first``, whose shapes size a trial's output slots."""
+        key = b.key()
+        exact, _ = self._mode(cand, tier)
+        atol, rtol = self._tolerance(cand)
+        scaled = self._scaled(tier, exact)
+        remote = getattr(fn, "trial", None)
+        guard.restore()
+        outputs = self._reference_replay(tier, b, key, first, guard)
+        guard.restore()
+        state = {"exact": exact, "scaled": scaled}
+
+        def check(args, outs):
+            if remote is not None:
+                remote.host.state_out(remote)  # what the candidate's call wrote to its cache
+            cand_state = guard.current()
+            outs = [o.clone() for o in outs]
+            guard.restore()
+            try:
+                ref = self._reference_replay(tier, b, key, args, guard)
+                ref_state = guard.current()
+                what = f"bucket {key}, a timed call on fresh inputs"
+                state["exact"], state["scaled"], _ = self._check_replay(
+                    tier, cand, b, key, args, guard, ref, outs, state["exact"], state["scaled"], atol, rtol, what)
+                compare(ref_state, cand_state, state["exact"], atol, rtol, f"{what}: cache state", state["scaled"])
+            finally:
+                guard.restore()
+
+        return check, outputs
+
+    def _refresher(self, prog, phase: str, gen: torch.Generator):
+        """Fresh values for an input set before each timed call (outside the timed region): new token ids in
+        ``input_ids``, and every floating input a fresh shuffle of its own values; positions and other integer
+        inputs stay. So no call repeats another's inputs, and a forward that caches its outputs (by address or
+        by content) is caught by the sampled checks or measured at its true speed."""
+        names = list((prog.meta.get("inputs") or {}).get(phase) or [])
+        vocab = int(prog.meta.get("vocab_size") or 0)
+        dev_gen = gen if self.device.type == "cpu" else torch.Generator(device=self.device).manual_seed(
+            int(torch.randint(0, 2**62, (1,), generator=gen)))
+        pools: dict = {}
+
+        def refresh(args) -> None:
+            with torch.no_grad():
+                for i, a in enumerate(args):
+                    if not isinstance(a, torch.Tensor) or a.numel() == 0:
+                        continue
+                    if i < len(names) and names[i] == "input_ids" and vocab > 1:
+                        a.random_(0, vocab, generator=dev_gen)
+                    elif a.is_floating_point():
+                        n = a.numel()
+                        pool = pools.get((i, n))
+                        if pool is None:
+                            flat = a.detach().reshape(-1)
+                            pool = pools[(i, n)] = torch.cat([flat[torch.randperm(n, generator=gen).to(a.device)]
+                                                              for _ in range(3)])
+                        off = int(torch.randint(0, 2 * n, (1,), generator=gen))
+                        a.copy_(pool[off:off + n].view_as(a))
+
+        return refresh
 
     def op_revert(self, tier: str, workload=None, capture: bool = True, seed: int | None = None) -> dict:
         check_tier(tier)
@@ -604,6 +813,8 @@ class EngineCore:
         if in_use:
             return {"unloaded": False, "in_use": in_use}
         self.candidates.pop(candidate, None)
+        if self.trials is not None:
+            self.trials.discard(candidate)  # its process, and all it did, goes
         for key in [k for k in self.validated if k[0] == candidate]:
             self.validated.discard(key)
         return {"unloaded": True}
@@ -617,7 +828,7 @@ class EngineCore:
         cap = int(prog.meta.get("max_cache_len", 0))
         if not prompt or len(prompt) + n > cap:
             raise EngineError(f"generate: prompt of {len(prompt)} tokens + {n} new must be in 1..{cap}")
-        fwd = self._cand(self.slots[tier].current).forwards[tier]
+        fwd = self._forwards(self._cand(self.slots[tier].current), tier)
         batch = int(prog.meta.get("batch", 1))
         ids = torch.tensor([prompt] * batch, device=self.device)
         out = []

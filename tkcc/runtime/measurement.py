@@ -16,6 +16,15 @@ Semantics (one place, so every number means the same thing):
 - ``median_s`` is the statistic used for the objective; ``ci_low_s`` and
   ``ci_high_s`` bound it (95 %, distribution-free, from order statistics);
   ``iqr_s`` and ``mad_s`` say how noisy the samples were;
+- every call gets fresh input values (new token ids; a fresh shuffle of each
+  floating input), written outside the timed region, and a sample of the
+  timed calls (two at random and the last; ``checked``) has its outputs and
+  cache writes compared with the reference on those inputs: a forward that
+  caches outputs, returns constants or is right at some shapes only fails
+  (``checks`` in the Measurement says what was checked);
+- with process isolation the clock is the engine worker's, around one round
+  trip into the candidate's own process (``env.isolation``, ``env.timed``):
+  candidate code cannot reach it;
 - the objective is ``tkcc.traffic.metrics.objective(workload, medians)``.
 """
 from __future__ import annotations
@@ -77,6 +86,7 @@ class BucketTiming:
     ci_high_s: float | None = None
     stop: str = "fixed"             # "fixed": reps asked; "ci": the interval was tight; "max_reps": it never was
     warmup: int | None = None       # unrecorded calls before the samples
+    checked: int = 0                # timed calls whose outputs were compared with the reference
 
     @classmethod
     def from_samples(cls, key: str, phase: str, weight: float, samples: list[float], cuda_graph: bool,
@@ -107,6 +117,7 @@ class Measurement:
     supervisor_wall_s: float = 0.0  # the same, timed by the supervisor process (out of the candidate's reach)
     timing_consistent: bool = True  # sum of samples <= supervisor wall time
     note: str = ""
+    checks: dict = field(default_factory=dict)  # sampled output checks of the timed calls (see the docstring)
 
     def medians(self) -> dict[str, float]:
         return {b.key: b.median_s for b in self.buckets}

@@ -7,6 +7,16 @@ operation's timeout, or grows past the memory limit is killed and replaced,
 and the engine restores what each tier was serving before answering again.
 The time that takes is measured and journaled (``recovery`` records). Every
 experiment is journaled (fsync) before the client gets its answer.
+
+With process isolation (``tkcc.runtime.trial``) a candidate's own process
+dies instead, and the worker reports it as that candidate's failure; the
+worker is replaced only if it fails itself. Memory limits are on by default:
+the worker's is derived from its size after start-up and the model's (see
+``_derived_worker_limit``), each trial's from the model (the worker enforces
+it, idle or not). Between requests the watchdog checks the worker's memory
+and collects what the worker noticed meanwhile (``events``: a kept
+candidate's process lost, an orphan killed), so the journal and ``serving``
+say so before the next request.
 """
 from __future__ import annotations
 
@@ -18,12 +28,15 @@ import time
 import uuid
 
 from tkcc.errors import EngineError, TkccError
+from tkcc.runtime import procs
 from tkcc.runtime.journal import Journal
 from tkcc.runtime.programs import TIERS, check_device, check_model_name, check_tier
 
 DEFAULT_TIMEOUT_S = 600.0
 STARTUP_TIMEOUT_S = 1800.0
 POLL_S = 0.05
+GRACE_S = 30.0  # the worker enforces an operation's timeout on a trial; the supervisor waits this much longer
+IDLE_PING_S = 2.0  # how often the watchdog asks an idle worker what it noticed
 
 
 class CandidateFailed(EngineError):
@@ -32,17 +45,22 @@ class CandidateFailed(EngineError):
     def __init__(self, kind: str, message: str, details: dict | None = None):
         super().__init__(f"candidate failed ({kind}): {message}")
         self.kind, self.reason, self.details = kind, message, details or {}
+        self.recovered = False  # True when the worker itself had to be replaced
 
 
 def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return procs.rss(pid)
+
+
+def _derived_worker_limit(info: dict) -> int:
+    """The worker's memory limit when none is given: its size after start-up plus 2 GiB or 4x the model and
+    its KV cache, whichever is more, never more than 3/4 of the machine."""
+    mem = info.get("memory") or {}
+    base = int(mem.get("rss_bytes") or 0)
+    budget = max(2 << 30, 4 * (int(mem.get("model_bytes") or 0) + int(mem.get("cache_bytes") or 0)))
+    total = procs.memory_total()
+    limit = base + budget
+    return min(limit, total * 3 // 4) if total else limit
 
 
 RANK_LOST = 72  # tkcc.runtime.worker.RANK_LOST (not imported: the supervisor does not load torch)
@@ -66,6 +84,7 @@ class Supervisor:
         check_model_name(cfg["model"])
         cfg["device"] = check_device(cfg["device"])
         cfg["validation"] = _check_validation(cfg.get("validation"))
+        _check_isolation(cfg.get("isolation"), cfg["device"], int(cfg.get("tp") or 1))
         self.cfg = cfg
         self.journal = journal
         self.lock = threading.RLock()
@@ -78,7 +97,8 @@ class Supervisor:
         self.serving = {t: {"current": "baseline", "history": []} for t in TIERS}
         self.started = time.time()
         self.default_timeout = float(cfg.get("timeout_s", DEFAULT_TIMEOUT_S))
-        self.max_rss = int(cfg.get("worker_max_rss_bytes", 0) or 0)
+        self.max_rss_given = int(cfg.get("worker_max_rss_bytes", 0) or 0)
+        self.max_rss = self.max_rss_given
         self.stopping = False
         self.trial: tuple[str, str] | None = None  # (tier, candidate) swapped in only to be measured
         self._watchdog: threading.Thread | None = None
@@ -101,24 +121,39 @@ class Supervisor:
                               f"{err.get('type')}: {err.get('message')}")
         self.info = reply["result"]
         self.info["worker_start_s"] = time.perf_counter() - t0
+        self.isolation = (self.info.get("isolation") or {}).get("mode", "inprocess")
+        self.max_rss = self.max_rss_given or _derived_worker_limit(self.info)
+        self.info["worker_max_rss_bytes"] = self.max_rss
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name="tkcc-worker-watchdog", daemon=True)
             self._watchdog.start()
         return self.info
 
     def _watch(self) -> None:
-        """Replace a worker that died between requests (a killed rank, the OOM killer), before the next one."""
+        """Between requests: replace a worker that died (a killed rank, the OOM killer) or grew past its memory
+        limit, and collect what the worker noticed meanwhile (a kept candidate's process lost), before the next
+        request."""
+        last_ping = time.monotonic()
         while not self.stopping:
             time.sleep(0.5)
             proc = self.proc
-            if proc is None or proc.is_alive() or self.stopping:
+            if proc is None or self.stopping:
                 continue
             if not self.lock.acquire(blocking=False):
                 continue  # a request is running: its own call notices and recovers
             try:
-                if self.proc is proc and not proc.is_alive() and not self.stopping:
+                if self.proc is not proc or self.stopping:
+                    continue
+                if not proc.is_alive():
                     proc.join(5)
                     self._recover(f"the worker exited between requests ({_signal_name(proc.exitcode, self.tp)})")
+                elif self.max_rss and _rss(proc.pid) > self.max_rss:
+                    self._recover(f"the worker's memory passed the limit of {self.max_rss} bytes between requests")
+                elif time.monotonic() - last_ping >= IDLE_PING_S:
+                    last_ping = time.monotonic()
+                    self.call("ping", timeout=30)
+            except CandidateFailed:
+                pass  # journaled by the recovery it caused
             except Exception as e:  # noqa: BLE001 - the next request retries the start and reports why
                 self.journal.append("recovery_failed", reason=str(e))
                 self._kill()  # no worker: not retried here in a loop; the next request tries again
@@ -177,33 +212,62 @@ class Supervisor:
                 why = _signal_name(self.proc.exitcode, self.tp)
                 self._recover(f"the worker exited between requests ({why})")
             timeout = self.default_timeout if timeout is None else float(timeout)
+            # with process isolation the worker enforces the timeout on the candidate's process itself
+            grace = GRACE_S if getattr(self, "isolation", "inprocess") == "process" else 0.0
             try:
-                self.conn.send({"op": op, "params": params})
-                reply = self._wait(timeout, what=op)
+                self.conn.send({"op": op, "params": params, "timeout_s": timeout})
+                reply = self._wait(timeout + grace, what=op)
             except CandidateFailed as e:
                 self._recover(e.reason)
+                e.recovered = True
                 raise
             except (BrokenPipeError, OSError) as e:
                 self._recover(f"the pipe to the worker broke ({e})")
-                raise CandidateFailed("crashed", f"the worker was gone during {op}") from None
+                err = CandidateFailed("crashed", f"the worker was gone during {op}")
+                err.recovered = True
+                raise err from None
+            self._apply_events(reply.get("events") or [])
             if reply.get("fatal"):
                 self.proc.join(10)
                 err = reply.get("error") or {}
                 reason = err.get("message") or (reply.get("result") or {}).get("reason") or "fatal"
                 self._recover(f"the worker exited after a fatal failure during {op}: {reason}")
+                result = reply.get("result") or {}
+                if reply.get("ok") and isinstance(result, dict) and (result.get("tampered") or result.get("leaked")):
+                    kind = "memory" if result.get("leaked") else "tampered"
+                    failed = CandidateFailed(kind, result.get("leaked") or result["tampered"], result)
+                    failed.recovered = True
+                    raise failed
                 if reply.get("ok"):
                     return reply["result"]
-                raise CandidateFailed(err.get("kind") or "corrupted", reason, err)
+                failed = CandidateFailed(err.get("kind") or "corrupted", reason, err)
+                failed.recovered = True
+                raise failed
             if reply.get("ok"):
-                return reply["result"]
+                result = reply["result"]
+                if isinstance(result, dict) and result.get("tampered"):  # put back, but timed/checked under it
+                    raise CandidateFailed("tampered", result["tampered"], result)
+                return result
             err = reply.get("error") or {}
+            if err.get("invalid"):
+                raise CandidateFailed("invalid", err.get("message", "a sampled check failed"), err)
             if err.get("candidate_failure"):
                 text = f"{err.get('type', '')} {err.get('message', '')}".lower()
                 memory = ("outofmemory" in text or "memoryerror" in text or "out of memory" in text
                           or "can't allocate memory" in text)
-                kind = "memory" if memory else "raised"
+                kind = err.get("kind") or ("memory" if memory else "raised")
+                if err.get("type") == "TrialFailed":  # the candidate's own process died, hung or grew too big
+                    raise CandidateFailed(kind, err.get("message", ""), err)
                 raise CandidateFailed(kind, f"{err.get('type')}: {err.get('message')}", err)
             raise EngineError(err.get("message", "the worker refused the request"))
+
+    def _apply_events(self, events: list) -> None:
+        """What the worker noticed outside a request: journal it; mirror a tier that changed what it serves."""
+        for ev in events:
+            self.journal.append(ev.get("kind", "event"), **{k: v for k, v in ev.items() if k != "kind"})
+            for tier, slot in (ev.get("slots") or {}).items():
+                if tier in self.serving:
+                    self.serving[tier] = {"current": slot["current"], "history": list(slot["history"])}
 
     def _recover(self, reason: str) -> dict:
         """Replace the worker and restore what each tier was serving; journaled with how long it took."""
@@ -264,7 +328,8 @@ class Supervisor:
                           "pid": os.getpid(),
                           "uptime_s": time.time() - self.started, "restarts": self.restarts,
                           "recoveries": self.recoveries[-10:], "journal": self.journal.path,
-                          "worker_pid": self.proc.pid if self.proc else None},
+                          "worker_pid": self.proc.pid if self.proc else None,
+                          "isolation": getattr(self, "isolation", None), "worker_max_rss_bytes": self.max_rss},
                "serving": self.serving}
         if self.lock.acquire(timeout=0.5):
             try:
@@ -357,8 +422,10 @@ class Supervisor:
                 pass
             except CandidateFailed as e:
                 rec.update(failure=e.kind, reason=f"during {step}: {e.reason}")
-                if e.kind in ("crashed", "timeout", "memory", "corrupted") and self.recoveries:
-                    rec["recovery"] = self.recoveries[-1]
+                if e.details.get("pid"):
+                    rec["trial"] = {"pid": e.details["pid"], "ended": "killed with its process group"}
+                if getattr(e, "recovered", False) and self.recoveries:
+                    rec["recovery"] = self.recoveries[-1]  # the worker itself had to be replaced
                 elif swapped and rec["swap"].get("previous") != cid:
                     self._end_trial(tier, cid)
             except TkccError as e:
@@ -376,6 +443,8 @@ class Supervisor:
         if out["candidate"] and not keep:
             try:  # free its compiled forwards unless a tier still serves it (the worker checks)
                 self.call("unload", None, candidate=out["candidate"])
+            except CandidateFailed as e:  # in-process: memory it left behind is charged to it
+                out.update(ok=False, reason=f"after unload: {e.reason}", unload={"failure": e.kind, "reason": e.reason})
             except TkccError:
                 pass
         rec = self.journal.append("experiment", **out)
@@ -420,6 +489,19 @@ def _check_validation(mode) -> str:
     if m not in ("auto", "exact", "tolerance"):
         raise EngineError(f"--validation {mode!r}: must be one of ['auto', 'exact', 'tolerance']")
     return m
+
+
+def _check_isolation(mode, device: str, tp: int) -> None:
+    """--isolation, checked before a worker starts (the worker resolves it: tkcc.runtime.engine)."""
+    if mode is None:
+        return
+    if mode not in ("auto", "process", "inprocess"):
+        raise EngineError(f"--isolation {mode!r}: must be one of ['auto', 'process', 'inprocess']")
+    if mode == "process" and (not str(device).startswith("cpu") or tp > 1):
+        why = "a CUDA context does not survive fork" if not str(device).startswith("cpu") else \
+            "--tp ranks share one group"
+        raise EngineError(f"--isolation process needs a CPU engine with one rank ({why}); use --isolation auto or "
+                          "inprocess")
 
 
 def _worker_entry(conn, cfg):

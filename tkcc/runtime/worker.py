@@ -43,8 +43,35 @@ def _die_with_parent() -> None:
 
 def _error(e: BaseException, candidate_failure: bool) -> dict:
     tb = traceback.format_exception(type(e), e, e.__traceback__)
-    return {"type": type(e).__name__, "message": str(e) or type(e).__name__,
-            "traceback": "".join(tb[-6:])[-4000:], "candidate_failure": candidate_failure}
+    out = {"type": type(e).__name__, "message": str(e) or type(e).__name__,
+           "traceback": "".join(tb[-6:])[-4000:], "candidate_failure": candidate_failure}
+    kind = getattr(e, "kind", None)  # a trial process that died, hung or passed its memory limit, or raised
+    if isinstance(kind, str):
+        out["kind"] = kind
+    if isinstance(getattr(e, "pid", None), int):  # the trial process that failed
+        out["pid"] = e.pid
+    if getattr(e, "tb", None):  # raised in the candidate's trial process: its own traceback
+        out["traceback"] = str(e.tb)[-4000:]
+        out["type"] = getattr(e, "type_name", out["type"])
+        out["message"] = str(e).split(": ", 1)[-1] if ": " in str(e) else out["message"]
+    if getattr(e, "invalid", False):  # a sampled check of the timed calls failed
+        out["invalid"] = True
+    return out
+
+
+def _events(runner) -> list:
+    drain = getattr(runner.core, "drain_events", None)
+    try:
+        return drain() if drain is not None else []
+    except Exception as e:  # noqa: BLE001 - never lose the reply over the events
+        return [{"kind": "events_error", "reason": f"{type(e).__name__}: {e}"}]
+
+
+def _set_deadline(runner, timeout_s) -> None:
+    trials = getattr(runner.core, "trials", None)
+    if trials is not None:
+        trials.deadline = time.monotonic() + float(timeout_s) if timeout_s else None
+        trials.op_timeout_s = float(timeout_s) if timeout_s else trials.timeout_s
 
 
 def worker_main(conn, cfg: dict) -> None:
@@ -78,10 +105,11 @@ def worker_main(conn, cfg: dict) -> None:
             conn.send({"ok": False, "error": {"type": "EngineError", "message": f"unknown operation {op!r}",
                                               "candidate_failure": False}})
             continue
+        _set_deadline(runner, msg.get("timeout_s"))
         try:
             result = runner.run(op, params)
             fatal = bool(isinstance(result, dict) and result.get("fatal"))
-            conn.send({"ok": True, "result": result, "fatal": fatal})
+            conn.send({"ok": True, "result": result, "fatal": fatal, "events": _events(runner)})
             if fatal:
                 runner.close(graceful=False)
                 os._exit(71)
@@ -95,14 +123,14 @@ def worker_main(conn, cfg: dict) -> None:
                 sys.stdout.flush()
                 os._exit(RANK_LOST)
         except TkccError as e:
-            conn.send({"ok": False, "error": _error(e, False), "fatal": False})
+            conn.send({"ok": False, "error": _error(e, False), "fatal": False, "events": _events(runner)})
         except BaseException as e:  # noqa: BLE001 - a candidate's failure, of any kind
             err = _error(e, True)
-            fatal = runner.unhealthy(e)
+            fatal = "global state the audit cannot put back" if isinstance(e, Tampered) else runner.unhealthy(e)
             if fatal:
                 err["message"] += f" (device/weights unusable afterwards: {fatal}; the worker restarts)"
             try:
-                conn.send({"ok": False, "error": err, "fatal": bool(fatal)})
+                conn.send({"ok": False, "error": err, "fatal": bool(fatal), "events": _events(runner)})
             finally:
                 if fatal:
                     runner.close(graceful=False)
@@ -111,6 +139,17 @@ def worker_main(conn, cfg: dict) -> None:
 
 
 RANK_LOST = 72  # exit status of a worker whose rank group lost a rank (the supervisor names it)
+
+
+class Tampered(Exception):
+    """A candidate op raised and left global state the audit cannot put back: the worker must restart."""
+
+    kind = "tampered"
+
+    def __init__(self, audit, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}; and the candidate changed the worker's global state: "
+                         f"{'; '.join(audit.unproven + audit.restored)[:2000]}")
+        self.audit = audit
 SEEDED = ("validate", "swap", "revert", "measure")  # ops that draw random inputs: one seed for every rank
 
 
@@ -122,22 +161,109 @@ class GroupLost(Exception):
         self.kind = kind
 
 
+AUDITED = ("load", "validate", "measure", "generate", "unload")  # ops that run candidate code (and unload's leak check)
+AUDITED_CUDA = AUDITED + ("swap", "revert")  # ... and, on a GPU, the CUDA-graph capture of a swapped-in forward
+
+
 class _Single:
-    """One process, one EngineCore: ``run`` calls the op directly."""
+    """One process, one EngineCore: ``run`` calls the op directly.
+
+    In-process isolation: after every op that may have run candidate code, the worker's global state is
+    audited against its start-up snapshot (``tkcc.runtime.global_state``). A change the candidate made is put
+    back where it can be, and the op's result is refused (``tampered``: timed or checked under the change);
+    a change that cannot be put back, or memory the candidate left behind, ends the worker (``fatal``)."""
 
     def __init__(self, cfg: dict):
         from tkcc.runtime.engine import EngineCore
 
         self.core = EngineCore(cfg)
+        self.base = None
+        if self.core.isolation == "inprocess" and cfg.get("audit", True):
+            from tkcc.runtime import global_state
+
+            _preload()  # what any candidate's build imports, imported before the snapshot
+            self.base = global_state.take()
+            self.clean = global_state.memory_now()  # memory with no candidate's garbage (after each unload)
+            self.loaded_at: dict = {}  # candidate -> memory before its first load
+            self.found = None          # what the audits of the current op found
+            self.core.before_canary = self._audit  # restore first: the canary then sees only what could not be
+
+    def _audit(self):
+        from tkcc.runtime import global_state
+
+        a = global_state.audit(self.base)
+        if self.found is None:
+            self.found = a
+        else:
+            self.found.restored += a.restored
+            self.found.unproven += a.unproven
+        return self.found
 
     def run(self, op: str, params: dict):
-        return getattr(self.core, f"op_{op}")(**params)
+        audited = AUDITED_CUDA if self.core.device.type == "cuda" else AUDITED
+        if self.base is None or op not in audited:
+            return getattr(self.core, f"op_{op}")(**params)
+        from tkcc.runtime import global_state
+
+        if op == "load":
+            from tkcc.runtime import candidates as cands
+
+            try:
+                cid = cands.candidate_id(params.get("spec"), self.core.max_bytes)
+            except Exception:  # noqa: BLE001 - the op itself reports a bad spec
+                cid = None
+            if cid and cid not in self.core.candidates:
+                self.loaded_at[cid] = self.clean
+        self.found = None
+        try:
+            result = getattr(self.core, f"op_{op}")(**params)
+        except BaseException as e:
+            a = self._audit()
+            if not a.clean:
+                raise Tampered(a, e) from e
+            raise
+        if op == "unload":  # unloading runs no candidate code: what is left is the memory it held
+            before = self.loaded_at.pop(params.get("candidate"), None)
+            if isinstance(result, dict) and result.get("unloaded") and before:
+                now = global_state.memory_now()
+                why = global_state.leaked(before, now)
+                if why:
+                    return {**result, "fatal": True, "leaked": why,
+                            "reason": f"candidate {params.get('candidate')}: {why}"}
+                self.clean = now
+            return result
+        a = self._audit()
+        if a.restored or a.unproven:
+            why = "; ".join(a.unproven + a.restored)
+            out = result if isinstance(result, dict) else {"result": result}
+            out = {**out, "audit": a.to_json(), "tampered": f"the candidate changed the worker's global state: {why}"}
+            if not a.clean:
+                out.update(fatal=True, reason=out["tampered"] + " (not all of it can be put back: the worker restarts)")
+            return out
+        return result
 
     def unhealthy(self, exc: BaseException) -> str:
         return _unhealthy(self.core, exc)
 
     def close(self, graceful: bool = True) -> None:
-        pass
+        if getattr(self.core, "trials", None) is not None:
+            self.core.trials.close()
+
+
+def _preload() -> None:
+    """Import what building any candidate imports (passes, codegen, kernels, Triton), so that its first
+    candidate's build finds them loaded and the audit's snapshot already holds them."""
+    import importlib
+
+    from tkcc.passes.base import all_passes
+
+    all_passes()
+    for name in ("tkcc.passes.manager", "tkcc.passes.plan", "tkcc.codegen.artifact", "tkcc.codegen.forward_source",
+                 "tkcc.kernels.ops", "triton", "triton.language"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # not in this build
 
 
 def make_core(cfg: dict, rank: int, world: int):

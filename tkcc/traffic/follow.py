@@ -18,7 +18,9 @@ import numpy as np
 from tkcc.errors import TkccError, TraceFormatError
 from tkcc.traffic.drift import DriftWindow, compare_windows, parse_window
 from tkcc.traffic.loaders import FORMATS, detect_format
-from tkcc.traffic.textio import LineSource
+from tkcc.traffic.textio import MAX_LINE_BYTES, LineSource, decode_line
+
+MAX_POLL_BYTES = 64 << 20  # read per poll at most (what is left is read by the next polls)
 from tkcc.traffic.trace import Trace
 
 _HEADER_FORMATS = {"azure2023", "burstgpt", "tkcc"}  # first line is a header
@@ -51,13 +53,18 @@ class TraceFollower:
             return None
         with open(self.path, "rb") as f:
             f.seek(self.offset)
-            data = f.read(size - self.offset)
+            data = f.read(min(size - self.offset, MAX_POLL_BYTES))  # bounded: a huge append is read over polls
         cut = data.rfind(b"\n")
         if cut < 0:
+            if len(data) > MAX_LINE_BYTES:
+                raise TraceFormatError(f"no end of line in the {len(data)} bytes after byte {self.offset}: longer "
+                                       f"than {MAX_LINE_BYTES} bytes (a binary file?)", path=self.path,
+                                       line=self.lines_read + 1)
             return None  # no complete line yet
-        text = data[: cut + 1].decode("utf-8-sig" if self.offset == 0 else "utf-8")
+        chunk = data[: cut + 1].split(b"\n")[:-1]
+        raw = [decode_line(b, self.path, self.lines_read + 1 + k, first=self.offset == 0 and k == 0).rstrip("\r")
+               for k, b in enumerate(chunk)]
         self.offset += cut + 1
-        raw = text.splitlines()
         numbers = list(range(self.lines_read + 1, self.lines_read + 1 + len(raw)))
         self.lines_read += len(raw)
         if self.format is None:

@@ -84,6 +84,10 @@ def _csv_chunks(path: str, wanted: tuple[str, ...], chunk_rows: int, v: RowValid
                     missing = [wanted[j] for j, i in enumerate(idx) if i >= len(row)]
                     v.fail(ln, missing[0], f"row has {len(row)} fields, expected at least {need}")
                     continue
+                if len(row) > ncol and any(x.strip() for x in row[ncol:]):
+                    v.fail(ln, None, f"row has {len(row)} fields, the header has {ncol}: a value holds an unquoted "
+                                     "comma (a decimal comma, such as 0,5?)")
+                    continue
                 keep_rows.append(row)
                 keep_lines.append(ln)
             if keep_rows:
@@ -222,6 +226,23 @@ def iter_burstgpt(path: str, skip_bad: bool = False, chunk_rows: int = 200_000,
         tr = v.finish(lines, t, inp, out, bad)
         if tr is not None:
             yield tr
+
+
+CSV_FORMATS = {"azure2023": AZURE_COLUMNS, "sharegpt": SHAREGPT_COLUMNS, "burstgpt": BURSTGPT_COLUMNS}
+
+
+def closest_csv_format(first_line: str) -> tuple[str, list[str]] | None:
+    """(format, its missing columns) for a header that has some but not all of a CSV format's columns."""
+    try:
+        names = {h.strip().lower() for h in next(csv.reader([first_line]), [])}
+    except csv.Error:
+        return None
+    best = None
+    for fmt, cols in CSV_FORMATS.items():
+        have = [c for c in cols if c.lower() in names]
+        if have and (best is None or len(have) > best[0]):
+            best = (len(have), fmt, [c for c in cols if c.lower() not in names])
+    return (best[1], best[2]) if best else None
 
 
 def sniff_csv_header(first_line: str) -> str | None:

@@ -12,7 +12,7 @@ from typing import Iterator
 import numpy as np
 
 from tkcc.errors import TraceFormatError
-from tkcc.traffic.rows import RowValidator
+from tkcc.traffic.rows import RawFloat, RowValidator
 from tkcc.traffic.textio import open_text, physical_line
 from tkcc.traffic.trace import Trace
 
@@ -46,7 +46,7 @@ def _json_lines(path: str, v: RowValidator, chunk_rows: int):
                 continue
             any_rows = True
             try:
-                obj = json.loads(s)
+                obj = json.loads(s, parse_float=RawFloat)
             except json.JSONDecodeError as e:
                 what = "truncated JSON line" if not line.endswith("\n") else "invalid JSON"
                 v.fail(ln, None, f"{what}: {e.msg} at column {e.colno}")

@@ -54,6 +54,12 @@ def detect_format(path) -> str:
     fmt = formats_csv.sniff_csv_header(line)
     if fmt:
         return fmt
+    near = formats_csv.closest_csv_format(line)
+    if near:
+        fmt, missing = near
+        raise TraceFormatError(f"missing column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}: "
+                               f"the header {line[:200]!r} looks like a {fmt} trace, which needs "
+                               f"{list(formats_csv.CSV_FORMATS[fmt])}", path=p, line=1, field=missing[0])
     if p.endswith("-trace.csv"):
         raise TraceFormatError("looks like a ServeGen trace.csv but the matching -dataset.json is missing", path=p)
     raise TraceFormatError(f"unknown trace format (first line {line[:120]!r}); name one with --format: "

@@ -8,6 +8,8 @@ dropped and counted, with the first few kept in ``meta['skipped_lines']``.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from tkcc.errors import TraceFormatError
@@ -51,9 +53,11 @@ class RowValidator:
         out = np.zeros(len(raw), dtype=dtype)
         for i, v in enumerate(raw):
             try:
-                out[i] = _to_int_one(v) if dtype is np.int64 else float(v)
+                out[i] = _to_int_one(v) if dtype is np.int64 else _to_float_one(v)
             except (ValueError, TypeError, OverflowError):
-                bad.setdefault(i, (field, f"not a number: {v!r}"))
+                why = (f"not a number of tokens: {_show(v)} (token counts are whole numbers written as digits)"
+                       if dtype is np.int64 else f"not a number: {_show(v)}")
+                bad.setdefault(i, (field, why))
         return out
 
     def finish(self, lines: list[int], t: np.ndarray, inp: np.ndarray, out: np.ndarray, bad: dict,
@@ -115,23 +119,67 @@ class RowValidator:
                                    f"{self.skipped_lines[:1]}", path=self.path)
 
 
+_INTEGER = re.compile(r"\s*-?[0-9]+(\.0*)?\s*$")  # '12', or '12.0' (some CSVs write floats); not 1e3, 12.5, 0,0
+
+
+class RawFloat(float):
+    """A JSON number with a fraction or exponent, keeping its text (``json.loads(parse_float=RawFloat)``), so
+    ``1e3`` can be told from ``1000.0`` where a count of tokens is expected."""
+
+    def __new__(cls, text: str):
+        self = super().__new__(cls, text)
+        self.text = text
+        return self
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _show(v) -> str:
+    return json_text(v) if isinstance(v, (bool, RawFloat)) or v is None else repr(v)
+
+
+def json_text(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    return v.text if isinstance(v, RawFloat) else repr(v)
+
+
 def _to_int(raw: list) -> np.ndarray:
-    """Integers from strings like '12' or '12.0' (some CSVs write floats); rejects 12.5."""
-    try:
+    """Token counts: plain integers, or decimal strings like '12' and '12.0'; anything else raises ValueError
+    (``1e3``, ``12.5``, ``true``, ``0,0``), and the caller names the row."""
+    if not raw:
+        return np.zeros(0, dtype=np.int64)
+    if all(type(v) is int for v in raw):
         return np.array(raw, dtype=np.int64)
-    except (ValueError, TypeError):
-        f = np.array(raw, dtype=np.float64)
-        if not np.all(np.isfinite(f)) or np.any(f != np.round(f)):
-            raise ValueError("non-integer")
-        return f.astype(np.int64)
+    if all(isinstance(v, str) for v in raw):
+        s = np.char.strip(np.array(raw, dtype=str))
+        if bool(np.char.isdecimal(s).all()):
+            return s.astype(np.int64)
+    return np.array([_to_int_one(v) for v in raw], dtype=np.int64)
 
 
 def _to_int_one(v) -> int:
-    if isinstance(v, bool):
-        raise TypeError("bool is not a token count")
+    if isinstance(v, bool) or v is None:
+        raise TypeError("not a token count")
     if isinstance(v, int):
         return v
-    f = float(v)
-    if not np.isfinite(f) or f != round(f):
-        raise ValueError(f"not an integer: {v!r}")
-    return int(f)
+    if isinstance(v, RawFloat):
+        if "e" in v.text.lower() or v != round(v) or not np.isfinite(v):
+            raise ValueError(f"not an integer: {v.text}")
+        return int(v)
+    if isinstance(v, float):
+        if not np.isfinite(v) or v != round(v):
+            raise ValueError(f"not an integer: {v!r}")
+        return int(v)
+    if isinstance(v, str) and _INTEGER.match(v):
+        return int(float(v))
+    raise ValueError(f"not an integer: {v!r}")
+
+
+def _to_float_one(v) -> float:
+    if isinstance(v, bool) or v is None:
+        raise TypeError("not a number")
+    return float(v)

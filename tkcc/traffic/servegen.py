@@ -35,7 +35,10 @@ from typing import Iterator
 import numpy as np
 
 from tkcc.errors import TraceFormatError
+from tkcc.traffic.textio import open_text
 from tkcc.traffic.trace import Trace
+
+MAX_DATASET_BYTES = 256 << 20  # a ServeGen dataset.json (length distributions per window) is a few MB
 
 WINDOW_S = 600
 PDF_WINDOW_S = 21600
@@ -60,7 +63,7 @@ def read_rate_table(path) -> np.ndarray:
     """trace.csv -> structured rows (start, rate, cv, pattern code, shape, scale); pattern 0 none, 1 Gamma, 2 Weibull."""
     rows = []
     codes = {"": 0, "gamma": 1, "weibull": 2}
-    with open(path, newline="") as f:
+    with open_text(path) as f:
         for ln, row in enumerate(csv.reader(f), start=1):
             if not row or not "".join(row).strip():
                 continue
@@ -104,11 +107,17 @@ def read_pdfs(path, input_field: str | None = None) -> dict[int, dict[str, tuple
 
     ``input_field`` defaults to ``input_tokens`` (language, reasoning) or ``text_tokens`` (multimodal).
     """
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    if size > MAX_DATASET_BYTES:
+        raise TraceFormatError(f"{size} bytes is more than a ServeGen dataset holds (limit {MAX_DATASET_BYTES})",
+                               path=str(path))
     try:
-        with open(path) as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            data = json.loads(f.read(MAX_DATASET_BYTES + 1).decode("utf-8"))
     except json.JSONDecodeError as e:
         raise TraceFormatError(f"invalid JSON: {e.msg}", path=str(path), line=e.lineno) from None
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(f"not UTF-8 text: byte at offset {e.start} ({e.reason})", path=str(path)) from None
     if not isinstance(data, dict):
         raise TraceFormatError("expected an object keyed by window start", path=str(path), line=1)
     out = {}

@@ -22,7 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from tkcc.errors import TraceFormatError
-from tkcc.traffic.rows import RowValidator
+from tkcc.traffic.rows import RawFloat, RowValidator
 from tkcc.traffic.textio import open_text, physical_line
 from tkcc.traffic.trace import Trace
 
@@ -79,7 +79,7 @@ def iter_tkcc(path: str, skip_bad: bool = False, chunk_rows: int = 200_000,
             if not s:
                 continue
             try:
-                obj = json.loads(s)
+                obj = json.loads(s, parse_float=RawFloat)
             except json.JSONDecodeError as e:
                 if header is None:
                     raise TraceFormatError(f"header is not JSON: {e.msg}", path=str(path), line=ln) from None
