@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import time
 
 from tkcc.errors import EngineError, TkccError
 from tkcc.runtime.journal import Journal
-from tkcc.runtime.programs import TIERS, check_device
+from tkcc.runtime.programs import check_device
 from tkcc.runtime.supervisor import CandidateFailed, Supervisor, _check_validation
 
 
@@ -40,24 +39,10 @@ class InProcessSupervisor(Supervisor):
         cfg["device"] = check_device(cfg["device"])
         cfg["validation"] = _check_validation(cfg.get("validation"))
         cfg.setdefault("model", str(program.meta.get("name") or program.meta.get("model_class") or "model"))
-        self.cfg = cfg
+        self._setup(cfg, journal)
         self.program = program
-        self.journal = journal
-        self.lock = threading.RLock()
-        self.proc = self.conn = None
         self.core = None
-        self.info: dict = {}
-        self.restarts = 0
-        self.recoveries: list[dict] = []
-        self.specs: dict[str, dict] = {"baseline": {"baseline": True}}
-        self.serving = {t: {"current": "baseline", "history": []} for t in TIERS}
-        self.started = time.time()
-        self.default_timeout = float(cfg.get("timeout_s", 600.0))
-        self.max_rss = 0
-        self.stopping = False
-        self.trial = None
-        self._watchdog = None
-        self.tp = 1
+        self.max_rss = 0  # no worker process to watch: the memory limits are a spawned engine's
 
     def start(self) -> dict:
         from tkcc.runtime.engine import EngineCore

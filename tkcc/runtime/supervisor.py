@@ -85,6 +85,10 @@ class Supervisor:
         cfg["device"] = check_device(cfg["device"])
         cfg["validation"] = _check_validation(cfg.get("validation"))
         _check_isolation(cfg.get("isolation"), cfg["device"], int(cfg.get("tp") or 1))
+        self._setup(cfg, journal)
+
+    def _setup(self, cfg: dict, journal: Journal) -> None:
+        """The supervisor's bookkeeping, once ``cfg`` has been checked (an in-process engine shares it)."""
         self.cfg = cfg
         self.journal = journal
         self.lock = threading.RLock()
