@@ -38,10 +38,13 @@ def test_compile_main_job_writes_report_logs_artifact(compiled_out):
     assert code == (0 if data["golden"]["ok"] else 1), data.get("text")
     assert data["model"] == "olmoe-tiny" and data["trace"] == "azure-conv"
     assert [p["name"] for p in data["passes"]][2] == "pow2-to-mul"
-    assert data["golden"]["token_agreement"] == 1.0 and data["golden"]["mode"] == "exact"
-    if not data["golden"]["exact"]:
-        # every pass and the generated code are bit-exact; any difference left is the capture's own
-        assert data["checks"]["compiled_vs_captured"]["exact"], data["text"]
+    if data["loop"]["serving"] != "eager":  # the plan measured faster than the eager forward, and serves
+        assert data["golden"]["token_agreement"] == 1.0 and data["golden"]["mode"] == "exact"
+        if not data["golden"]["exact"]:
+            # every pass and the generated code are bit-exact; any difference left is the capture's own
+            assert data["checks"]["compiled_vs_captured"]["exact"], data["text"]
+    else:  # the eager forward measured faster: its verdict is the engine's validation, within the tolerance
+        assert data["golden"]["ok"] and data["golden"]["mode"] == "tolerance", data["text"]
     speed = data["speed"]
     assert speed["measured_on"]["device"] == "cpu" and speed["measured_on"]["torch"]
     timed = [b for b in speed["buckets"] if "speedup" in b]
