@@ -303,7 +303,7 @@ def _evaluate(run: _Run, cand: Candidate, tier: str, *, reuse: bool = True, judg
         run.budget.charge(kind, run.budget.clock() - t0)
         rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
                                workload_fp=run.wfp, tier=tier, verdict="invalid", reason=f"build failed: {e}",
-                               started=started)
+                               started=started, engine=getattr(run.evaluator, "engine", None))
         st.history.append(Outcome(cand.plan, None, tier, key=cand.key, start=cand.eager))
         run.say(f"[{tier}] {cand.key} build failed: {e}")
         return None, rid

@@ -241,6 +241,8 @@ def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, so
         import ray
     except ImportError:
         raise TkccError("--ray needs Ray: pip install 'tkcc[ray]'") from None
+    import sys
+
     from tkcc.agents.campaign import CampaignConfig, run_campaign
     from tkcc.agents.ray_pool import RayEvaluator, init_ray
     from tkcc.agents.summary import summary_of, summary_text
@@ -260,7 +262,7 @@ def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, so
         ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _workload_for(c, trace), device=args.device,
                           extra=tuple(args.engine_arg), reps=reps, pass_modules=args.pass_module,
                           gpus_per_engine=1.0 if gpu else 0.0, start_timeout_s=max(1.0, left),
-                          out=None if args.no_progress else (lambda m: print(m, file=__import__("sys").stderr)))
+                          out=None if args.no_progress else (lambda m: print(m, file=sys.stderr)))
         try:
             name = args.name or f"{ev.model}-{time.strftime('%Y%m%d-%H%M%S')}"
             cfg = CampaignConfig(name=name, model=str(ev.model), budget_s=budget, tiers=tiers,
