@@ -12,7 +12,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -76,30 +75,20 @@ def test_an_engine_killed_mid_campaign_has_its_experiment_retried_and_no_row_is_
     try:
         victim = ev.engines()["engine-1"]["pid"]
         path = tmp_path / "store.db"
-        killed = threading.Event()
+        killed, sent = threading.Event(), []
 
-        def kill_after_first_row():  # engine-1's next experiment is in flight as soon as its first one lands
-            db = sqlite3.connect(path, timeout=30)
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    n = db.execute("SELECT count(*) FROM experiments WHERE engine='engine-1' AND proposer='search'"
-                                   ).fetchone()[0]
-                except sqlite3.OperationalError:
-                    n = 0
-                if n:
+        def kill_on_second_candidate(engine, cand, kind):  # engine-1 has a row; its next experiment is in flight
+            if engine == "engine-1" and kind == "candidate":
+                sent.append(cand.key)
+                if len(sent) == 2:
                     os.kill(victim, signal.SIGKILL)
                     killed.set()
-                    return
-                time.sleep(0.05)
 
+        ev.on_dispatch = kill_on_second_candidate
         store = ExperimentStore(path)
-        watcher = threading.Thread(target=kill_after_first_row, daemon=True)
-        watcher.start()
         cfg = CampaignConfig(name="kill", model="llama-tiny", budget_s=25, batch=2)
         state = run_campaign(cfg, store, BayesianSearch(SearchSpace.from_registry(exact_only=True), seed=0), ev,
                              progress=False)
-        watcher.join(5)
         deaths = list(ev.deaths)
     finally:
         ev.close()
@@ -110,6 +99,7 @@ def test_an_engine_killed_mid_campaign_has_its_experiment_retried_and_no_row_is_
     retried = [r for r in rows if (r.measurement or {}).get("retry")]
     assert len(retried) == 1, [(r.engine, r.reason) for r in rows]
     r = retried[0]
+    assert r.candidate == sent[1], (sent, [(e.engine, e.candidate, e.proposer, e.reason) for e in rows])
     assert r.engine != "engine-1" and r.measurement["retry"]["engine"] == "engine-1"
     assert "retried on" in r.reason and "after engine-1 died" in r.reason
     # no row lost: every screened candidate has one row, and the campaign went on after the death

@@ -30,6 +30,9 @@ class EngineDied(TkccError):
     """The actor's engine process exited: the actor cannot measure any more."""
 
 
+_LOST = ("connection", "broken pipe", "socket", "has exited")  # how a call to an engine that died fails
+
+
 class EngineActor:
     """Owns one engine process (``spawned_engine``) and its ``EngineEvaluator``; runs inside a Ray actor."""
 
@@ -63,19 +66,33 @@ class EngineActor:
                 "device": self.ev.device, "device_type": self.ev.device_type, "model": self.ev.model, "conditions": self.ev.conditions(),
                 "validation": self.ev.validation, "tier_scale": self.ev.tier_scale}
 
-    def _alive(self) -> None:
+    def _alive(self, failure: str = "") -> None:
+        """Raise EngineDied if the engine exited. After a call that lost its connection, wait a moment for
+        the exit: a killed engine resets its connection before its exit status can be read, and that failure
+        is the engine's death, not the candidate's (a candidate that merely fails costs no wait)."""
+        if self.proc is not None and any(w in failure.lower() for w in _LOST):
+            import subprocess
+
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc is not None and self.proc.poll() is not None:
             raise EngineDied(f"{self.name}: its engine (pid {self.proc.pid}) exited with {self.proc.returncode}")
 
     def build(self, cand: Candidate, tier: str) -> str:
         try:
-            return self.ev.build(cand, tier)
-        finally:
-            self._alive()
+            key = self.ev.build(cand, tier)
+        except BaseException as e:
+            self._alive(str(e))
+            raise
+        self._alive()
+        return key
 
     def measure(self, key: str, tier: str) -> EvalResult:
         res = self.ev.measure(key, tier)
-        self._alive()  # an engine killed mid-measurement reads as a crash: say it is the engine's death
+        # an engine killed mid-measurement reads as a crash: say it is the engine's death
+        self._alive(str(res.reason or "") if res.verdict != "measured" else "")
         return res
 
     def evaluate(self, cand: Candidate, tier: str) -> tuple[str | None, EvalResult, float]:
@@ -92,8 +109,10 @@ class EngineActor:
     def ship(self, key: str) -> None:
         try:
             self.ev.ship(key)
-        finally:
-            self._alive()
+        except BaseException as e:
+            self._alive(str(e))
+            raise
+        self._alive()
 
     def stop(self) -> None:
         self.stack.close()
@@ -137,6 +156,7 @@ class RayEvaluator:
         self._restarts = 0
         self._built: dict[str, tuple[Candidate, str]] = {}  # artifact hash -> what built it (to rebuild elsewhere)
         self._screen: dict[str, tuple[str, float]] = {}  # tier -> (serving key, the home engine's reference)
+        self.on_dispatch = None  # callable(engine, candidate, kind): told when a screening job is sent
         names = [f"engine-{i}" for i in range(engines)]
         for n in names:
             self._handles[n] = self._actor_cls.remote(n, **self._args)
@@ -216,10 +236,15 @@ class RayEvaluator:
             for name in [n for n in self._info if n not in {b[0] for b in busy.values()}]:
                 rkey = (name, tier, reference.key)
                 if name != self.engine and rkey not in self._refs:
-                    busy[self._handles[name].evaluate.remote(reference, tier)] = (name, reference, "reference", None)
+                    job = (name, reference, "reference", None)
                 elif todo:
                     cand, retry = todo.pop(0)
-                    busy[self._handles[name].evaluate.remote(cand, tier)] = (name, cand, "candidate", retry)
+                    job = (name, cand, "candidate", retry)
+                else:
+                    continue
+                busy[self._handles[name].evaluate.remote(job[1], tier)] = job
+                if self.on_dispatch is not None:
+                    self.on_dispatch(*job[:3])
             if not busy:
                 raise TkccError(f"no engine is left to measure on ({len(self.deaths)} died: "
                                 f"{'; '.join(d['why'] for d in self.deaths)})")
