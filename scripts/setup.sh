@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 extras="hf,cuda,serve"
-[ "${1:-}" = "--dev" ] && extras="hf,cuda,serve,science,dev"
+[ "${1:-}" = "--dev" ] && extras="hf,cuda,serve,science,dev,ray"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

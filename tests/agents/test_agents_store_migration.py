@@ -39,3 +39,21 @@ def test_an_old_store_opens_and_gains_the_detail_column(tmp_path):
     # and an older reader's query (the columns it knows) still works on the migrated file
     rows = sqlite3.connect(path).execute("SELECT id, candidate, action, reason FROM ships ORDER BY id").fetchall()
     assert rows == [(1, "abc", "ship", "baseline"), (2, "def", "stay", "gain +20% is under the threshold")]
+
+
+def test_an_old_store_gains_the_engine_column_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.executescript(_OLD + "INSERT INTO experiments VALUES (1, 1, 'abc', '[]', 'search', 'h', 'w', 'fast', 2.0, "
+                            "NULL, 'measured', 'ok', 1.0, 2.0);")
+    db.commit()
+    db.close()
+    store = ExperimentStore(path)
+    old = store.experiments(1)
+    assert [(e.id, e.candidate, e.objective, e.engine) for e in old] == [(1, "abc", 2.0, None)]
+    rid = store.record(1, candidate="def", plan=[], proposer="search", workload_fp="w", tier="fast",
+                       verdict="measured", objective=3.0, engine="engine-1")
+    assert [(e.id, e.engine) for e in store.experiments(1)] == [(1, None), (rid, "engine-1")]
+    store.close()
+    rows = sqlite3.connect(path).execute("SELECT id, candidate, objective FROM experiments ORDER BY id").fetchall()
+    assert rows == [(1, "abc", 2.0), (2, "def", 3.0)]

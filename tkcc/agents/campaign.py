@@ -60,10 +60,27 @@ class Evaluator(Protocol):
     def workload_fingerprint(self) -> str: ...
 
     # Optional:
+    #   measure_batch(cands, tier, reference, reference_objective) -> iterable of BatchResult, as they finish;
+    #       with ``parallel`` (how many at once): screening candidates are measured on several engines at once
+    #       (``tkcc.agents.ray_pool``); ``engine``: the name of the engine the sequential steps run on.
     #   conditions() -> dict: what else decides a measurement (engine session, repetitions, device);
     #       results are reused only under equal conditions.
     #   tier_scale -> {tier: relative cost}: lets the budget estimate a tier it has not measured yet.
     #   validation -> {tier: {...}}: how each tier validates (shown and recorded).
+
+
+@dataclass
+class BatchResult:
+    """One result of ``Evaluator.measure_batch``: a screened candidate, or (``proposer`` set) a measurement the
+    evaluator needed to compare it with, e.g. the serving candidate on an engine that had not measured it."""
+
+    candidate: Candidate
+    artifact_hash: str | None
+    result: EvalResult
+    engine: str
+    seconds: float
+    proposer: str | None = None
+    note: str = ""
 
 
 @dataclass
@@ -286,7 +303,7 @@ def _evaluate(run: _Run, cand: Candidate, tier: str, *, reuse: bool = True, judg
         run.budget.charge(kind, run.budget.clock() - t0)
         rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
                                workload_fp=run.wfp, tier=tier, verdict="invalid", reason=f"build failed: {e}",
-                               started=started)
+                               started=started, engine=getattr(run.evaluator, "engine", None))
         st.history.append(Outcome(cand.plan, None, tier, key=cand.key, start=cand.eager))
         run.say(f"[{tier}] {cand.key} build failed: {e}")
         return None, rid
@@ -321,7 +338,8 @@ def _evaluate(run: _Run, cand: Candidate, tier: str, *, reuse: bool = True, judg
         meas.update(extra(res.objective))
     rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
                            workload_fp=run.wfp, tier=tier, verdict=res.verdict, objective=res.objective,
-                           measurement=meas, artifact_hash=ahash, reason=reason, started=started)
+                           measurement=meas, artifact_hash=ahash, reason=reason, started=started,
+                           engine=getattr(run.evaluator, "engine", None))
     st.evaluated[tier] = st.evaluated.get(tier, 0) + 1
     st.history.append(Outcome(cand.plan, res.objective if measured else None, tier, key=cand.key,
                               start=cand.eager))
@@ -522,16 +540,61 @@ def _search(run: _Run) -> None:
             st.stopped = _no_room(run, f"candidate:{screen}")
             break
         ref = _serving_screen_ref(run)
-        obj, _ = _evaluate(run, cand, screen, judge=lambda o: _screen_verdict(run, o, ref, can_ship))
-        st.tried += 1
-        since_aa += 1
-        if obj is not None:
-            if run.two_tier:
-                round_best.append((obj, cand))
-            elif obj > ref and can_ship:
-                pending.append((obj, cand))
+        if _parallel(run) > 1:  # one candidate per engine, measured at once
+            wave, queue = [cand, *queue[:_parallel(run) - 1]], queue[_parallel(run) - 1:]
+            screened = _screen_batch(run, wave, ref, can_ship)
+        else:
+            obj, _ = _evaluate(run, cand, screen, judge=lambda o: _screen_verdict(run, o, ref, can_ship))
+            screened = [(cand, obj)]
+        for cand, obj in screened:
+            st.tried += 1
+            since_aa += 1
+            if obj is not None:
+                if run.two_tier:
+                    round_best.append((obj, cand))
+                elif obj > ref and can_ship:
+                    pending.append((obj, cand))
     if st.stopped:
         run.say(f"stopped: {st.stopped}")
+
+
+def _parallel(run: _Run) -> int:
+    """How many screening candidates the evaluator measures at once (1 unless it has ``measure_batch``)."""
+    if not callable(getattr(run.evaluator, "measure_batch", None)):
+        return 1
+    return max(1, int(getattr(run.evaluator, "parallel", 1)))
+
+
+def _screen_batch(run: _Run, cands: list[Candidate], ref: float, can_ship: bool) -> list:
+    """Screen candidates on several engines at once; each row is recorded as it arrives, naming its engine.
+    Returns [(candidate, objective | None)] of the proposed candidates (not of the evaluator's references)."""
+    st, tier, out = run.state, run.screen, []
+    for r in run.evaluator.measure_batch(cands, tier, reference=run.serving_cand, reference_objective=ref):
+        cand, res, proposer = r.candidate, r.result, r.proposer or r.candidate.proposer
+        run.budget.charge(step_kind(proposer, tier), r.seconds)
+        measured = res.verdict == "measured" and res.objective is not None
+        meas = {**(res.measurement or {}), "conditions": run.conditions}
+        if r.proposer is None and measured:
+            reason = _screen_verdict(run, res.objective, ref, can_ship)
+        else:
+            reason = res.reason
+        reason = "; ".join(x for x in (reason, r.note) if x)
+        run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
+                         workload_fp=run.wfp, tier=tier, verdict=res.verdict, objective=res.objective,
+                         measurement=meas, artifact_hash=r.artifact_hash, reason=reason,
+                         started=time.time() - r.seconds, engine=r.engine)
+        st.evaluated[tier] = st.evaluated.get(tier, 0) + 1
+        st.history.append(Outcome(cand.plan, res.objective if measured else None, tier, key=cand.key,
+                                  start=cand.eager))
+        if run.bar is not None:
+            run.bar.update(1)
+        if not measured:
+            run.say(f"[{tier}] {cand.key} on {r.engine} {res.verdict}: {reason}")
+        elif r.note:
+            run.say(f"[{tier}] {cand.key} on {r.engine}: {r.note}")
+        if r.proposer is None:
+            out.append((cand, res.objective if measured else None))
+    return out
 
 
 def _serving_screen_ref(run: _Run) -> float:
@@ -645,5 +708,5 @@ def _progress(cfg: CampaignConfig, progress):
     return (lambda msg: bar.write(msg, file=sys.stderr)), bar
 
 
-__all__ = ["CampaignConfig", "CampaignState", "EvalResult", "Evaluator", "run_campaign", "validation_modes",
+__all__ = ["BatchResult", "CampaignConfig", "CampaignState", "EvalResult", "Evaluator", "run_campaign", "validation_modes",
            "conditions_of"]

@@ -25,6 +25,11 @@ def register(sub) -> None:
     c.add_argument("--aa-pairs", type=int, default=3,
                    help="A/A pairs needed before anything ships (default 3; more if the budget affords them)")
     c.add_argument("--batch", type=int, default=4, help="candidates proposed per round (default 4)")
+    c.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="one engine per Ray actor, screening in parallel; ADDRESS: a running Ray cluster "
+                        "(default: start a local one)")
+    c.add_argument("--engines", type=int, default=None,
+                   help="with --ray: engine actors (default: one per GPU of the cluster; 2 on CPU)")
     _proposer_args(c)
     add_json_flag(c)
     c.set_defaults(func=cmd_campaign)
@@ -188,6 +193,8 @@ def cmd_campaign(args):
         raise TkccError(short)
     # an engine that has not started by then is stopped half-way, which costs more than a normal stop
     left = budget - (time.monotonic() - started) - STOP_RESERVE_S - 1.0
+    if args.ray is not None:
+        return _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, source, left)
     engine = _Engine(args, start_timeout_s=max(1.0, left))
     if args.proposer == "search":  # the passes load (torch, the registry) while the engine starts in its process
         threading.Thread(target=_search_space, args=(args, args.device), daemon=True).start()
@@ -219,6 +226,65 @@ def cmd_campaign(args):
     if engine.stop_error:
         out["engine_stop"] = engine.stop_error
     out["text"] = summary_text(out, ev.device) + f"\nstore {store.path}; report: tkcc report {name} --store {args.store}"
+    return out
+
+
+def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, source, left):
+    """`tkcc campaign --ray`: the same campaign over a pool of engine actors (``tkcc.agents.ray_pool``)."""
+    try:
+        import ray
+    except ImportError:
+        raise TkccError("--ray needs Ray: pip install 'tkcc[ray]'") from None
+    import sys
+
+    from tkcc.agents.campaign import CampaignConfig, run_campaign
+    from tkcc.agents.ray_pool import RayEvaluator, init_ray
+    from tkcc.agents.summary import summary_of, summary_text
+    from tkcc.frontend.models import DEFAULT_MODEL
+
+    if args.engine_socket or args.proposer != "search":
+        raise TkccError("--ray starts its own engines and feeds them from the built-in search: it takes neither "
+                        "--engine-socket nor --proposer agent")
+    gpu = not str(args.device).startswith("cpu")
+    if args.engines is not None and args.engines < 1:
+        raise TkccError(f"--engines must be at least 1, got {args.engines}")
+    ours = init_ray(args.ray or None, num_cpus=(args.engines or 2) + 1)
+    try:
+        k = args.engines or (int(ray.cluster_resources().get("GPU", 0)) if gpu else 2)
+        if k < 1:
+            raise TkccError(f"--ray on {args.device}: the Ray cluster has no GPU; pass --engines")
+        ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _workload_for(c, trace), device=args.device,
+                          extra=tuple(args.engine_arg), reps=reps, pass_modules=args.pass_module,
+                          gpus_per_engine=1.0 if gpu else 0.0, start_timeout_s=max(1.0, left),
+                          out=None if args.no_progress else (lambda m: print(m, file=sys.stderr)))
+        try:
+            name = args.name or f"{ev.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+            cfg = CampaignConfig(name=name, model=str(ev.model), budget_s=budget, tiers=tiers,
+                                 batch=max(args.batch, k), aa_pairs=args.aa_pairs, resume=args.resume,
+                                 started=started, reserve_s=STOP_RESERVE_S,
+                                 extra={"trace": str(args.trace), "objective": ev.workload.objective,
+                                        "device": args.device, "reps": reps, "ray": args.ray or "local",
+                                        "engines": ev.engines(),
+                                        "buckets": [b.__dict__ for b in ev.workload.buckets]})
+            state = run_campaign(cfg, store, _proposer(args, None, ev), ev, progress=not args.no_progress,
+                                 costs=costs, costs_source=source)
+            engines = ev.engines()
+        finally:
+            ev.close()
+    finally:
+        if ours:
+            ray.shutdown()
+    rows = store.experiments(state.campaign_id)
+    out = summary_of(store, state)
+    out.update(store=str(store.path), wall_s=round(time.monotonic() - started, 1), device=ev.device,
+               experiments=len(rows), ships=store.ships(state.campaign_id), log=state.log[-40:], reps=reps,
+               engines={n: {"pid": i["pid"], "host": i["host"], "device": i["device"],
+                            "experiments": sum(r.engine == n for r in rows)} for n, i in engines.items()},
+               engine_deaths=ev.deaths)
+    out["text"] = (summary_text(out, ev.device) + f"\n{k} engines on Ray: "
+                   + ", ".join(f"{n} {sum(r.engine == n for r in rows)} rows" for n in sorted({r.engine for r in rows
+                                                                                                if r.engine}))
+                   + f"\nstore {store.path}; report: tkcc report {name} --store {args.store}")
     return out
 
 

@@ -54,7 +54,8 @@ CREATE TABLE IF NOT EXISTS experiments (
     verdict TEXT NOT NULL,         -- measured | invalid | crashed | timeout | reused
     reason TEXT,
     started REAL NOT NULL,
-    finished REAL NOT NULL
+    finished REAL NOT NULL,
+    engine TEXT                    -- the engine (Ray actor) that measured it, NULL with one engine
 );
 CREATE INDEX IF NOT EXISTS exp_reuse ON experiments(artifact_hash, workload_fp, tier);
 CREATE INDEX IF NOT EXISTS exp_campaign ON experiments(campaign_id, tier);
@@ -73,7 +74,7 @@ CREATE TABLE IF NOT EXISTS ships (
 
 # Columns added after a table's first release, added in place to an older store (additive: an older tkcc
 # still reads the store, it just does not see the new column).
-_ADDED_COLUMNS = {"ships": [("detail", "TEXT")]}
+_ADDED_COLUMNS = {"ships": [("detail", "TEXT")], "experiments": [("engine", "TEXT")]}
 
 
 @dataclass
@@ -92,6 +93,7 @@ class Experiment:
     reason: str | None
     started: float
     finished: float
+    engine: str | None = None  # the engine (Ray actor) that measured it, when a pool of engines did
 
 
 class ExperimentStore:
@@ -199,15 +201,16 @@ class ExperimentStore:
     # experiments ---------------------------------------------------------------------------
     def record(self, campaign_id: int, *, candidate: str, plan: list, proposer: str, workload_fp: str, tier: str,
                verdict: str, objective: float | None = None, measurement: dict | None = None,
-               artifact_hash: str | None = None, reason: str | None = None, started: float | None = None) -> int:
+               artifact_hash: str | None = None, reason: str | None = None, started: float | None = None,
+               engine: str | None = None) -> int:
         """Append one finished experiment; committed (fsync'd) before this returns."""
         now = time.time()
         cur = self.db.execute(
             "INSERT INTO experiments(campaign_id, candidate, plan, proposer, artifact_hash, workload_fp, tier,"
-            " objective, measurement, verdict, reason, started, finished) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " objective, measurement, verdict, reason, started, finished, engine) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (campaign_id, candidate, json.dumps(plan, sort_keys=True), proposer, artifact_hash, workload_fp, tier,
              objective, json.dumps(measurement, default=str) if measurement is not None else None, verdict, reason,
-             started if started is not None else now, now),
+             started if started is not None else now, now, engine),
         )
         return int(cur.lastrowid)
 
@@ -243,9 +246,10 @@ class ExperimentStore:
 
     @staticmethod
     def _exp(row) -> Experiment:
-        (id_, cid, cand, plan, prop, ah, wfp, tier, obj, meas, verdict, reason, started, finished) = row
+        (id_, cid, cand, plan, prop, ah, wfp, tier, obj, meas, verdict, reason, started, finished) = row[:14]
         return Experiment(id_, cid, cand, json.loads(plan), prop, ah, wfp, tier, obj,
-                          json.loads(meas) if meas else None, verdict, reason, started, finished)
+                          json.loads(meas) if meas else None, verdict, reason, started, finished,
+                          row[14] if len(row) > 14 else None)
 
     # ship history --------------------------------------------------------------------------
     def record_ship(self, campaign_id: int, candidate: str, plan: list, objective: float | None, action: str,
