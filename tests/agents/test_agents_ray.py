@@ -86,7 +86,7 @@ def test_an_engine_killed_mid_campaign_has_its_experiment_retried_and_no_row_is_
 
         ev.on_dispatch = kill_on_second_candidate
         store = ExperimentStore(path)
-        cfg = CampaignConfig(name="kill", model="llama-tiny", budget_s=25, batch=2)
+        cfg = CampaignConfig(name="kill", model="llama-tiny", budget_s=40, batch=2)  # room for engine-1's 2nd candidate
         state = run_campaign(cfg, store, BayesianSearch(SearchSpace.from_registry(exact_only=True), seed=0), ev,
                              progress=False)
         deaths = list(ev.deaths)
