@@ -120,12 +120,16 @@ _FUSED = textwrap.dedent("""
     import tkcc
     from tkcc.frontend.models import build_model
     model = build_model("llama-tiny", dtype=torch.float32)
-    plan = [{"name": "decode_fused_step", "params": {"cuda_graph": False}}]
+    # context spans of 8 and 16 positions: the 12 tokens after a 5-token prompt cross both
+    plan = [{"name": "decode_fused_step", "params": {"cuda_graph": False, "attn_spans": "8,16"}}]
     c = tkcc.compile(model, plan=plan, mode="tolerance", measure=False, check=False)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     c.save(sys.argv[1])
     fused = c.forwards["decode"]
-    print(json.dumps({"tokens": c.generate(ids, 6).tolist(),
+    plain = {"prefill": c.forwards["prefill"], "decode": lambda i, p: fused(i, p)}  # no tkcc_greedy
+    print(json.dumps({"tokens": c.generate(ids, 12).tolist(), "greedy_step": hasattr(fused, "tkcc_greedy"),
+                      "plain": tkcc.frontend.greedy(c.program, ids, 12, forwards=plain).tolist(),
+                      "captured": tkcc.frontend.greedy(c.program, ids, 12).tolist(),
                       "source": c.artifact.source("decode")}))
 """)
 
@@ -137,10 +141,14 @@ def test_save_then_load_in_a_fresh_process_fused_decode_step_interpreted(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     built = json.loads(r.stdout.strip().splitlines()[-1])
     assert "bind_step" in built["source"] and "'fused_attention': True" in built["source"]
+    # the loop drives the step one replay per token, across spans, with the tokens of the plain calls and of
+    # the captured graphs
+    assert built["greedy_step"] and "forward.tkcc_greedy" in built["source"]
+    assert built["tokens"] == built["plain"] == built["captured"]
     manifest = json.loads((tmp_path / "saved" / "artifact" / "manifest.json").read_text())
     assert "tkcc.kernels.fused_step" in manifest["runtime"]
     got = _load_in_subprocess(tmp_path / "saved", env)
-    assert got["tokens"] == built["tokens"] and got["serves"] == "artifact"
+    assert got["tokens"] == [built["tokens"][0][:6]] and got["serves"] == "artifact"
 
 
 def test_load_refuses_another_model_versions_device_and_tampering(llama, tmp_path):

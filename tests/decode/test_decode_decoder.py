@@ -58,12 +58,36 @@ def test_attention_layout_follows_its_configs():
     dec.configs["attn_chunk"] = (128,)  # past the cache: one split over all of it
     assert (dec.chunk, dec.splits) == (100, 1)
     dec.configs["attn_chunk"] = (32,)
-    assert dec._layouts[32] is dec._layout() and len(dec._layouts) == 2
+    assert dec._layouts[(100, 32)] is dec._layout() and len(dec._layouts) == 2
     kinds = dec.attention_kinds()
     assert set(kinds) == set(ATTENTION_KINDS) and (100,) in kinds["attn_chunk"]
     assert all(c[0] <= 100 for c in kinds["attn_chunk"])
     with pytest.raises(TkccError, match="unknown kinds"):
         dec.tune_step(kinds=["attn_chunks"])
+
+
+def test_attention_spans_pick_their_own_layout_and_configs():
+    """A context span has its own layout (a grid laid out for the span) and configs (``kind@SPAN``); a position
+    picks the shortest span that holds it, an unknown one the whole cache."""
+    from tkcc.frontend.models import build_model
+    from tkcc.kernels.decoder import FusedDecoder
+
+    dec = FusedDecoder(build_model("llama-tiny", torch.float32, "cpu"), max_cache_len=100, attn_chunk=16,
+                       fused_attention=True, attn_spans=(32, 64, 400))
+    assert dec.spans == [32, 64, 100]  # a span past the cache is the cache
+    assert [dec.span_for(p) for p in (0, 31, 32, 63, 64, 99, None)] == [32, 32, 64, 64, 100, 100, 100]
+    dec.use_span(40)
+    assert (dec.chunk, dec.splits) == (16, 4)  # 64 positions in chunks of 16
+    dec.configs["attn_chunk@64"] = (64,)
+    assert dec.splits == 1 and dec._cfg_key("attn_tile") == "attn_tile@64"
+    dec.use_span(None)
+    assert (dec.chunk, dec.splits) == (16, 7) and dec._cfg_key("attn_chunk") == "attn_chunk"
+    assert max(c[0] for c in dec.attention_kinds()["attn_chunk"]) == 100
+    dec.use_span(0)
+    assert max(c[0] for c in dec.attention_kinds()["attn_chunk"]) == 32
+    # the separate attention path has one layout: the whole cache
+    sep = FusedDecoder(build_model("llama-tiny", torch.float32, "cpu"), max_cache_len=100, attn_spans=(32,))
+    assert sep.spans == [100]
 
 
 @pytest.mark.gpu

@@ -39,6 +39,7 @@ class ForwardSource:
     aux: dict[str, "ForwardSource"] = field(default_factory=dict)  # module name -> a fallback graph's forward
     runtime: list[str] = field(default_factory=list)  # kernel-library modules the forward imports
     captures_itself: bool = False  # a node replays its own CUDA graph: callers must not capture the forward
+    greedy: list[str] = field(default_factory=list)  # module nodes' greedy-step methods (see emit_forward)
 
     @property
     def targets(self) -> set[str]:
@@ -210,6 +211,10 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
     lines += [f"    {x}" for x in bind_lines]
     lines += ["", f"    def forward({', '.join(sig)}):"]
     lines += [f"        {x}" for x in body]
+    computes = [n for n in gm.graph.nodes if n.op.startswith("call_") and n.target != "_guards_fn"]
+    if len(computes) == 1 and len(out.greedy) == 1:
+        # the phase is one self-describing step: the greedy loop may drive it one token at a time
+        lines += ["", f"    forward.tkcc_greedy = {out.greedy[0]}"]
     lines += ["", "    return forward", ""]
     out.source = "\n".join(lines)
     return out
@@ -232,6 +237,8 @@ def _module_call(n, desc: dict, name: str, model, state, header: str, names, imp
     built = emit.safe_name(n.target.replace(".", "_"), taken)
     bind_lines.append(f"{built} = _rt_{mod.rsplit('.', 1)[1]}.{factory}(model, state, {desc['config']!r}, "
                       f"_fb_{fb_name}.bind(model, state, constants))")
+    if desc.get("greedy"):
+        out.greedy.append(f"{built}.{desc['greedy']}")
     args = [emit.literal(a, names, imports) for a in n.args]
     args += [f"{k}={emit.literal(v, names, imports)}" for k, v in n.kwargs.items()]
     return f"{built}({', '.join(args)})"

@@ -38,7 +38,8 @@ def greedy_steps(program: Program, prompt_ids: torch.Tensor, new_tokens: int,
     """The one greedy loop, one token at a time: yields (token [B], the logits [B, vocab] that chose it).
 
     A consumer that stops iterating (a stop sequence, a cancelled request) stops the decoding there; the
-    KV cache is reset at the start of every call, so nothing carries over to the next one.
+    KV cache is reset at the start of every call, so nothing carries over to the next one. The logits are
+    valid until the next step (a self-feeding step reuses its buffer): copy them to keep them.
     """
     fwd = {p: program.graphs[p] for p in ("prefill", "decode") if p in program.graphs}
     fwd.update(forwards or {})
@@ -77,11 +78,18 @@ def _steps(program, fwd, prompt_ids, plen, new_tokens, device):
                 logits = fwd["prefill"](prompt_ids[:, start:end], torch.arange(start, end, device=device))
         last = logits[:, -1]
         pos = torch.full((1,), plen, dtype=torch.long, device=device)
+        # a decode forward that is one self-feeding step (the fused decode step) offers ``tkcc_greedy``: it keeps
+        # the token and position on the device itself and picks its layout by the position the host knows
+        step = getattr(fwd["decode"], "tkcc_greedy", None)
+        tok = last.argmax(-1)
         for i in range(new_tokens):
-            tok = last.argmax(-1)
             yield tok, last
             if i + 1 == new_tokens:
                 break
+            if step is not None:
+                tok, last = step(tok[:, None], pos if i == 0 else None, position=plen + i, continued=i > 0)
+                continue
             logits = fwd["decode"](tok[:, None], pos)
             last = logits[:, -1]
+            tok = last.argmax(-1)
             pos = pos + 1

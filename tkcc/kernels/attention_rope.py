@@ -43,10 +43,14 @@ class AttentionRope:
     """Scratch for one decoder (partials and per-kv-head counters, reused by every layer) and the launch."""
 
     def __init__(self, hq: int, hkv: int, D: int, max_cache_len: int, chunk: int, device, block_s: int = 64,
-                 num_warps: int = 4):
+                 num_warps: int = 4, span: int | None = None):
+        """``span``: the positions the grid is laid out for (default the whole cache). A context past it is
+        still attended, by the last split (slower, never wrong): a decoder keeps a layout per context span and
+        picks one per step by the position it knows on the host."""
         self.hq, self.hkv, self.D = hq, hkv, D
-        self.chunk = min(chunk, max_cache_len)
-        self.splits = triton.cdiv(max_cache_len, self.chunk)
+        self.span = min(span or max_cache_len, max_cache_len)
+        self.chunk = min(chunk, self.span)
+        self.splits = triton.cdiv(self.span, self.chunk)
         if self.splits == 1:
             self.chunk = max_cache_len
         self.block_s, self.num_warps = block_s, num_warps
@@ -66,7 +70,7 @@ class AttentionRope:
         reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
         if reason is None and (hq % hkv or D != next_pow2(D) or D < 16 or k_cache.stride(2) != 1
                                or k_cache.stride() != v_cache.stride() or tuple(k_cache.shape) != (hkv, S_max, D)
-                               or qkv.numel() != (hq + 2 * hkv) * D or self.chunk * self.splits < S_max
+                               or qkv.numel() != (hq + 2 * hkv) * D or self.chunk * self.splits < min(self.span, S_max)
                                or (q_norm is None) != (k_norm is None) or not isinstance(pos, torch.Tensor)):
             reason = (f"unsupported heads/layout hq={hq} hkv={hkv} D={D} cache {tuple(k_cache.shape)} strides "
                       f"{k_cache.stride()} qkv {qkv.numel()} splits {self.splits}x{self.chunk}")

@@ -251,15 +251,20 @@ def check_moe_routed(device, dtype, g, pdl=False, shapes=((8, 32, 64, 2), (16, 4
 def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76, 32), (8, 2, 16, 40, 17, 2),
                                                                 (16, 16, 128, 600, 555, 128),
                                                                 (32, 8, 64, 300, 299, 1024),
-                                                                (32, 8, 64, 4100, 4000, 128))):
+                                                                (32, 8, 64, 4100, 4000, 128),
+                                                                (4, 2, 32, 300, 250, 32, 64),
+                                                                (8, 2, 16, 600, 599, 16, 48),
+                                                                (4, 4, 32, 200, 150, 64, 64))):
     """Norm + rotary + cache write + split-KV + combine (in the kernel up to MERGE_MAX_SPLITS splits, else
     attention's combine launch: shapes with 4, 20, 5, 1 and 33 splits) against rope_ref then attention_ref.
     Cache positions from pos on are NaN before the launch (pos must be written, never read; later ones
-    never touched); two launches in a row (the self-resetting per-head counters)."""
+    never touched); two launches in a row (the self-resetting per-head counters). A 7th number is the span
+    the layout is built for, shorter than the context: its last split takes the positions past the grid
+    (2 splits over 250 positions, 3 over 599 with the in-kernel merge, one split of a 64-position span)."""
     from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref
 
     rows = []
-    for j, (hq, hkv, D, S, pos, chunk) in enumerate(shapes):
+    for j, (hq, hkv, D, S, pos, chunk, *span) in enumerate(shapes):
         for norm in (False, True):
             bs, nw = _attn_tile(2 * j + norm)
             qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
@@ -270,7 +275,8 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
             kc[:, pos:] = float("nan")
             vc[:, pos:] = float("nan")
             kr, vr = kc.clone(), vc.clone()
-            ar = AttentionRope(hq, hkv, D, S, chunk, device, block_s=bs, num_warps=nw)
+            ar = AttentionRope(hq, hkv, D, S, chunk, device, block_s=bs, num_warps=nw,
+                               span=span[0] if span else None)
             p = torch.tensor([pos], device=device, dtype=torch.int32)
             for _rep in range(2):
                 out = torch.full((hq, D), float("nan"), device=device, dtype=dtype)
@@ -281,8 +287,13 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
             if int(ar.count.sum()) != 0 or not torch.isnan(kc[:, pos + 1:]).all():
                 err = float("inf")
             rows.append(_row(f"attention_rope{'+qknorm' * norm}",
-                             (hq, hkv, D, S, pos, f"splits={ar.splits}", f"tile={bs}x{nw}"), dtype, err))
+                             (hq, hkv, D, S, pos, f"splits={ar.splits}", f"tile={bs}x{nw}",
+                              *(f"span={v}" for v in span)), dtype, err))
     return rows
+
+
+# on the interpreter: the first two shapes and the three laid out for a span shorter than the context
+check_attention_rope.cpu_shapes = check_attention_rope.__defaults__[1][:2] + check_attention_rope.__defaults__[1][5:]
 
 
 def check_cache_bounds(device, dtype, g, pdl=False, shapes=((4, 2, 32, 40, 16), (8, 2, 16, 24, 24),
@@ -351,7 +362,8 @@ def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None, pdl=
         fn = FAMILIES[name]
         kw = {}
         if str(device) == "cpu":  # the interpreter runs programs one by one: the first two shapes per family
-            kw["shapes"] = inspect.signature(fn).parameters["shapes"].default[:2]
+            default = inspect.signature(fn).parameters["shapes"].default
+            kw["shapes"] = getattr(fn, "cpu_shapes", default[:2])
         got = fn(device, dtype, g, pdl=pdl, **kw)
         for r in got:
             r["pdl"] = pdl

@@ -67,13 +67,17 @@ class FusedDecoder:
     def __init__(self, model, max_cache_len: int, attn_chunk: int | None = None, forced_routing: bool = False,
                  pdl: bool | None = None, kv: tuple[list, list] | None = None, fused_attention: bool = False,
                  routed_moe: bool = False, configs: dict | None = None, fused_ends: bool = False,
-                 attn_tile: tuple[int, int] | None = None):
+                 attn_tile: tuple[int, int] | None = None, attn_spans: tuple[int, ...] = ()):
         """``kv``: optional per-layer (keys, values) tensors [H_kv, S, D] to use as the cache in place (e.g. a
         captured Program's static cache, so its prefill graph and this decode step share one cache).
         ``configs``: {kind: kernel config} for this decoder only (``tune`` and ``tune_step`` fill it; a kind not
         in it takes the kernel's default). ``attn_chunk`` (positions per split-KV program) and ``attn_tile`` ((positions per
         loop step, warps) of the attention kernels) are the defaults of the ``attn_chunk`` and ``attn_tile``
-        configs, which ``tune_step(kinds=ATTENTION_KINDS)`` picks at the context the decoder is at."""
+        configs, which ``tune_step(kinds=ATTENTION_KINDS)`` picks at the context the decoder is at.
+        ``attn_spans``: context spans (positions) below the cache length that get their own attention layout
+        (a split-KV grid laid out for the span, configs ``attn_chunk@SPAN`` / ``attn_tile@SPAN``) and their own
+        CUDA graph; ``use_span(position)`` picks one per step. Fused attention only (its last split attends
+        any positions past the grid, so a span chosen too short is slower, never wrong)."""
         cfg = model.config
         self.model = model
         self.cfg = cfg
@@ -129,7 +133,11 @@ class FusedDecoder:
             self.k_cache = self.v_cache = None
         self.attn_chunk = attn_chunk or (256 if self.Hkv >= 16 else 128)
         self.attn_tile = tuple(attn_tile or ATTN_TILE_DEFAULT)
-        self._layouts: dict[int, AttentionRope] = {}
+        self._layouts: dict[tuple[int, int], AttentionRope] = {}
+        self.spans = sorted({int(v) for v in attn_spans if 0 < int(v) < max_cache_len}) if fused_attention else []
+        self.spans.append(max_cache_len)
+        self._span = max_cache_len
+        self._graphs: dict[int, object] = {}  # span -> its captured step
         # device-side state: the step reads these and writes the next values back
         self.token = torch.zeros(1, device=dev, dtype=torch.long)
         self.pos = torch.zeros(1, device=dev, dtype=torch.int32)
@@ -162,7 +170,6 @@ class FusedDecoder:
             self.routed = RoutedMoE(L0["router"].shape[0], H, L0["down"].shape[2], L0["top_k"], dev, dt)
         else:
             self.routed = None
-        self.graph = None
 
     # -- routing replay (benchmark) -------------------------------------------------------------
     def set_forced_routing(self, ids: torch.Tensor) -> None:
@@ -174,17 +181,47 @@ class FusedDecoder:
 
     # -- attention layout ---------------------------------------------------------------------------
     def _layout(self) -> AttentionRope:
-        """The split-KV layout of the current ``attn_chunk`` config: chunk, splits and their scratch (partials,
-        the fused kernel's counters), made once per chunk; the separate attention path uses the same."""
+        """The split-KV layout of the current span and ``attn_chunk`` config: chunk, splits and their scratch
+        (partials, the fused kernel's counters), made once per (span, chunk); the separate attention path uses
+        the same (with the one span, the whole cache)."""
         chunk = self._attn_config("attn_chunk")[0]
-        lay = self._layouts.get(chunk)
+        lay = self._layouts.get((self._span, chunk))
         if lay is None:
-            lay = self._layouts[chunk] = AttentionRope(self.Hq, self.Hkv, self.D, self.max_cache_len, chunk,
-                                                       self.device)
+            lay = self._layouts[(self._span, chunk)] = AttentionRope(self.Hq, self.Hkv, self.D, self.max_cache_len,
+                                                                     chunk, self.device, span=self._span)
         return lay
 
+    def _cfg_key(self, kind: str) -> str:
+        """The configs key of an attention kind at the current span (the whole cache's has no suffix)."""
+        return kind if self._span == self.max_cache_len else f"{kind}@{self._span}"
+
     def _attn_config(self, kind: str) -> tuple:
-        return self.configs.get(kind) or ((self.attn_chunk,) if kind == "attn_chunk" else self.attn_tile)
+        got = self.configs.get(self._cfg_key(kind))
+        if got is None and self._span == self.max_cache_len:
+            got = self.configs.get(kind)
+        return got or ((self.attn_chunk,) if kind == "attn_chunk" else self.attn_tile)
+
+    def span_for(self, position: int | None) -> int:
+        """The shortest span holding a step at ``position`` (the whole cache when the position is unknown)."""
+        if position is None:
+            return self.max_cache_len
+        return next((s for s in self.spans if position < s), self.max_cache_len)
+
+    def use_span(self, position: int | None) -> None:
+        """Run the next steps with the layout (and graph) of the span that holds ``position``."""
+        self._span = self.span_for(position)
+
+    @property
+    def graph(self):
+        """The current span's captured step (None before ``capture()``)."""
+        return self._graphs.get(self._span)
+
+    @graph.setter
+    def graph(self, g) -> None:
+        if g is None:
+            self._graphs.pop(self._span, None)
+        else:
+            self._graphs[self._span] = g
 
     @property
     def chunk(self) -> int:
@@ -466,9 +503,10 @@ class FusedDecoder:
         return out
 
     def attention_kinds(self) -> dict:
-        """{kind: candidate configs} of the attention layout: positions per split-KV program (``attn_chunk``,
-        1-tuples) and the kernels' tile (``attn_tile``: positions per loop step, warps)."""
-        S = self.max_cache_len
+        """{kind: candidate configs} of the attention layout at the current span: positions per split-KV
+        program (``attn_chunk``, 1-tuples) and the kernels' tile (``attn_tile``: positions per loop step,
+        warps)."""
+        S = self._span
         chunks = [c for c in ATTN_CHUNKS if c < S] + ([S] if S <= ATTN_SINGLE_MAX else [])
         return {"attn_chunk": [(c,) for c in chunks], "attn_tile": list(ATTN_TILES)}
 
@@ -506,10 +544,11 @@ class FusedDecoder:
         out = {}
         for _ in range(rounds):
             for kind, cands in todo.items():
+                key = self._cfg_key(kind) if kind in ATTENTION_KINDS else kind
                 cur = self._attn_config(kind) if kind in ATTENTION_KINDS else self.configs.get(kind)
                 best = None
                 for cand in ([cur] if cur is not None else []) + [c for c in cands if c != cur]:
-                    self.configs[kind] = cand
+                    self.configs[key] = cand
                     try:
                         t = self._graph_time(whole, reps)
                     except Exception as e:  # a config that does not compile/launch here is skipped
@@ -519,15 +558,21 @@ class FusedDecoder:
                     if best is None or t < best[1]:
                         best = (cand, t)
                 if best is None:
-                    self.configs.pop(kind, None) if cur is None else self.configs.__setitem__(kind, cur)
+                    self.configs.pop(key, None) if cur is None else self.configs.__setitem__(key, cur)
                     continue
-                self.configs[kind] = best[0]
-                out[kind] = (best[0], round(best[1], 1))
+                self.configs[key] = best[0]
+                out[key] = (best[0], round(best[1], 1))
                 if log:
                     log(f"tune_step {kind}: {best[0]} -> step {best[1]:.1f} us")
         self._restore(saved)
-        chunk = self._attn_config("attn_chunk")[0]
-        self._layouts = {chunk: self._layout()}  # the other chunks' scratch is not used again
+        self._layout()
+        keep = set()
+        span = self._span
+        for s in self.spans:  # each span's chosen layout; the other chunks' scratch is not used again
+            self._span = s
+            keep.add((s, self._attn_config("attn_chunk")[0]))
+        self._span = span
+        self._layouts = {k: v for k, v in self._layouts.items() if k in keep}
         return out
 
     def tune(self, reps: int = 5, log=None) -> dict:

@@ -20,7 +20,7 @@ from tkcc.errors import TkccError
 
 log = logging.getLogger("tkcc.kernels.fused_step")
 
-OPTIONS = ("attn_chunk", "pdl", "fused_attention", "routed_moe", "fused_ends", "attn_tile")
+OPTIONS = ("attn_chunk", "pdl", "fused_attention", "routed_moe", "fused_ends", "attn_tile", "attn_spans")
 
 
 class FusedDecodeStep(torch.nn.Module):
@@ -47,10 +47,39 @@ class FusedDecodeStep(torch.nn.Module):
             return self.original(input_ids, cache_position)
         self.calls += 1
         dec = self.decoder
+        dec.use_span(None)  # the position is on the device only: the layout of the whole cache
+        self._capture_once(input_ids, cache_position)
+        return dec.forward(input_ids, cache_position)
+
+    def _capture_once(self, input_ids, cache_position) -> None:
+        dec = self.decoder
         if self.cuda_graph and dec.graph is None and input_ids.is_cuda and self.calls >= 2:
             dec.set_inputs(input_ids, cache_position)  # capture's steps then write what this step writes anyway
             dec.capture()
-        return dec.forward(input_ids, cache_position)
+
+    def greedy_next(self, input_ids, cache_position, position: int, continued: bool):
+        """One greedy step for ``tkcc.frontend.generate``'s loop: (token [1], logits [1, vocab], valid until the
+        next step). ``position`` is the step's position as the host knows it: it picks the layout of the span
+        that holds it. ``continued``: the inputs are the token and position this step's previous call produced,
+        which the decoder keeps on the device (its step writes them back), so nothing is copied in (and
+        ``cache_position`` may be None) and the token is the decoder's own argmax: one graph replay per token."""
+        if cache_position is None and not (continued and self.decoder is not None and self.unsupported is None):
+            cache_position = torch.tensor([position], dtype=torch.long, device=input_ids.device)
+        if self.decoder is None or self.unsupported is not None or input_ids.numel() != 1:
+            last = self.forward(input_ids, cache_position)[:, -1]
+            return last.argmax(-1), last
+        self.calls += 1
+        dec = self.decoder
+        dec.use_span(position)
+        if not continued:
+            dec.set_inputs(input_ids, cache_position)
+        if self.cuda_graph and dec.graph is None and input_ids.is_cuda and self.calls >= 2:
+            dec.capture()  # from the state just set: its steps write what this step writes anyway
+        if dec.graph is not None:
+            dec.graph.replay()
+        else:
+            dec.step()
+        return dec.token.clone(), dec.logits.view(1, -1)
 
     @property
     def captures_itself(self) -> bool:
@@ -68,7 +97,8 @@ class FusedDecodeStep(torch.nn.Module):
 
     def tkcc_source(self) -> dict:
         """How codegen writes this node: ``bind_step(model, state, config, fallback)`` from this module."""
-        return {"module": __name__, "factory": "bind_step", "config": self.config(), "fallback": self.original}
+        return {"module": __name__, "factory": "bind_step", "config": self.config(), "fallback": self.original,
+                "greedy": "greedy_next"}
 
 
 def bind_step(model, state, config: dict, fallback) -> FusedDecodeStep:
@@ -102,10 +132,24 @@ def decoder_for(model, max_cache_len: int, kv, opts: dict, configs: dict | None 
     from tkcc.kernels.decoder import FusedDecoder
 
     tile = parse_tile(opts.get("attn_tile", "64x4"))
+    spans = parse_spans(opts.get("attn_spans", ""))
     return FusedDecoder(model, max_cache_len=max_cache_len, attn_chunk=opts.get("attn_chunk") or None,
                         pdl=None if opts.get("pdl", True) else False, kv=kv,
                         fused_attention=bool(opts.get("fused_attention")), routed_moe=bool(opts.get("routed_moe")),
-                        fused_ends=bool(opts.get("fused_ends")), attn_tile=tile, configs=configs)
+                        fused_ends=bool(opts.get("fused_ends")), attn_tile=tile, configs=configs, attn_spans=spans)
+
+
+def parse_spans(attn_spans) -> tuple[int, ...]:
+    """'1024,4096' -> (1024, 4096): context spans with their own attention layout ('' for none)."""
+    text = str(attn_spans or "").strip()
+    try:
+        spans = tuple(int(v) for v in text.split(",")) if text else ()
+        if any(v < 1 for v in spans):
+            raise ValueError
+    except ValueError:
+        raise TkccError(f"decode_fused_step: attn_spans {attn_spans!r} is not a comma-separated list of context "
+                        f"lengths, e.g. '1024,4096'") from None
+    return spans
 
 
 def parse_tile(attn_tile) -> tuple[int, int]:

@@ -57,10 +57,16 @@ class Pass:
             if k not in cls.params:
                 raise PlanError(f"pass {cls.name!r} has no parameter {k!r}; it has: {sorted(cls.params) or 'none'}")
             allowed = cls.params[k]
-            if v not in allowed:
+            if v not in allowed and not cls.accepts(k, v):
                 raise PlanError(f"pass {cls.name!r} parameter {k!r}={v!r} is out of range; allowed: {allowed}")
             out[k] = v
         return out
+
+    @classmethod
+    def accepts(cls, name: str, value: Any) -> bool:
+        """Whether a plan may give ``value`` for ``name`` outside the searched space (a pass whose parameter
+        is a format it parses, such as a tile or a list of spans, accepts every value it parses)."""
+        return False
 
 
 def register(cls: type[Pass]) -> type[Pass]:

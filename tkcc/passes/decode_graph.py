@@ -15,7 +15,11 @@ launch), ``routed_moe`` (routing once per layer in the router kernel) and
 ``fused_ends`` (embedding gather and argmax inside the first and last GEMVs)
 are the decoder's options; ``attn_chunk`` (positions per split-KV program) and
 ``attn_tile`` (positions per loop step x warps of the attention kernels) its
-attention layout, which moves with the context the traffic brings; ``tune``
+attention layout, which moves with the context the traffic brings, so
+``attn_spans`` gives each context span below the cache length its own layout
+and CUDA graph, tuned at that span and picked per step by the position the
+greedy loop knows on the host (a span picked too short is slower, never
+wrong); ``tune``
 times each kernel kind alone over all layers and then the whole step per
 config (``FusedDecoder.tune_step``).
 Anything the fused step does not support (batch > 1, other families, CPU
@@ -31,7 +35,7 @@ import torch.fx
 
 from tkcc.errors import TkccError
 from tkcc.kernels.common import fallback_reason
-from tkcc.kernels.fused_step import FusedDecodeStep, decoder_for, parse_tile
+from tkcc.kernels.fused_step import FusedDecodeStep, decoder_for, parse_spans, parse_tile
 from tkcc.passes.base import Pass, RewriteInfo, register
 
 log = logging.getLogger("tkcc.passes.decode_graph")
@@ -48,25 +52,52 @@ def _output_like(gm: torch.fx.GraphModule, graph: torch.fx.Graph, value: torch.f
     return graph.output(value)
 
 
+def _tune_spans(dec) -> dict:
+    """Each context span's attention layout, tuned by whole-step timing at the geometric middle of the span
+    (the best split-KV grid moves with the context; the greedy loop picks the span by position)."""
+    out, lo = {}, 64
+    for span in dec.spans:
+        ctx = max(16, min(span - 1, int((lo * span) ** 0.5)))
+        dec.use_span(ctx)
+        dec.reset(0, ctx)
+        out[f"{span}@ctx{ctx}"] = dec.tune_step(kinds=("attn_chunk", "attn_tile"))
+        lo = span
+    dec.use_span(None)
+    return out
+
+
 @register
 class DecodeFusedStep(Pass):
     name = "decode_fused_step"
-    version = "3"
+    version = "4"
     exact = False
     description = ("Decode phase -> one fused kernel sequence per step (MoE regrouped, KV staged in place, "
                    "norms/rotary/activations fused), captured as one CUDA graph.")
     params = {"cuda_graph": [True, False], "pdl": [True, False], "attn_chunk": [0, 64, 128, 256, 512],
               "tune": [True, False], "fused_attention": [True, False], "routed_moe": [True, False],
-              "fused_ends": [True, False], "attn_tile": ["64x4", "32x4", "128x4", "128x8", "256x8"]}
+              "fused_ends": [True, False], "attn_tile": ["64x4", "32x4", "128x4", "128x8", "256x8"],
+              "attn_spans": ["1024,4096", "", "512,2048,8192"]}
+
+    @classmethod
+    def accepts(cls, name, value) -> bool:
+        parse = {"attn_tile": parse_tile, "attn_spans": parse_spans}.get(name)
+        if parse is None or not isinstance(value, str):
+            return False
+        try:
+            parse(value)
+        except TkccError:
+            return False
+        return True
 
     # The defaults are the options measured fastest together on an H200 (benchmarks/decode.py, variant
     # tkcc_v3: every option, kernel configs tuned, seconds per build); each keeps the path without it as its
     # reference, and the search can turn any of them off.
     def apply(self, program, cuda_graph=True, pdl=True, attn_chunk=0, tune=True, fused_attention=True,
-              routed_moe=True, fused_ends=True, attn_tile="64x4"):
-        parse_tile(attn_tile)  # a malformed tile fails here, with its format
+              routed_moe=True, fused_ends=True, attn_tile="64x4", attn_spans="1024,4096"):
+        parse_tile(attn_tile)  # a malformed tile or span list fails here, with its format
+        parse_spans(attn_spans)
         opts = dict(attn_chunk=attn_chunk, pdl=pdl, fused_attention=fused_attention, routed_moe=routed_moe,
-                    fused_ends=fused_ends, attn_tile=attn_tile)
+                    fused_ends=fused_ends, attn_tile=attn_tile, attn_spans=attn_spans)
         info = RewriteInfo()
         if "decode" not in program.graphs:
             info.notes.append("no decode phase; nothing to do")
@@ -91,6 +122,8 @@ class DecodeFusedStep(Pass):
                         # then the whole step per config (writes one position of the cache, before any prefill)
                         dec.reset(0, min(128, kv.max_cache_len - 1))
                         info.notes.append(f"step-tuned: {dec.tune_step()}")
+                        if fused_attention:
+                            info.notes.append(f"attention-tuned: {_tune_spans(dec)}")
                 except (TkccError, AttributeError) as e:
                     unsupported = f"{type(e).__name__}: {e}"
                     dec = None
@@ -109,5 +142,6 @@ class DecodeFusedStep(Pass):
         info.provenance[f"decode:{call.name}"] = call.meta["tkcc_from"]
         info.notes.append(f"decode: fused step ({'original graph: ' + unsupported if unsupported else 'kernels'}; "
                           f"cuda_graph={cuda_graph}, pdl={pdl}, attn_chunk={attn_chunk or 'auto'}, attn_tile={attn_tile}, "
-                          f"fused_attention={fused_attention}, routed_moe={routed_moe}, fused_ends={fused_ends})")
+                          f"fused_attention={fused_attention}, routed_moe={routed_moe}, fused_ends={fused_ends}, "
+                          f"attn_spans={attn_spans or 'none'})")
         return program.with_graphs({"decode": new_gm}), info
