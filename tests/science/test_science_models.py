@@ -108,7 +108,7 @@ def test_gpu_benchmark_sizes_bitwise_and_captured(name):
 def _record_reads(sm):
     import torch.utils._pytree as pytree
 
-    from tkcc.runtime.cudagraph import HostReads
+    from tkcc.kernels.host_reads import HostReads
 
     args = sm.inputs(sm.workload.buckets[0], 1)
     leaves = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
@@ -134,7 +134,7 @@ def test_latent_ode_host_reads_depend_only_on_its_time_grid():
 def test_e3nn_host_reads_depend_on_inputs():
     """e3nn pools with int(batch.max()): not speculable, so it must be split into regions instead."""
     _need("e3nn")
-    from tkcc.runtime.cudagraph import SpeculationError
+    from tkcc.kernels.graph_replay import SpeculationError
 
     with pytest.raises(SpeculationError, match="depends on the inputs"):
         _record_reads(build("e3nn", small=True))

@@ -35,6 +35,7 @@ from tkcc.kernels import moe as moe_mod
 from tkcc.kernels.attention import attention
 from tkcc.kernels.attention_rope import AttentionRope
 from tkcc.kernels.gemv import gemv
+from tkcc.kernels.graph_replay import CapturedCall, replay_us
 from tkcc.kernels.moe import moe
 from tkcc.kernels.moe_routed import RoutedMoE
 from tkcc.kernels.rotary import rope
@@ -279,15 +280,9 @@ class FusedDecoder:
         makes anyway; captured with stale inputs they would overwrite a cache position that a caller with
         its own positions (a validation, a golden check) still reads."""
         saved = self._save()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self._restore(saved)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+        self.graph = None  # a failed capture leaves none
+        self.graph = CapturedCall(self.step, warmup=1, pdl=self.pdl, after_warmup=lambda: self._restore(saved),
+                                  device=self.device)
         self._restore(saved)
 
     def _save(self):
@@ -337,23 +332,7 @@ class FusedDecoder:
     # -- measuring --------------------------------------------------------------------------------
     def _graph_time(self, fn, reps: int = 7) -> float:
         """Median µs of ``fn`` replayed from a CUDA graph (launch gaps as in the real step, no host overhead)."""
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3)
-        del g
-        return sorted(ts)[len(ts) // 2]
+        return replay_us(fn, reps, warmup=1, pdl=self.pdl, device=self.device)
 
     def profile(self) -> dict:
         """GPU µs per token of each kernel kind over all layers, each replayed alone from a CUDA graph, with
