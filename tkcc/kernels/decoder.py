@@ -63,7 +63,8 @@ def _regroup(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 class FusedDecoder:
-    """Batch-1 greedy decode with the fused kernels. ``step()`` is graph-capturable."""
+    """A batch-1 decode step with the fused kernels. ``step()`` is graph-capturable; ``forward`` takes a decode
+    graph's inputs, so the one greedy loop (``tkcc.frontend.generate.greedy_loop``) drives it."""
 
     def __init__(self, model, max_cache_len: int, attn_chunk: int | None = None, forced_routing: bool = False,
                  pdl: bool | None = None, kv: tuple[list, list] | None = None, fused_attention: bool = False,
@@ -313,21 +314,6 @@ class FusedDecoder:
                 self.graph.replay()
             else:
                 self.step()
-
-    @torch.no_grad()
-    def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
-        """Greedy: the prompt is fed one token at a time (teacher-forced), then new_tokens are generated."""
-        if len(prompt) + new_tokens > self.max_cache_len:
-            raise TkccError(f"prompt {len(prompt)} + {new_tokens} new tokens exceed the cache ({self.max_cache_len})")
-        out = []
-        for i, t in enumerate(prompt):
-            self.reset(t, i)
-            self.step()
-        for _ in range(new_tokens - 1):
-            out.append(int(self.token))
-            self.run(1)
-        out.append(int(self.token))
-        return out
 
     # -- measuring --------------------------------------------------------------------------------
     def _graph_time(self, fn, reps: int = 7) -> float:

@@ -828,23 +828,13 @@ class EngineCore:
         cap = int(prog.meta.get("max_cache_len", 0))
         if not prompt or len(prompt) + n > cap:
             raise EngineError(f"generate: prompt of {len(prompt)} tokens + {n} new must be in 1..{cap}")
+        from tkcc.frontend.generate import greedy
+
         fwd = self._forwards(self._cand(self.slots[tier].current), tier)
         batch = int(prog.meta.get("batch", 1))
         ids = torch.tensor([prompt] * batch, device=self.device)
-        out = []
-        with torch.no_grad():
-            if prog.state is not None and hasattr(prog.state, "reset"):
-                prog.state.reset()
-            logits = tensors_of(fwd["prefill"](ids, torch.arange(len(prompt), device=self.device)))[0]
-            pos = len(prompt)
-            for _ in range(n):
-                nxt = logits[:, -1, :].argmax(-1)
-                out.append(int(nxt[0]))
-                if len(out) == n:
-                    break
-                logits = tensors_of(fwd["decode"](nxt[:, None], torch.tensor([pos], device=self.device)))[0]
-                pos += 1
-        return {"tokens": out, "candidate": self.slots[tier].current, "tier": tier}
+        tokens = greedy(prog, ids, n, forwards={p: fwd[p] for p in ("prefill", "decode")})
+        return {"tokens": tokens[0].tolist(), "candidate": self.slots[tier].current, "tier": tier}
 
     def op_check_health(self) -> dict:
         """The device still works and the weights are untouched (after a candidate failed)."""
