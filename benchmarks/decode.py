@@ -41,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tkcc.frontend.generate import greedy_loop  # noqa: E402
 from tkcc.frontend.models import build_model, get_spec  # noqa: E402
 from tkcc.frontend.weight_packing import pack_projections  # noqa: E402
 from tkcc.kernels.decoder import ATTENTION_KINDS, FusedDecoder  # noqa: E402
@@ -232,14 +233,18 @@ def greedy_check(model, dec_factory, prompts, new_tokens, fp32_reference=True):
         return dict(identical=a_toks == b_toks, first_divergence=first,
                     logits_rel_err=float((a_logits - b_logits).norm() / b_logits.norm()))
 
+    def fused(p, n):
+        """The fused decoder's greedy tokens (the one greedy loop; the prompt fed token by token) and the
+        logits that chose the first."""
+        dec = dec_factory(len(p) + n + 8)
+        steps = list(greedy_loop({"prefill": dec.forward, "decode": dec.forward}, torch.tensor([p], device=dev), n,
+                                 max_cache_len=dec.max_cache_len, prefill_chunk=1))
+        return [int(t) for t, _ in steps], steps[0][1][0].float()
+
     res = []
     for p in prompts:
         hf_t, hf_l = gen(model, p)
-        dec = dec_factory(len(p) + new_tokens + 8)
-        tk_t = dec.generate(p, new_tokens)
-        dec2 = dec_factory(len(p) + 8)
-        dec2.generate(p, 1)
-        tk_l = dec2.logits.float()
+        tk_t, tk_l = fused(p, new_tokens)
         row = dict(prompt_len=len(p), new_tokens=new_tokens, tkcc_vs_hf=cmp(tk_t, tk_l, hf_t, hf_l),
                    hf=hf_t[:8], tkcc=tk_t[:8])
         if ref32 is not None:
@@ -247,7 +252,6 @@ def greedy_check(model, dec_factory, prompts, new_tokens, fp32_reference=True):
             row["hf_bf16_vs_fp32"] = cmp(hf_t, hf_l, r_t, r_l)
             row["tkcc_bf16_vs_fp32"] = cmp(tk_t, tk_l, r_t, r_l)
         res.append(row)
-        del dec, dec2
     del ref32
     peak_reset()
     return res

@@ -84,19 +84,14 @@ def _measure(gm, ids_pool, pos, dev, reps: int, use_graph: bool) -> tuple[float 
 
     if not use_graph:
         return statistics.median(_time_steps(eager, 3, reps, dev)), "eager"
+    from tkcc.kernels.graph_replay import CapturedCall
+
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                eager(0)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            gm(static_ids, static_pos)
+        g = CapturedCall(gm, (static_ids, static_pos), warmup=3, device=dev)
+        graph_ids = g.static_args[0]
 
         def replay(i):
-            static_ids.copy_(ids_pool[i % len(ids_pool)])
+            graph_ids.copy_(ids_pool[i % len(ids_pool)])
             g.replay()
 
         return statistics.median(_time_steps(replay, 3, reps, dev)), "cuda_graph"

@@ -11,7 +11,7 @@ fastest on the workload: an artifact (generated forwards and their kernels,
   forward, so it is a drop-in replacement that is never wrong;
 - ``generate`` and ``stream`` run the one greedy loop
   (``tkcc.frontend.generate``) over the shipped forwards; on a GPU the decode
-  step replays from a CUDA graph (``tkcc.runtime.cudagraph.GraphCache``, the
+  step replays from a CUDA graph (``tkcc.kernels.graph_replay.GraphCache``, the
   one capture utility), as the engine measured it, unless the forward replays
   its own graph (the fused decode step);
 - ``save(path)`` writes ``tkcc.json`` (what was compiled, for which model,
@@ -352,7 +352,7 @@ def _graphed(program, forwards: dict, artifact) -> dict:
     phase_meta = (artifact.manifest["phases"].get("decode") or {}) if artifact is not None else {}
     if phase_meta.get("captures_itself"):
         return out
-    from tkcc.runtime.cudagraph import GraphCache
+    from tkcc.kernels.graph_replay import GraphCache
 
     out["decode"] = GraphCache(out["decode"], name="decode", capture_after=1)
     return out

@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from tkcc.frontend.generate import greedy_loop
 from tkcc.frontend.models import build_model
 from tkcc.kernels.common import fallbacks
 from tkcc.kernels.decoder import FusedDecoder
@@ -29,9 +30,9 @@ for arg in sys.argv[1:]:
                          do_sample=False)[0, len(prompt):].tolist()
         ref_logits = m(torch.tensor([prompt])).logits[0, -1]
     dec = FusedDecoder(m, max_cache_len=16, **kw)
-    got = dec.generate(prompt, new)
-    dec2 = FusedDecoder(m, max_cache_len=16, **kw)
-    dec2.generate(prompt, 1)
-    err = float((dec2.logits - ref_logits).norm() / ref_logits.norm())
+    steps = list(greedy_loop({"prefill": dec.forward, "decode": dec.forward}, torch.tensor([prompt]), new,
+                             max_cache_len=dec.max_cache_len, prefill_chunk=1))  # the prompt fed token by token
+    got = [int(t) for t, _ in steps]
+    err = float((steps[0][1][0] - ref_logits).norm() / ref_logits.norm())
     print(json.dumps(dict(model=name, options=opts, ref=ref, got=got, logits_rel_err=err, fallbacks=fallbacks())),
           flush=True)

@@ -42,8 +42,11 @@ def test_context_longer_than_the_cache_is_a_clear_error():
     dec = FusedDecoder(build_model("llama-tiny", torch.float32, "cpu"), max_cache_len=8)
     with pytest.raises(TkccError, match="longer than the cache"):
         dec.reset(1, 8)
-    with pytest.raises(TkccError, match="exceed the cache"):
-        dec.generate([1, 2, 3, 4, 5], 4)
+    from tkcc.frontend.generate import greedy_loop
+
+    with pytest.raises(TkccError, match="needs 9 cache positions; max_cache_len is 8"):
+        greedy_loop({"prefill": dec.forward, "decode": dec.forward}, torch.tensor([[1, 2, 3, 4, 5]]), 5,
+                    max_cache_len=dec.max_cache_len, prefill_chunk=1)
 
 
 def test_attention_layout_follows_its_configs():

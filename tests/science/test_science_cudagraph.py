@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tkcc.runtime.cudagraph import CapturedCall, GraphCache, probe_sync, signature
+from tkcc.kernels.graph_replay import CapturedCall, GraphCache, probe_sync, signature
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -144,7 +144,7 @@ class _Grid(torch.nn.Module):
 
 
 def test_host_reads_record_and_replay_state_reads():
-    from tkcc.runtime.cudagraph import HostReads
+    from tkcc.kernels.host_reads import HostReads
 
     m = _Grid()
     x = torch.randn(3)
@@ -158,7 +158,8 @@ def test_host_reads_record_and_replay_state_reads():
 
 
 def test_host_reads_refuse_input_dependent_reads():
-    from tkcc.runtime.cudagraph import HostReads, SpeculationError
+    from tkcc.kernels.graph_replay import SpeculationError
+    from tkcc.kernels.host_reads import HostReads
 
     m = _Grid(read_input=True)
     x = torch.randn(3)

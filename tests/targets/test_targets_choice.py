@@ -361,10 +361,10 @@ def test_cuda_ops_inside_a_cuda_graph_follow_the_device_position():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_target_decode_graph_in_the_engines_cuda_graph():
-    """The CUDA-target decode graph of a mid-size OLMoE captured whole by the engine's CapturedGraph; replays at
+    """The CUDA-target decode graph of a mid-size OLMoE captured whole by the engine's CapturedCall; replays at
     other cache positions match eager calls of the same graph, logits and K/V writes."""
     from tkcc.kernels import ops
-    from tkcc.runtime.graphs import CapturedGraph
+    from tkcc.kernels.graph_replay import CapturedCall
 
     prog = _capture("olmoe-16l", True)
     cuda_prog, _ = apply_plan(prog, _plan("cuda"), mode="tolerance")
@@ -373,14 +373,14 @@ def test_cuda_target_decode_graph_in_the_engines_cuda_graph():
     saved = [b.clone() for _n, b in prog.state.named_buffers()]
     ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     before = ops.CUDA_CALLS.get("decode_attention", 0)
-    cg = CapturedGraph(fwd, (ids, torch.zeros(1, dtype=torch.long, device="cuda")), torch.device("cuda"))
+    cg = CapturedCall(fwd, (ids, torch.zeros(1, dtype=torch.long, device="cuda")), warmup=3)
     assert ops.CUDA_CALLS["decode_attention"] > before
     g = torch.Generator().manual_seed(1)
     for p in (3, 100, 311):
         inputs = (torch.randint(0, 1000, (1, 1), generator=g).cuda(), torch.tensor([p], device="cuda"))
         for (_n, b), v in zip(prog.state.named_buffers(), saved):
             b.copy_(v)
-        got = _first(cg.run(inputs)).float().clone()
+        got = _first(cg.run(*inputs)).float().clone()
         after_replay = [b.clone() for _n, b in prog.state.named_buffers()]
         for (_n, b), v in zip(prog.state.named_buffers(), saved):
             b.copy_(v)

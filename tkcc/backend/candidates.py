@@ -6,7 +6,7 @@
   plan on the first real call (its numerics checks need real tensors), and codegen's generated forward
   runs it (the rewritten FX graph where codegen cannot lower it, logged).
 - ``replayed``: any of them replayed from CUDA graphs, one per input signature
-  (``tkcc.runtime.cudagraph.GraphCache``: static input buffers, outputs cloned out, weights read in
+  (``tkcc.kernels.graph_replay.GraphCache``: static input buffers, outputs cloned out, weights read in
   place). A replay launches the very kernels the forward launched, so it keeps that forward's bits.
 
 Every builder takes the dynamo graph's calling convention (``fn(*args)``, parameters lifted to
@@ -53,7 +53,7 @@ class Replayed:
     """``fn`` replayed from CUDA graphs per input signature; eager where a capture is refused."""
 
     def __init__(self, fn, static_ptrs: frozenset, name: str, capture_after: int = 1):
-        from tkcc.runtime.cudagraph import GraphCache
+        from tkcc.kernels.graph_replay import GraphCache
 
         self.cache = GraphCache(fn, name=name, capture_after=capture_after, static_ptrs=static_ptrs)
 

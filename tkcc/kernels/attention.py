@@ -15,6 +15,7 @@ import triton
 
 from tkcc.errors import TkccError
 from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
+from tkcc.kernels.graph_replay import launch_pdl
 from tkcc.kernels.render import load
 
 LOG2E = 1.4426950408889634
@@ -40,7 +41,7 @@ def choose_splits(context: int, num_kv_heads: int, sms: int = 132, block_s: int 
 
 
 def attention(q, k_cache, v_cache, seqlen, scale=None, splits=None, chunk=None, out=None, block_s=64, num_warps=4,
-              partials=None, pdl=False):
+              partials=None, pdl=None):
     """q [Hq, D]; seqlen: int tensor on the device (positions [0, seqlen) are valid) or an int.
 
     ``splits``/``chunk`` must cover the largest seqlen the call (or captured graph) will see."""
@@ -72,6 +73,7 @@ def attention(q, k_cache, v_cache, seqlen, scale=None, splits=None, chunk=None, 
     G = Hq // Hkv
     if out is None:
         out = torch.empty(Hq, D, device=q.device, dtype=q.dtype)
+    pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     mod = load("attention.py.jinja", pdl=pdl)
     launch = {"launch_pdl": True} if pdl else {}
     single = splits == 1
@@ -91,11 +93,12 @@ def attention(q, k_cache, v_cache, seqlen, scale=None, splits=None, chunk=None, 
     return out
 
 
-def combine(po, plse, out, seqlen, chunk: int, splits: int, pdl: bool = False):
+def combine(po, plse, out, seqlen, chunk: int, splits: int, pdl: bool | None = None):
     """Merge the split partials (po [Hq, splits, D] fp32, plse [Hq, splits]) into out [Hq, D], one program
     per head. All splits of a head in one tile (up to 256): the merge's loads are a few round trips to L2
     rather than two per 16 splits, which at 32k context (128-256 splits) cost more than the partials."""
     Hq, D = out.shape
+    pdl = launch_pdl(pdl)
     bsp = min(256, max(2, next_pow2(splits)))
     load("attention.py.jinja", pdl=pdl).attn_combine_kernel[(Hq,)](
         po, plse, out, seqlen, chunk, splits, D=D, BLOCK_SP=bsp, num_warps=8 if bsp * D >= 8192 else 4,

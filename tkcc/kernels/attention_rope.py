@@ -24,6 +24,7 @@ import triton
 from tkcc.errors import TkccError
 from tkcc.kernels.attention import LOG2E, attention_ref, combine
 from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
+from tkcc.kernels.graph_replay import launch_pdl
 from tkcc.kernels.render import load
 from tkcc.kernels.rotary import rope_ref
 
@@ -60,7 +61,7 @@ class AttentionRope:
         self.merge = self.splits <= MERGE_MAX_SPLITS
 
     def __call__(self, qkv, k_cache, v_cache, pos, inv_freq, q_norm=None, k_norm=None, eps=1e-5, scale=None,
-                 out=None, pdl=False, seqlen=None, block_s=None, num_warps=None):
+                 out=None, pdl=None, seqlen=None, block_s=None, num_warps=None):
         """qkv [(hq + 2 hkv) D]; caches [hkv, S_max, D] (written at pos); pos: int32 device tensor [1];
         ``seqlen``: pos + 1 on the device (the combine launch reads it; computed here when not given);
         ``block_s`` / ``num_warps``: this call's tile (positions per loop step, at least 16) over the
@@ -89,6 +90,7 @@ class AttentionRope:
             out = torch.empty(hq, D, device=qkv.device, dtype=qkv.dtype)
         G = hq // hkv
         qk_norm = q_norm is not None
+        pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
         mod = load("attention_rope.py.jinja", pdl=pdl)
         mod.attn_rope_kernel[(hkv, self.splits)](
             qkv, k_cache, v_cache, out, self.po, self.plse, self.count, pos, inv_freq,

@@ -35,6 +35,7 @@ from tkcc.kernels import moe as moe_mod
 from tkcc.kernels.attention import attention
 from tkcc.kernels.attention_rope import AttentionRope
 from tkcc.kernels.gemv import gemv
+from tkcc.kernels.graph_replay import CapturedCall, replay_us
 from tkcc.kernels.moe import moe
 from tkcc.kernels.moe_routed import RoutedMoE
 from tkcc.kernels.rotary import rope
@@ -62,7 +63,8 @@ def _regroup(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 class FusedDecoder:
-    """Batch-1 greedy decode with the fused kernels. ``step()`` is graph-capturable."""
+    """A batch-1 decode step with the fused kernels. ``step()`` is graph-capturable; ``forward`` takes a decode
+    graph's inputs, so the one greedy loop (``tkcc.frontend.generate.greedy_loop``) drives it."""
 
     def __init__(self, model, max_cache_len: int, attn_chunk: int | None = None, forced_routing: bool = False,
                  pdl: bool | None = None, kv: tuple[list, list] | None = None, fused_attention: bool = False,
@@ -316,15 +318,9 @@ class FusedDecoder:
         makes anyway; captured with stale inputs they would overwrite a cache position that a caller with
         its own positions (a validation, a golden check) still reads."""
         saved = self._save()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self._restore(saved)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+        self.graph = None  # a failed capture leaves none
+        self.graph = CapturedCall(self.step, warmup=1, pdl=self.pdl, after_warmup=lambda: self._restore(saved),
+                                  device=self.device)
         self._restore(saved)
 
     def _save(self):
@@ -356,41 +352,10 @@ class FusedDecoder:
             else:
                 self.step()
 
-    @torch.no_grad()
-    def generate(self, prompt: list[int], new_tokens: int) -> list[int]:
-        """Greedy: the prompt is fed one token at a time (teacher-forced), then new_tokens are generated."""
-        if len(prompt) + new_tokens > self.max_cache_len:
-            raise TkccError(f"prompt {len(prompt)} + {new_tokens} new tokens exceed the cache ({self.max_cache_len})")
-        out = []
-        for i, t in enumerate(prompt):
-            self.reset(t, i)
-            self.step()
-        for _ in range(new_tokens - 1):
-            out.append(int(self.token))
-            self.run(1)
-        out.append(int(self.token))
-        return out
-
     # -- measuring --------------------------------------------------------------------------------
     def _graph_time(self, fn, reps: int = 7) -> float:
         """Median µs of ``fn`` replayed from a CUDA graph (launch gaps as in the real step, no host overhead)."""
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3)
-        del g
-        return sorted(ts)[len(ts) // 2]
+        return replay_us(fn, reps, warmup=1, pdl=self.pdl, device=self.device)
 
     def profile(self) -> dict:
         """GPU µs per token of each kernel kind over all layers, each replayed alone from a CUDA graph, with

@@ -15,6 +15,7 @@ import triton
 
 from tkcc.errors import TkccError
 from tkcc.kernels.common import fallback_reason, interpreting, note_fallback, rms_ref
+from tkcc.kernels.graph_replay import launch_pdl
 from tkcc.kernels.render import load
 
 # (BLOCK_N, BLOCK_K, num_warps) candidates the tuner times; the first fitting one is the default.
@@ -65,12 +66,13 @@ def _ends_ref(x, y, gather, argmax):
         seq.add_(1)
 
 
-def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=False, gather=None,
+def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=None, gather=None,
          argmax=None):
     """x: [K] (or [1, K]); w: [N_total, K] with unit stride along K. Returns [N] (N = N_total/2 if gated).
 
     ``pdl``: launch with programmatic dependent launch (Hopper+): the kernel starts while the previous one
-    drains and, when one tile spans K, reads its weights before waiting for the previous kernel's output.
+    drains and, when one tile spans K, reads its weights before waiting for the previous kernel's output;
+    None: as the enclosing ``graph_replay.pdl_scope`` says (off outside one).
     ``gather=(idx, xout)``: x is a [rows, K] table and the input is its row ``idx[0]`` (int64 [1]), also
     copied to ``xout`` [K]. ``argmax=(tok, ArgmaxState, pos, seq)``: also writes argmax(y) to ``tok``
     (int64 [1]) and adds 1 to ``pos`` and ``seq`` (int32 [1]), after y is complete."""
@@ -103,6 +105,7 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     default = INTERP_CONFIG if interpreting() else CONFIGS[0]
     bn, bk, nw = config or TUNED.get(_key(N, K, norm_w is not None, gated, residual is not None, x.dtype)) or default
     bk = min(bk, triton.next_power_of_2(K))
+    pdl = launch_pdl(pdl)
     mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,
                gather=gather is not None, argmax=argmax is not None)
     grid = (triton.cdiv(N, bn),)

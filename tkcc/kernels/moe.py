@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import triton
 
 from tkcc.kernels.common import fallback_reason, interpreting, next_pow2, note_fallback, rms_ref
+from tkcc.kernels.graph_replay import launch_pdl
 from tkcc.kernels.render import load
 
 GATE_UP_CONFIGS = [(4, 512, 4), (8, 512, 4), (2, 1024, 4), (16, 256, 4), (4, 1024, 8), (8, 256, 2), (2, 2048, 4),
@@ -51,7 +52,7 @@ def _cfg(kind, shape, dtype, default):
 
 
 def moe(x, router_logits, gate_up, down, top_k, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,
-        forced_ids=None, act_buf=None, out=None, gate_up_config=None, down_config=None, pdl=False):
+        forced_ids=None, act_buf=None, out=None, gate_up_config=None, down_config=None, pdl=None):
     """One token: x [H] (pre-norm when norm_w is given), router_logits [E] -> [H] (+ residual)."""
     E, I2, H = gate_up.shape
     I = I2 // 2
@@ -64,6 +65,7 @@ def moe(x, router_logits, gate_up, down, top_k, norm_topk_prob=False, residual=N
         y = moe_ref(x.reshape(-1, H), router_logits.reshape(-1, E), gate_up, down, top_k, norm_topk_prob,
                     None if residual is None else residual.reshape(-1, H), norm_w, eps, forced_ids)
         return y.reshape(x.shape)
+    pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     mod = load("moe.py.jinja", pdl=pdl)
     launch = {"launch_pdl": True} if pdl else {}
     if act_buf is None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 
 from tkcc.kernels.common import fallback_reason, interpreting, next_pow2, note_fallback, rms_ref
+from tkcc.kernels.graph_replay import launch_pdl
 from tkcc.kernels.moe import moe_ref
 from tkcc.kernels.render import load
 
@@ -68,7 +69,7 @@ class RoutedMoE:
                 interp or TUNED.get(("down",) + key, DOWN_CONFIGS[0]))
 
     def __call__(self, x, router_w, gate_up, down, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,
-                 forced_ids=None, out=None, router_config=None, gate_up_config=None, down_config=None, pdl=False):
+                 forced_ids=None, out=None, router_config=None, gate_up_config=None, down_config=None, pdl=None):
         """x [H] (pre-norm when norm_w) -> [H] (+ residual), written to ``out`` (may be ``residual``)."""
         E, H, I, k = self.E, self.H, self.I, self.k
         reason = fallback_reason(x, router_w, gate_up, down, residual, norm_w)
@@ -90,6 +91,7 @@ class RoutedMoE:
             out = torch.empty(H, device=x.device, dtype=x.dtype)
         rc, gc, dc = self.configs(x.dtype)
         rc, gc, dc = router_config or rc, gate_up_config or gc, down_config or dc
+        pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
         mod = load("moe_routed.py.jinja", pdl=pdl)
         launch = {"launch_pdl": True} if pdl else {}
         K_PAD = max(2, next_pow2(k))
@@ -115,7 +117,7 @@ class RoutedMoE:
 
 
 def moe_routed(x, router_w, gate_up, down, top_k, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,
-               forced_ids=None, out=None, pdl=False, **configs):
+               forced_ids=None, out=None, pdl=None, **configs):
     """One-shot convenience (allocates its scratch): see ``RoutedMoE``."""
     E, I2, H = gate_up.shape
     return RoutedMoE(E, H, I2 // 2, top_k, x.device, x.dtype)(

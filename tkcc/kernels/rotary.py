@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback, rms_ref
+from tkcc.kernels.graph_replay import launch_pdl
 from tkcc.kernels.render import load
 
 
@@ -39,7 +40,7 @@ def rope_ref(qkv, k_cache, v_cache, pos, inv_freq, hq, hkv, q_norm=None, k_norm=
     return q
 
 
-def rope(qkv, k_cache, v_cache, pos, inv_freq, hq, hkv, q_norm=None, k_norm=None, eps=1e-5, q_out=None, pdl=False):
+def rope(qkv, k_cache, v_cache, pos, inv_freq, hq, hkv, q_norm=None, k_norm=None, eps=1e-5, q_out=None, pdl=None):
     D = k_cache.shape[-1]
     pos_t = pos if isinstance(pos, torch.Tensor) else torch.tensor([pos], device=qkv.device, dtype=torch.int32)
     reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
@@ -55,6 +56,7 @@ def rope(qkv, k_cache, v_cache, pos, inv_freq, hq, hkv, q_norm=None, k_norm=None
         return q
     if q_out is None:
         q_out = torch.empty(hq, D, device=qkv.device, dtype=qkv.dtype)
+    pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     mod = load("rotary.py.jinja", pdl=pdl)
     qk_norm = q_norm is not None
     mod.qkv_rope_kernel[(hq + hkv,)](

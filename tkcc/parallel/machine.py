@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from tkcc.errors import TkccError
+from tkcc.kernels.graph_replay import CapturedCall, replay_us
 
 
 @dataclass
@@ -180,18 +181,14 @@ def measure_kernel_in_graph(dev: torch.device, n: int = 200) -> float:
     if dev.type != "cuda":
         return measure_dispatch(dev, n)
     x = torch.ones(8, device=dev)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        y = x
-        for _ in range(3):
-            y = x + 1
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def chain():
         y = x
         for _ in range(n):
             y = y + 1.0
+        return y
+
+    g = CapturedCall(chain, warmup=1, device=dev)
     return _time(g.replay, dev, reps=20) / n * 1e6
 
 
@@ -216,15 +213,7 @@ def measure_graph_floor(dev: torch.device, model: str = "llama-tiny") -> tuple[f
         host = _time(lambda: gm(ids, pos), dev, reps=30) / ops["host_ops"] * 1e6
         if dev.type != "cuda":
             return host, host
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                gm(ids, pos)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            gm(ids, pos)
+        g = CapturedCall(gm, (ids, pos), warmup=3, device=dev)
         kern = _time(g.replay, dev, reps=50) / ops["kernels"] * 1e6
     return host, kern
 
@@ -287,16 +276,14 @@ def _collective_graph_times(like, sizes, inner, reps, g, dist) -> list:
     times = []
     for n in sizes:
         x = torch.ones(n // like.element_size(), device=like.device, dtype=like.dtype)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            c.wait_tensor(c.all_reduce(x, "sum", g))
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def loop(x=x):
             y = x
             for _ in range(inner):
                 y = c.wait_tensor(c.all_reduce(y, "sum", g))
+            return y
+
+        graph = CapturedCall(loop, warmup=1, device=like.device)
         dist.barrier()
         times.append((n, _time(graph.replay, like.device, reps=max(3, reps // 3)) / inner * 1e6))
     return times
@@ -324,27 +311,8 @@ def measure_floor(dev: torch.device) -> tuple[float, float]:
 
 
 def graph_replay_us(fn, dev, reps: int = 20) -> float:
-    """Device microseconds of ``fn`` replayed in a CUDA graph (median)."""
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    """Device microseconds of ``fn`` replayed in a CUDA graph (median; two warm-up calls, three warm replays)."""
+    return replay_us(fn, reps, warmup=2, warm_replays=3, device=dev)
 
 
 def measure_op_costs(dev: torch.device) -> dict:

@@ -9,35 +9,20 @@ from __future__ import annotations
 
 import torch
 
-
-def greedy(program, prompt: torch.Tensor, new_tokens: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Prefill ``prompt`` [B, T] then decode ``new_tokens`` greedily. Returns (logits per step, tokens [B, n])."""
-    state = program.state
-    if state is not None and hasattr(state, "reset"):
-        state.reset()
-    dev = prompt.device
-    t = prompt.shape[1]
-    logits = program.graphs["prefill"](prompt, torch.arange(t, device=dev))
-    steps = [logits[:, -1].float()]
-    tok = logits[:, -1].argmax(-1, keepdim=True)
-    toks = [tok]
-    for i in range(new_tokens - 1):
-        logits = program.graphs["decode"](tok, torch.tensor([t + i], device=dev))
-        steps.append(logits[:, -1].float())
-        tok = logits[:, -1].argmax(-1, keepdim=True)
-        toks.append(tok)
-    return steps, torch.cat(toks, 1)
+from tkcc.frontend.generate import greedy
 
 
 def compare_layout(program, degree: int, strategy: str, prompt: torch.Tensor, new_tokens: int = 6,
                    rtol: float = 1e-4, atol: float = 1e-4) -> dict:
-    """Shard ``program`` (this rank) and compare it with the unsharded program on ``prompt``."""
+    """Shard ``program`` (this rank) and compare it with the unsharded program on ``prompt`` (greedy tokens and
+    the logits that chose them, from the one greedy loop)."""
     from tkcc.passes.sharding import shard_program
 
     with torch.no_grad():
-        ref_logits, ref_tokens = greedy(program, prompt, new_tokens)
+        ref_tokens, ref = greedy(program, prompt, new_tokens, return_logits=True)
         sharded, info = shard_program(program, degree, strategy)
-        got_logits, got_tokens = greedy(sharded, prompt, new_tokens)
+        got_tokens, got = greedy(sharded, prompt, new_tokens, return_logits=True)
+    ref_logits, got_logits = ref.unbind(1), got.unbind(1)  # the float32 logits that chose each token
     from tkcc.parallel.cost import count_ops
 
     before, after = count_ops(program.graphs["decode"]), count_ops(sharded.graphs["decode"])

@@ -31,20 +31,16 @@ class LayoutWorker:
 
     def op_generate(self, prompt: list[int], n: int) -> list[int]:
         from tkcc.errors import TkccError
-        from tkcc.parallel.verify import greedy
+        from tkcc.frontend.generate import greedy
 
         limit = self.program.meta["max_cache_len"]
         if not prompt or len(prompt) + n > limit:
             raise TkccError(f"generate: prompt of {len(prompt)} tokens + {n} new does not fit max_cache_len={limit}")
         ids = torch.tensor([prompt], device=self.device)
-        with torch.no_grad():
-            _, toks = greedy(self.program, ids, n)
-        return toks[0].tolist()
+        return greedy(self.program, ids, n)[0].tolist()
 
     def op_reference_generate(self, prompt: list[int], n: int) -> list[int]:
         """The unsharded program's greedy tokens on this rank (the golden answer)."""
-        from tkcc.parallel.verify import greedy
+        from tkcc.frontend.generate import greedy
 
-        with torch.no_grad():
-            _, toks = greedy(self.reference, torch.tensor([prompt], device=self.device), n)
-        return toks[0].tolist()
+        return greedy(self.reference, torch.tensor([prompt], device=self.device), n)[0].tolist()

@@ -7,7 +7,7 @@ Which rewrites keep bits, and why:
   kernel is replaced, fused or reordered, so each arithmetic operation rounds
   exactly as in eager. What could change a kernel choice (shapes, strides,
   dtypes, 16-byte alignment, host-side scalars) is part of the capture key
-  (``tkcc.runtime.cudagraph.signature``), so a call that differs in any of
+  (``tkcc.kernels.graph_replay.signature``), so a call that differs in any of
   them gets its own graph or runs eagerly.
 - Static input/output buffers: inputs are copied into, and outputs cloned out
   of, fixed buffers; ``copy_`` and ``clone`` move bits unchanged.
@@ -18,7 +18,7 @@ Which rewrites keep bits, and why:
 - Host-read speculation (``speculate_host_reads``): a forward that reads
   values on the host (``bool(t1 >= t[j])``) is captured with each read
   returning the value it had when recorded, but only for reads that do not
-  depend on the inputs (``tkcc.runtime.cudagraph.HostReads`` tracks that);
+  depend on the inputs (``tkcc.kernels.host_reads.HostReads`` tracks that);
   the graph also computes every read value, and after each replay they are
   compared with the recorded ones; on any difference the replay is discarded
   and the eager forward runs. So a returned output always took eager's path.
@@ -35,7 +35,7 @@ import torch
 import torch.fx
 
 from tkcc.passes.base import Pass, RewriteInfo, register
-from tkcc.runtime.cudagraph import GraphCache
+from tkcc.kernels.graph_replay import GraphCache, new_pool
 
 
 def weight_pointers(*modules) -> frozenset:
@@ -69,20 +69,20 @@ class CudaGraphForward(torch.nn.Module):
         return self.cache.report()
 
 
-def wrap_graph(gm: torch.fx.GraphModule, name: str, pool=None, static_ptrs=frozenset(),
-               capture_after: int = 1, speculate: bool = False) -> torch.fx.GraphModule:
-    """A GraphModule with the same placeholders whose body is one call to a CudaGraphForward of ``gm``."""
+def wrap_graph(gm: torch.fx.GraphModule, attr: str, runner: torch.nn.Module, class_name: str) -> torch.fx.GraphModule:
+    """A GraphModule with ``gm``'s placeholders whose body is one call to ``runner`` (which runs ``gm``), held
+    as the submodule ``attr``; every node of ``gm`` is recorded as where that call came from."""
     graph = torch.fx.Graph()
-    ins = [graph.placeholder(n.target, type_expr=n.type) for n in gm.graph.nodes if n.op == "placeholder"]
-    for new, old in zip(ins, [n for n in gm.graph.nodes if n.op == "placeholder"]):
-        new.meta = dict(old.meta)
+    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ins = [graph.placeholder(n.target, type_expr=n.type) for n in old]
+    for a, b in zip(ins, old):
+        a.meta = dict(b.meta)
     root = torch.nn.Module()
-    root.add_module("cudagraph", CudaGraphForward(gm, name=name, pool=pool, static_ptrs=static_ptrs,
-                                                  capture_after=capture_after, speculate=speculate))
-    call = graph.call_module("cudagraph", tuple(ins))
+    root.add_module(attr, runner)
+    call = graph.call_module(attr, tuple(ins))
     call.meta["tkcc_from"] = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     graph.output(call)
-    out = torch.fx.GraphModule(root, graph, class_name="CudaGraphWrapped")
+    out = torch.fx.GraphModule(root, graph, class_name=class_name)
     out.meta = dict(getattr(gm, "meta", {}))
     return out
 
@@ -99,12 +99,13 @@ class ExactCudaGraph(Pass):
 
     def apply(self, program, share_pool=True, capture_after=1, speculate_host_reads=False):
         info = RewriteInfo()
-        pool = torch.cuda.graph_pool_handle() if (share_pool and torch.cuda.is_available()) else None
+        pool = new_pool() if share_pool else None
         ptrs = weight_pointers(program.model, *program.graphs.values())
         new = {}
         for phase, gm in program.graphs.items():
-            new[phase] = wrap_graph(gm, name=phase, pool=pool, static_ptrs=ptrs, capture_after=capture_after,
-                                    speculate=speculate_host_reads)
+            runner = CudaGraphForward(gm, name=phase, pool=pool, static_ptrs=ptrs, capture_after=capture_after,
+                                      speculate=speculate_host_reads)
+            new[phase] = wrap_graph(gm, "cudagraph", runner, "CudaGraphWrapped")
             info.matched += 1
             info.replaced += 1
             info.notes.append(f"{phase}: whole graph replayed from CUDA graphs per input signature "

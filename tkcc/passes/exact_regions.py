@@ -40,8 +40,8 @@ import torch
 import torch.fx
 
 from tkcc.passes.base import Pass, RewriteInfo, register
-from tkcc.passes.exact_cudagraph import weight_pointers
-from tkcc.runtime.cudagraph import GraphCache
+from tkcc.passes.exact_cudagraph import weight_pointers, wrap_graph
+from tkcc.kernels.graph_replay import GraphCache, new_pool
 
 
 def _graph_break_counts() -> collections.Counter:
@@ -79,8 +79,8 @@ class RegionSplitForward(torch.nn.Module):
         self._compiled = torch.compile(target, backend=self._backend, dynamic=None, fullgraph=False)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
-        if self.pool is None and torch.cuda.is_available():
-            self.pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = new_pool()
         idx = len(self.regions)
         ops = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
         if ops < self.min_ops:  # a replay plus buffer copies costs more than launching one or two kernels
@@ -136,22 +136,13 @@ class ExactRegions(Pass):
 
     def apply(self, program, capture_after=2, max_graphs=64):
         info = RewriteInfo()
-        pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        pool = new_pool()
         ptrs = weight_pointers(program.model, *program.graphs.values())
         new = {}
         for phase, gm in program.graphs.items():
-            graph = torch.fx.Graph()
-            old_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            ins = [graph.placeholder(n.target, type_expr=n.type) for n in old_ph]
-            for a, b in zip(ins, old_ph):
-                a.meta = dict(b.meta)
-            root = torch.nn.Module()
-            root.add_module("regions", RegionSplitForward(gm, name=phase, pool=pool, capture_after=capture_after,
-                                                          max_graphs=max_graphs, static_ptrs=ptrs))
-            call = graph.call_module("regions", tuple(ins))
-            call.meta["tkcc_from"] = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-            graph.output(call)
-            new[phase] = torch.fx.GraphModule(root, graph, class_name="RegionSplit")
+            runner = RegionSplitForward(gm, name=phase, pool=pool, capture_after=capture_after,
+                                        max_graphs=max_graphs, static_ptrs=ptrs)
+            new[phase] = wrap_graph(gm, "regions", runner, "RegionSplit")
             info.matched += 1
             info.replaced += 1
             info.notes.append(f"{phase}: split at graph breaks, each piece replayed from CUDA graphs per signature")

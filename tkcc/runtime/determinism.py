@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tkcc.errors import EngineError
-from tkcc.runtime.graphs import CapturedGraph, GraphCaptureError
+from tkcc.kernels.graph_replay import CapturedCall, GraphCaptureError
 from tkcc.runtime.timing import bucket_inputs
 from tkcc.runtime.validation import (
     TOLERANCES,
@@ -214,12 +214,12 @@ def probe(program, reference: dict, buckets: list, device: torch.device, *, eage
             for c in range(captures):
                 guard.restore()
                 try:
-                    g = CapturedGraph(reference[b.phase], inputs, device)
+                    g = CapturedCall(reference[b.phase], inputs, warmup=3, device=device)
                 except GraphCaptureError as e:
                     notes.append(f"{key}: the reference cannot be captured ({e}); eager runs only")
                     break
                 guard.restore()
-                outs = g.run(inputs)
+                outs = g.run(*inputs)
                 torch.cuda.synchronize(device)
                 graphs.append([t.clone() for t in tensors_of(outs)] + guard.current())
                 del g, outs

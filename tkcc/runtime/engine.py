@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tkcc.errors import EngineError
+from tkcc.kernels.graph_replay import CapturedCall, GraphCaptureError
 from tkcc.runtime import candidates as cands
 from tkcc.runtime import determinism
-from tkcc.runtime.graphs import CapturedGraph, GraphCaptureError
 from tkcc.runtime.measurement import Measurement, environment
 from tkcc.runtime.programs import (build_tiers, check_device, check_tier, fast_blocks_for, load_program,
                                    parse_dtype)
@@ -80,7 +80,7 @@ def resolve_isolation(mode, device: torch.device, tp: int) -> str:
 class Slot:
     current: str = "baseline"
     history: list[str] = field(default_factory=list)
-    graphs: dict = field(default_factory=dict)        # bucket key -> CapturedGraph
+    graphs: dict = field(default_factory=dict)        # bucket key -> CapturedCall
     graph_notes: dict = field(default_factory=dict)   # bucket key -> why it runs eagerly
     graphs_for: str | None = None                     # workload fingerprint the graphs were captured for
 
@@ -118,7 +118,7 @@ class EngineCore:
         self.program = self.programs["slow"]
         t3 = time.perf_counter()
         self.slots = {t: Slot() for t in self.programs}
-        self.ref_graphs: dict = {}  # (tier, bucket key) -> the reference's own CapturedGraph (False: not capturable)
+        self.ref_graphs: dict = {}  # (tier, bucket key) -> the reference's own CapturedCall (False: not capturable)
         baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
         self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
         if self.isolation == "process":
@@ -480,7 +480,7 @@ class EngineCore:
         g = ref_graphs.get((tier, key)) if self.device.type == "cuda" else False
         if g is None:
             try:
-                g = CapturedGraph(self._reference(tier)[b.phase], inputs, self.device)
+                g = CapturedCall(self._reference(tier)[b.phase], inputs, warmup=3, device=self.device)
             except GraphCaptureError:
                 g = False
             ref_graphs[(tier, key)] = g
@@ -488,7 +488,7 @@ class EngineCore:
         if g is False:
             with torch.no_grad():
                 return [t.clone() for t in tensors_of(self._reference(tier)[b.phase](*clone_all(inputs)))]
-        outs = g.run(inputs)
+        outs = g.run(*inputs)
         torch.cuda.synchronize(self.device)
         return [t.clone() for t in outs]
 
@@ -535,12 +535,12 @@ class EngineCore:
         if policy.source != "auto" or self.device.type != "cuda":
             return False
         try:
-            g = CapturedGraph(self._reference(tier)[b.phase], inputs, self.device)
+            g = CapturedCall(self._reference(tier)[b.phase], inputs, warmup=3, device=self.device)
         except GraphCaptureError:
             guard.restore()
             return False
         guard.restore()
-        again = [t.clone() for t in g.run(inputs)]
+        again = [t.clone() for t in g.run(*inputs)]
         torch.cuda.synchronize(self.device)
         guard.restore()
         del g
@@ -578,7 +578,7 @@ class EngineCore:
             inputs = bucket_inputs(prog, b, gen, 1)[0]
             guard = StateGuard(prog.state)
             try:  # one warm-up call does a forward's lazy set-up (the replay is checked against the reference below)
-                g, why = CapturedGraph(fwd[b.phase], inputs, self.device, warmup=CAPTURE_WARMUP), ""
+                g, why = CapturedCall(fwd[b.phase], inputs, warmup=CAPTURE_WARMUP, device=self.device), ""
             except GraphCaptureError as e:
                 g, why = None, f"CUDA graph capture failed ({e}); timed eagerly"
             if not self._all_ok(g is not None):
@@ -589,7 +589,7 @@ class EngineCore:
             ref = self._reference_replay(tier, b, key, inputs, guard)
             guard.restore()
             poison(g.static_outputs, self.device, 0)
-            outs = g.run(inputs)
+            outs = g.run(*inputs)
             torch.cuda.synchronize(self.device)
             guard.restore()
             failure = None
@@ -828,23 +828,13 @@ class EngineCore:
         cap = int(prog.meta.get("max_cache_len", 0))
         if not prompt or len(prompt) + n > cap:
             raise EngineError(f"generate: prompt of {len(prompt)} tokens + {n} new must be in 1..{cap}")
+        from tkcc.frontend.generate import greedy
+
         fwd = self._forwards(self._cand(self.slots[tier].current), tier)
         batch = int(prog.meta.get("batch", 1))
         ids = torch.tensor([prompt] * batch, device=self.device)
-        out = []
-        with torch.no_grad():
-            if prog.state is not None and hasattr(prog.state, "reset"):
-                prog.state.reset()
-            logits = tensors_of(fwd["prefill"](ids, torch.arange(len(prompt), device=self.device)))[0]
-            pos = len(prompt)
-            for _ in range(n):
-                nxt = logits[:, -1, :].argmax(-1)
-                out.append(int(nxt[0]))
-                if len(out) == n:
-                    break
-                logits = tensors_of(fwd["decode"](nxt[:, None], torch.tensor([pos], device=self.device)))[0]
-                pos += 1
-        return {"tokens": out, "candidate": self.slots[tier].current, "tier": tier}
+        tokens = greedy(prog, ids, n, forwards={p: fwd[p] for p in ("prefill", "decode")})
+        return {"tokens": tokens[0].tolist(), "candidate": self.slots[tier].current, "tier": tier}
 
     def op_check_health(self) -> dict:
         """The device still works and the weights are untouched (after a candidate failed)."""

@@ -102,24 +102,21 @@ def run_sequence(program, forwards: dict, prompt: torch.Tensor, steps: int, forc
     """Prefill ``prompt`` then ``steps`` decode steps; returns (prefill logits, decode logits, own greedy tokens).
 
     ``force`` ([B, steps+1] tokens) teacher-forces the decode inputs; the
-    returned tokens are always the candidate's own argmax choices.
+    returned tokens are always the candidate's own argmax choices. The loop is
+    the one greedy loop (``tkcc.frontend.generate.greedy_steps``).
     """
-    _reset(program)
-    dev = prompt.device
-    t = prompt.shape[1]
-    pre = forwards["prefill"](prompt, torch.arange(t, device=dev))
-    pre = pre.detach().clone()
-    tok = pre[:, -1].argmax(-1, keepdim=True)
-    toks, dec = [tok], []
-    for i in range(steps):
-        feed = force[:, i:i + 1].to(dev) if force is not None else tok
-        out = forwards["decode"](feed, torch.tensor([t + i], device=dev))
-        last = out[:, -1].detach().clone()
-        dec.append(last)
-        tok = last.argmax(-1, keepdim=True)
-        toks.append(tok)
-    _reset(program)
-    return pre, torch.stack(dec) if dec else torch.empty(0), torch.cat(toks, dim=1)
+    from tkcc.frontend.generate import greedy_steps
+
+    pre, dec, toks = [], [], []
+    try:
+        for i, (tok, last) in enumerate(greedy_steps(program, prompt, steps + 1, forwards, force=force,
+                                                     on_prompt=lambda lg: pre.append(lg.detach().clone()))):
+            toks.append(tok[:, None])
+            if i:
+                dec.append(last.detach().clone())
+    finally:
+        _reset(program)
+    return torch.cat(pre, dim=1), torch.stack(dec) if dec else torch.empty(0), torch.cat(toks, dim=1)
 
 
 def _is_lm(program) -> bool:

@@ -90,7 +90,7 @@ class _Clock:
             for _ in range(n):
                 args = self._next()
                 if self.graph is not None:
-                    self.graph.load(args)
+                    self.graph.load(*args)
                     self.graph.replay()
                 else:
                     self.fn(*args)
@@ -108,7 +108,7 @@ class _Clock:
                     args = self._next()
                     out = None
                     if graph is not None:
-                        graph.load(args)
+                        graph.load(*args)
                         starts[i].record()
                         graph.replay()
                     else:

@@ -43,6 +43,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from tkcc.errors import TkccError
+from tkcc.kernels.graph_replay import new_pool, probe_sync
 from tkcc.passes.exact_cudagraph import CudaGraphForward, weight_pointers
 from tkcc.passes.exact_regions import split_regions
 from tkcc.traffic.workload import Bucket, Workload
@@ -207,8 +208,6 @@ def compile_exact(model: torch.nn.Module, workload: Workload, inputs: Callable |
     order = {"auto": ["whole", "regions"] if cuda else ["whole"], "whole": ["whole"], "regions": ["regions"],
              "speculative": ["speculative"], "eager": []}[mode]
     if mode == "auto" and cuda:
-        from tkcc.runtime.cudagraph import probe_sync
-
         with torch.no_grad(), deterministic_mode(deterministic):
             for key, samples in per_bucket:
                 try:
@@ -224,7 +223,7 @@ def compile_exact(model: torch.nn.Module, workload: Workload, inputs: Callable |
     for m in order:
         # a fresh memory pool per attempt: a capture that failed part-way can leave its pool marked as
         # recording, and every later capture into it then fails ("already recording to mempool_id")
-        pool = torch.cuda.graph_pool_handle() if cuda else None
+        pool = new_pool() if cuda else None
         cand = _candidate(model, m, pool, ptrs)
         try:
             ok, why = _golden_check(cand, model, per_bucket, deterministic)
