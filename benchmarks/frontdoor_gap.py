@@ -41,6 +41,8 @@ def log(*a):
 
 def replay_ms(dec, context: int, tokens: int, reps: int) -> float:
     """ms per step of ``dec``'s graph replayed from the state at ``context`` (as decode.py times it)."""
+    if hasattr(dec, "use_span"):
+        dec.use_span(context)  # the span's layout, as the greedy loop picks it
     dec.reset(11, context)
     dec.capture()
     start = (dec.token.clone(), dec.pos.clone(), dec.seqlen.clone())
