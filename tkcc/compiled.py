@@ -175,6 +175,15 @@ def speed_lines(s: dict) -> list[str]:
     return lines
 
 
+def load_settings(program, mode: str | None = None) -> dict:
+    """What ``tkcc.load`` needs to rebuild the Program a saved model serves (and the mode it was compiled in)."""
+    out = {"kind": program.meta.get("kind"), "max_cache_len": program.meta.get("max_cache_len"),
+           "batch": program.meta.get("batch"), "exact": program.meta.get("exact", True)}
+    if mode is not None:
+        out["mode"] = mode
+    return out
+
+
 class CompiledModel:
     """A compiled model: call it like the model; ``generate``/``stream`` for LMs; ``report()``; ``save()``."""
 

@@ -648,13 +648,12 @@ def _build_winner(program, spec: dict, mode, work: Path, check: bool, loop: dict
     its pass logs) even when a reference serves instead. The verdict is the engine's own validation of what
     serves, with the eager comparison beside it when ``check``."""
     from tkcc.codegen.artifact import Artifact
-    from tkcc.compiled import CompileReport, CompiledModel, output_type_of
+    from tkcc.compiled import CompileReport, CompiledModel, load_settings, output_type_of
 
     info = {k: program.meta.get(k) for k in ("name", "family", "dtype", "device", "max_cache_len", "batch",
                                                "num_layers", "num_params")}
     info["fingerprint"], info["phases"] = program.fingerprint, program.phases
-    settings = {"kind": program.meta.get("kind"), "max_cache_len": program.meta.get("max_cache_len"),
-                "batch": program.meta.get("batch"), "exact": program.meta.get("exact", True), "mode": mode}
+    settings = load_settings(program, mode)
     name = str(program.meta.get("name") or type(program.model).__name__)
     from tkcc.pipeline import build
 
@@ -719,7 +718,7 @@ def _compile_plan(model, program, plan, mode, work, codegen, check, measure, tra
                   measure_max_context, timings) -> CompiledModel:
     """Build ``plan`` (plain modules, and ``measure=False``): check it, time it beside the eager forward, and
     serve the faster of the two."""
-    from tkcc.compiled import CompileReport, CompiledModel, output_type_of
+    from tkcc.compiled import CompileReport, CompiledModel, load_settings, output_type_of
     from tkcc.pipeline import build
 
     t = time.perf_counter()
@@ -750,8 +749,7 @@ def _compile_plan(model, program, plan, mode, work, codegen, check, measure, tra
                                                "num_layers", "num_params")}
     info["fingerprint"], info["phases"] = program.fingerprint, program.phases
     name = str(program.meta.get("name") or type(model).__name__)
-    settings = {"kind": program.meta.get("kind"), "max_cache_len": program.meta.get("max_cache_len"),
-                "batch": program.meta.get("batch"), "exact": program.meta.get("exact", True), "mode": mode}
+    settings = load_settings(program, mode)
     report = CompileReport(model=name, plan=plan.to_json(), plan_hash=plan.hash(), mode=mode, logs=b.logs,
                            golden=golden, speed=speed, artifact=str(artifact.path) if artifact else None,
                            timings={k: round(v, 3) for k, v in timings.items()}, program=info, checks=extra)

@@ -47,7 +47,7 @@ def cmd_export(args) -> dict:
     import torch
 
     from tkcc.agents.store import ExperimentStore
-    from tkcc.compiled import CompileReport, CompiledModel, output_type_of
+    from tkcc.compiled import CompileReport, CompiledModel, load_settings, output_type_of
     from tkcc.frontend import capture
     from tkcc.frontend.user_models import build_user_model
     from tkcc.passes.plan import PassPlan
@@ -80,8 +80,7 @@ def cmd_export(args) -> dict:
                                mode=str(cfg.get("mode", "")), logs=[], golden=None, speed=None,
                                artifact=str(artifact.path), timings={}, program=info,
                                loop={"campaign": camp["name"], "store": str(store.path), "serving": key, "why": how})
-        settings = {"kind": program.meta.get("kind"), "max_cache_len": program.meta.get("max_cache_len"),
-                    "batch": program.meta.get("batch"), "exact": program.meta.get("exact", True)}
+        settings = load_settings(program)
         compiled = CompiledModel(program, forwards, report, artifact, settings=settings,
                                  output_type=output_type_of(program))
         out = compiled.save(args.out)
