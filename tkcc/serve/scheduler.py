@@ -136,6 +136,11 @@ class Scheduler:
         self.current = served
         self.max_queue = int(max_queue)
         self.recorder, self.metrics, self.clock = recorder, metrics, clock
+        self._in_order = None  # with slots: the trace's lines held back until earlier arrivals are written
+        if recorder is not None and self.slots > 1:
+            from tkcc.serve.recorder import ArrivalOrder
+
+            self._in_order = ArrivalOrder(recorder.record)
         self.moe_counts = moe_counts
         self.t0 = clock()
         self._queue: deque[Job] = deque()
@@ -250,6 +255,8 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         if self.recorder is not None:
+            if self._in_order is not None:
+                self._in_order.flush()
             self.recorder.close()
 
     # ---- the scheduler thread ------------------------------------------------------------------
@@ -373,7 +380,9 @@ class Scheduler:
                         self.metrics.on_moe_count(time.perf_counter() - t)
             except TkccError as e:  # a forward whose graph has no recognisable routers: record without counts
                 self.moe_note = str(e)
-        if self.recorder is not None:
+        if self._in_order is not None:
+            self._in_order.add(job.seq, job.arrival - self.t0, job.prompt, len(job.tokens), moe=moe)
+        elif self.recorder is not None:
             self.recorder.record(job.arrival - self.t0, job.prompt, len(job.tokens), moe=moe)
         if self.metrics is not None:
             self.metrics.on_finish(job)
