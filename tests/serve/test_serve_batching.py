@@ -226,6 +226,19 @@ def test_a_saved_batch_artifact_is_served_at_its_batch_only(tmp_path):
     assert loaded.program.meta["slots"] == 2 and tag.endswith("@b2")
     prompts = torch.tensor([[4, 5, 6], [7, 8, 9]])
     assert torch.equal(loaded.generate(prompts, 5), compiled.generate(prompts, 5))
+    from tkcc.serve.scheduler import Done, Job, Token
+    from tkcc.serve.server import Server
+    from tkcc.serve.stops import TextStop
+
+    server = Server(loaded, model_name="m", tag=tag).start()  # a loaded forward has no graphs, only its phases
+    events = [[], []]
+    try:
+        server.scheduler.submit([Job(p.tolist(), TextStop(server.tokenizer, 5), ev.append, 60.0)
+                                 for p, ev in zip(prompts, events)])
+        _wait(lambda: all(ev and isinstance(ev[-1], Done) for ev in events))
+    finally:
+        server.close()
+    assert [[e.id for e in ev if isinstance(e, Token)] for ev in events] == compiled.generate(prompts, 5).tolist()
 
 
 def test_the_openai_server_streams_concurrent_requests_at_batch_2():

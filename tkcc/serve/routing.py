@@ -70,7 +70,10 @@ class ExpertCounter:
             raise TkccError("not an MoE model: no num_experts/num_experts_per_tok in its config")
         self.num_experts, self.top_k = moe
         self.program = program
-        gm = program.graphs["prefill"]
+        gm = program.graphs.get("prefill")
+        if gm is None:
+            raise TkccError("no captured prefill graph to read the routers from (a forward loaded with tkcc.load "
+                            "exports no graph)")
         found = router_nodes(gm, program.layer_map.get("prefill", {}), self.num_experts, self.top_k)
         if not found:
             raise TkccError(f"no router top-k (k={self.top_k} over {self.num_experts} experts) in the captured "

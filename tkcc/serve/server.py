@@ -40,7 +40,8 @@ class Server:
                  trace_dir=None, moe_counts: str = "all", max_queue: int = 64, builder=None,
                  rotate_requests: int = 100_000, keep_files: int = 10):
         program = getattr(compiled, "program", None)
-        if program is None or not {"prefill", "decode"} <= set(getattr(program, "graphs", {})):
+        phases = set(getattr(program, "meta", {}).get("phases") or getattr(program, "graphs", {}))
+        if program is None or not {"prefill", "decode"} <= phases:  # a loaded artifact has no graphs, its phases
             raise TkccError("the server serves causal LMs: a CompiledModel whose Program has prefill and decode")
         meta = program.meta
         self.model_name = model_name
