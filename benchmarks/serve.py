@@ -505,7 +505,7 @@ class _InProcess:
         return cm()
 
     def _run(self, sched, reqs) -> list[dict]:
-        from tkcc.serve.scheduler import Done, Failed, Job, Token
+        from tkcc.serve.scheduler import Failed, Job, Token
         from tkcc.serve.stops import TextStop
         from tkcc.serve.tokenizer import ByteTokenizer
 

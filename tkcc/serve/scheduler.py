@@ -218,8 +218,9 @@ class Scheduler:
     def call(self, fn: Callable, quiet=None) -> concurrent.futures.Future:
         """Run ``fn()`` on the scheduler thread before the next request starts (with slots: between steps).
 
-        ``quiet``: a Program whose slots must hold no live request when ``fn`` runs (it waits for them to
-        finish and none is admitted there meanwhile); batch 1 runs controls between requests anyway."""
+        ``quiet``: a Program (or a function returning one, asked each time) whose slots must hold no live
+        request when ``fn`` runs: it waits for them to finish, and none is admitted there meanwhile. Batch 1
+        runs controls between requests anyway."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
             if self._stopping:
@@ -441,7 +442,7 @@ class Scheduler:
                 if not self._controls:
                     return
                 fn, fut, quiet = self._controls[0]
-                if quiet is not None and self._live_on(quiet):
+                if quiet is not None and self._live_on(_program(quiet)):
                     return
                 self._controls.popleft()
             if fut.set_running_or_notify_cancel():
@@ -460,7 +461,7 @@ class Scheduler:
             with self._cv:
                 if not self._queue:
                     return
-                if any(q is served.program for _, _, q in self._controls):
+                if any(q is not None and _program(q) is served.program for _, _, q in self._controls):
                     return  # a control waits for this Program's slots to drain
                 batch = self._batch_for(served)
                 if batch is None or not batch.free:
@@ -552,6 +553,10 @@ class Scheduler:
         cur = id(self.current.program)
         for key in [k for k, b in self._batches.items() if k != cur and not b.num_live]:
             del self._batches[key]
+
+
+def _program(quiet):
+    return quiet() if callable(quiet) else quiet
 
 
 def slots_of(compiled) -> int:

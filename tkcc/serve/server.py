@@ -129,7 +129,7 @@ class Server:
                     "p10_ms": 1e3 * t[len(t) // 10], "p90_ms": 1e3 * t[(9 * len(t)) // 10], "samples": len(t),
                     "device": str(dev), "clock": "tkcc.runtime.timing.time_eager", "phase": phase,
                     "slots": int(program.meta.get("slots") or 1)}
-        return self.scheduler.call(run, quiet=self.scheduler.current.program).result()
+        return self.scheduler.call(run, quiet=lambda: self.scheduler.current.program).result()
 
     def status(self) -> dict:
         s = self.scheduler
