@@ -24,6 +24,15 @@ Phases, per model:
   PYTHONPATH=. python benchmarks/serve.py --model olmoe-16l --out benchmarks/results/serve.json      # adds a run
   PYTHONPATH=. python benchmarks/serve.py --smoke                                                   # CPU, < 2 min
 
+Batching (``--batching``, alone): one saturated set of Azure conv requests served at batch 1 and at each B of
+``--batches`` (``tkcc serve --http --batch B``, or ``--in-process``: the server's ForwardBuilder and Scheduler
+without HTTP, so no serve wheels are needed): output tokens/s, TTFT/TPOT/ITL/E2E per request, the throughput
+ratio to batch 1, and a few requests served again alone that must get the same tokens.
+
+  PYTHONPATH=. python benchmarks/serve.py --batching --model llama-1b-16l                 # H200, HTTP
+  PYTHONPATH=. python benchmarks/serve.py --batching --model llama-1b-16l --in-process    # H200, no HTTP
+  PYTHONPATH=. python benchmarks/serve.py --batching --smoke [--in-process]               # CPU, < 1 min
+
 serve.json: {"runs": [one object per model: model, single_stream_tpot_ms, engine_step_ms, drift_run
 {requests, failed, swaps, p90_tpot_ms_before, p90_tpot_ms_after, ...}, load {factor: {ttft_ms, tpot_ms,
 itl_ms, e2e_ms: {mean, median, p90, p99}, ...}}, max_rate_factor_p90_ttft_under_1s, campaign_cost,
@@ -137,7 +146,7 @@ def requests_from(trace, n: int, rate_factor: float, max_ctx: int, max_out: int 
 
 async def _one(session, url: str, model: str, prompt, max_tokens: int, res: dict):
     t0 = time.perf_counter()
-    res.update(sent=t0, tokens=[], status=None, error=None, max_tokens=max_tokens, prompt=len(prompt))
+    res.update(sent=t0, tokens=[], ids=[], status=None, error=None, max_tokens=max_tokens, prompt=len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     try:
         async with session.post(url + "/v1/completions", json=body) as r:
@@ -159,6 +168,7 @@ async def _one(session, url: str, model: str, prompt, max_tokens: int, res: dict
                 now = time.perf_counter()
                 for c in obj.get("choices", []):
                     res["tokens"] += [now] * len(c.get("token_ids") or [])
+                    res["ids"] += list(c.get("token_ids") or [])
     except Exception as e:  # noqa: BLE001 - a failed request is a result
         res["error"] = f"{type(e).__name__}: {e}"
     res["end"] = time.perf_counter()
@@ -382,6 +392,151 @@ def _pick(m: dict) -> dict:
     return {k: v for k, v in m.items() if k.startswith(keep) or k.startswith("tkcc_request_success_total")}
 
 
+# ---- batching: throughput and per-request latency at batch 1 and batch B -------------------------
+
+def batching_run(args) -> dict:
+    """The same saturated request set served at each ``--batches`` B (a server started with ``--batch B``, or
+    in process: ``ForwardBuilder(batch=B)`` and the ``Scheduler`` it serves with, no HTTP), then a few of those
+    requests again, one at a time: each must get the tokens it got beside the others."""
+    from tkcc.frontend.models import make_config
+
+    cfg = make_config(args.model)
+    vocab = int(cfg.vocab_size)
+    args.max_ctx = int(args.max_cache_len or min(cfg.max_position_embeddings, 2048))
+    azure = load_trace(bundled_trace("azure-conv"))
+    reqs, clipped = requests_from(azure, args.batch_requests, 1.0, args.max_ctx, args.batch_max_output, vocab,
+                                  seed=6, start=args.trace_start)
+    reqs = [(0.0, p, n) for _, p, n in reqs]  # all at once: the queue holds what the slots do not
+    serve = _InProcess(args, vocab) if args.in_process else _OverHTTP(args)
+    out = {"model": args.model, "device": args.device, "mode": "in-process" if args.in_process else "http",
+           "requests": len(reqs), "arrivals": "all at t=0 (saturated: throughput at full occupancy)",
+           "prompt_tokens_mean": float(np.mean([len(p) for _, p, _ in reqs])),
+           "output_tokens_mean": float(np.mean([n for _, _, n in reqs])), "clipped_inputs": clipped,
+           "max_output_tokens": args.batch_max_output, "max_cache_len": args.max_ctx, "batches": {}}
+    for b in args.batches:
+        if time.time() - T0 > args.budget_s and out["batches"]:
+            out["batches"][str(b)] = {"skipped": "time budget"}
+            continue
+        log(f"{args.model}: batch {b} ({out['mode']})")
+        t = time.perf_counter()
+        with serve.at(b) as run:
+            startup = time.perf_counter() - t
+            run([(0.0, reqs[0][1][:16], 4)])  # warm-up: first-call compiles, CUDA graph capture of the step
+            t = time.perf_counter()
+            res = run(reqs)
+            wall = time.perf_counter() - t
+            s = summarize(res)
+            sample = list(range(0, len(reqs), max(1, len(reqs) // args.batch_check)))[:args.batch_check]
+            alone = [run([reqs[i]])[0] for i in sample]
+        same = [i for i, r in zip(sample, alone) if r["ids"] == res[i]["ids"]]
+        s.update(batch=b, startup_s=round(startup, 1), wall_s=round(wall, 2),
+                 tokens_match_alone={"checked": len(sample), "equal": len(same),
+                                     "differ": [i for i in sample if i not in same][:5]},
+                 alone=summarize(alone))
+        out["batches"][str(b)] = s
+        tp = s["output_tok_per_s"]
+        log(f"  {s['completed']}/{s['requests']} ok, {tp or 0:.1f} output tok/s, median TPOT "
+            f"{(s['tpot_ms'] or {}).get('median', float('nan')):.2f} ms, P90 TTFT "
+            f"{(s['ttft_ms'] or {}).get('p90', float('nan')):.0f} ms; tokens as alone {len(same)}/{len(sample)}")
+    base = (out["batches"].get("1") or {}).get("output_tok_per_s")
+    out["throughput_vs_batch1"] = {k: v["output_tok_per_s"] / base for k, v in out["batches"].items()
+                                   if base and v.get("output_tok_per_s")}
+    out["measured_on"] = environment(args)
+    out["wall_s"] = round(time.time() - T0, 1)
+    return out
+
+
+class _OverHTTP:
+    """``tkcc serve --http --batch B`` in a subprocess, driven by the aiohttp load generator."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def at(self, batch: int):
+        import contextlib
+
+        a = self.args
+
+        @contextlib.contextmanager
+        def cm():
+            extra = ["--batch", str(batch), "--max-queue", str(a.batch_requests + 8), "--max-cache-len",
+                     str(a.max_ctx), "--moe-counts", "off", "--no-record"]
+            srv = ServerProcess(a.model, a.device, a.workdir, extra)
+            try:
+                yield lambda reqs: asyncio.run(replay(srv.url, a.model, reqs, 3600))
+            finally:
+                srv.stop()
+        return cm()
+
+
+class _InProcess:
+    """The server's own pieces without HTTP: ``ForwardBuilder(batch=B).first()`` (tkcc.compile, default plan)
+    and the ``Scheduler`` driven directly; each token is timed when the scheduler hands it over."""
+
+    def __init__(self, args, vocab: int):
+        import torch
+
+        from tkcc.frontend.models import build_model
+        from tkcc.runtime.programs import parse_dtype
+
+        dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+        self.args, self.vocab, self.torch = args, vocab, torch
+        self.model = build_model(args.model, dtype=parse_dtype(dtype), device=args.device)
+
+    def at(self, batch: int):
+        import contextlib
+        import gc
+
+        from tkcc.serve.loading import ForwardBuilder
+        from tkcc.serve.scheduler import Scheduler, Served
+
+        @contextlib.contextmanager
+        def cm():
+            compiled, tag = ForwardBuilder(self.model, max_cache_len=self.args.max_ctx, batch=batch).first()
+            sched = Scheduler(Served(compiled, tag), max_queue=self.args.batch_requests + 8).start()
+            try:
+                yield lambda reqs: self._run(sched, reqs)
+            finally:
+                sched.stop()
+                del compiled, sched
+                gc.collect()
+                if self.torch.cuda.is_available():
+                    self.torch.cuda.empty_cache()
+        return cm()
+
+    def _run(self, sched, reqs) -> list[dict]:
+        from tkcc.serve.scheduler import Failed, Job, Token
+        from tkcc.serve.stops import TextStop
+        from tkcc.serve.tokenizer import ByteTokenizer
+
+        tok = ByteTokenizer(self.vocab)
+        left = threading.Semaphore(0)
+        results, jobs = [], []
+        for k, (_a, prompt, n) in enumerate(reqs):
+            res = {"index": k, "tokens": [], "ids": [], "status": 200, "error": None, "max_tokens": n,
+                   "prompt": len(prompt)}
+
+            def deliver(ev, res=res):
+                now = time.perf_counter()
+                if isinstance(ev, Token):
+                    res["tokens"].append(now)
+                    res["ids"].append(ev.id)
+                    return
+                if isinstance(ev, Failed):
+                    res["status"], res["error"] = ev.status, ev.message
+                res["end"] = now
+                left.release()
+            results.append(res)
+            jobs.append(Job(prompt, TextStop(tok, n), deliver, 3600.0))
+        t = time.perf_counter()
+        for r in results:
+            r["sent"] = t
+        sched.submit(jobs)
+        for _ in jobs:
+            left.acquire()
+        return results
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def run_model(args) -> dict:
@@ -493,10 +648,22 @@ def main(argv=None):
     ap.add_argument("--moe-counts", default="idle", choices=["all", "idle", "off"],
                     help="MoE counts in the drift run's server (default idle: counted between requests when none "
                          "waits; the cost per counted request is drift_run.moe_count_s_per_request)")
+    g = ap.add_argument_group("batching (--batching): throughput and per-request latency at batch 1 and batch B")
+    g.add_argument("--batching", action="store_true",
+                   help="only this comparison (results to benchmarks/results/serve_batching.json)")
+    g.add_argument("--batches", default="1,8", help="batch sizes to serve at, comma-separated (default 1,8)")
+    g.add_argument("--in-process", action="store_true",
+                   help="drive the server's scheduler in this process (no HTTP: needs no serve wheels)")
+    g.add_argument("--batch-requests", type=int, default=64, help="requests of the saturated set (default 64)")
+    g.add_argument("--batch-max-output", type=int, default=128, help="clip output lengths (default 128)")
+    g.add_argument("--batch-check", type=int, default=4, help="requests served again alone (default 4)")
+    g.add_argument("--dtype", default=None, help="in-process model dtype (default bfloat16 on cuda)")
     a = ap.parse_args(argv)
     import torch
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.batching:
+        return main_batching(a, ap)
     if a.smoke:  # small settings, each unless given on the command line
         a.device = "cpu"
         small = dict(model="llama-tiny", max_cache_len=256, ss_context=32, ss_tokens=32, ss_requests=3, load_requests=20,
@@ -516,6 +683,36 @@ def main(argv=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if path.exists() else {}
     runs = [r for r in old.get("runs", []) if r.get("model") != a.model] + [run]
+    path.write_text(json.dumps({"runs": runs}, indent=1, default=str))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(path.read_text())
+    log(f"wrote {path} ({run['wall_s']} s)")
+
+
+def main_batching(a, ap):
+    try:
+        a.batches = sorted({int(x) for x in str(a.batches).split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--batches {a.batches!r}: comma-separated integers, e.g. 1,8")
+    if not a.batches or a.batches[0] < 1:
+        ap.error("--batches: at least one batch size >= 1")
+    if a.smoke:
+        a.device = "cpu"
+        small = dict(model="llama-tiny", max_cache_len=256, batches=[1, 4], batch_requests=16, batch_max_output=16,
+                     batch_check=3)
+        for k, v in small.items():
+            if getattr(a, k) == ap.get_default(k) or (k == "batches" and a.batches == [1, 8]):
+                setattr(a, k, v)
+    if a.out == ap.get_default("out"):
+        a.out = str(ROOT / "benchmarks/results" / ("serve_batching_cpu_smoke.json" if a.smoke else
+                                                   "serve_batching.json"))
+    a.workdir = Path(tempfile.mkdtemp(prefix="tkcc-bench-serve-"))
+    log(f"benchmark serve --batching: {a.model} on {a.device}, batches {a.batches}; work in {a.workdir}")
+    run = batching_run(a)
+    path = Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    runs = [r for r in old.get("runs", []) if (r.get("model"), r.get("mode")) != (a.model, run["mode"])] + [run]
     path.write_text(json.dumps({"runs": runs}, indent=1, default=str))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], path.name).write_text(path.read_text())

@@ -13,7 +13,9 @@ fastest on the workload: an artifact (generated forwards and their kernels,
   (``tkcc.frontend.generate``) over the shipped forwards; on a GPU the decode
   step replays from a CUDA graph (``tkcc.kernels.graph_replay.GraphCache``, the
   one capture utility), as the engine measured it, unless the forward replays
-  its own graph (the fused decode step);
+  its own graph (the fused decode step). A model compiled for ``batch`` B > 1
+  (``tkcc.frontend.slots``) decodes up to B prompts together through its
+  ``decode_slots`` step (``tkcc.frontend.slot_batch``), one prompt included;
 - ``save(path)`` writes ``tkcc.json`` (what was compiled, for which model,
   device and library versions, and the report) beside the artifact;
   ``tkcc.load(path, model)`` checks all of it and rebuilds the forwards
@@ -194,6 +196,8 @@ class CompiledModel:
         self.artifact = artifact
         self.serves = serves  # "artifact" | "eager" | "graphs" (the rewritten FX graphs, no codegen)
         self.settings = dict(settings or {})
+        if program.meta.get("slots"):
+            self.settings.setdefault("slots", int(program.meta["slots"]))
         self._report = report
         self._output_type = output_type
         self.forwards = _graphed(program, forwards, artifact)
@@ -234,6 +238,8 @@ class CompiledModel:
             with torch.no_grad():
                 return self.forwards[self.program.phases[0]](*args, **kwargs)
         ids, why = _prefill_call(args, kwargs)
+        if ids is not None and ids.shape[0] != int(self.program.meta.get("batch", ids.shape[0])):
+            ids = None  # another batch than the prefill was captured for
         if ids is None:  # a call the compiled prefill does not take: the model's own forward, unchanged
             return self.program.model(*args, **kwargs)
         with torch.no_grad():
@@ -257,6 +263,8 @@ class CompiledModel:
         """Greedy decoding with the shipped forwards: the ``new_tokens`` tokens after ``prompt_ids`` ([B, n])."""
         if not _is_lm(self.program):
             raise TkccError("generate() is for causal LMs (a Program with prefill and decode phases)")
+        if self.program.meta.get("slots"):
+            return torch.stack(list(self._slot_steps(prompt_ids, new_tokens)), dim=1)
         from tkcc.frontend import greedy
 
         with torch.no_grad():
@@ -268,11 +276,19 @@ class CompiledModel:
         Stopping the iteration (a stop sequence, a cancelled request) stops the decoding there."""
         if not _is_lm(self.program):
             raise TkccError("stream() is for causal LMs (a Program with prefill and decode phases)")
+        if self.program.meta.get("slots"):
+            yield from self._slot_steps(prompt_ids, max_new_tokens)
+            return
         from tkcc.frontend import greedy_steps
 
         with torch.no_grad():
             for tok, _ in greedy_steps(self.program, prompt_ids, max_new_tokens, forwards=self.forwards):
                 yield tok
+
+    def _slot_steps(self, prompt_ids: torch.Tensor, new_tokens: int):
+        from tkcc.frontend.slot_batch import generate_slots
+
+        yield from generate_slots(self.program, self.forwards, prompt_ids, new_tokens)
 
     # ---- saving -----------------------------------------------------------------------------------------
     def save(self, path) -> Path:
@@ -356,14 +372,14 @@ def _graphed(program, forwards: dict, artifact) -> dict:
     """On a GPU, the decode step replays from a CUDA graph, as the engine measured it (unless it has its own)."""
     out = dict(forwards)
     dev = str(program.meta.get("device", "cpu"))
-    if not dev.startswith("cuda") or "decode" not in out:
-        return out
-    phase_meta = (artifact.manifest["phases"].get("decode") or {}) if artifact is not None else {}
-    if phase_meta.get("captures_itself"):
+    if not dev.startswith("cuda"):
         return out
     from tkcc.kernels.graph_replay import GraphCache
 
-    out["decode"] = GraphCache(out["decode"], name="decode", capture_after=1)
+    for phase in ("decode", "decode_slots"):  # the slots step of a model compiled for a batch (frontend.slots)
+        phase_meta = (artifact.manifest["phases"].get(phase) or {}) if artifact is not None else {}
+        if phase in out and not phase_meta.get("captures_itself"):
+            out[phase] = GraphCache(out[phase], name=phase, capture_after=1)
     return out
 
 
@@ -448,8 +464,14 @@ def _program_for(model, meta: dict, path: Path):
                             "which is not a Hugging Face causal LM")
     if type(model).__name__ != meta.get("model_class"):
         raise ArtifactError(f"{path}: saved for a {meta.get('model_class')}, got a {type(model).__name__}")
-    program = prepare_hf(model, max_cache_len=settings["max_cache_len"], batch=settings["batch"],
-                         exact=settings.get("exact", True))
+    if settings.get("slots"):
+        from tkcc.frontend.slots import prepare_slots
+
+        program = prepare_slots(model, int(settings["slots"]), max_cache_len=settings["max_cache_len"],
+                                exact=settings.get("exact", True))
+    else:
+        program = prepare_hf(model, max_cache_len=settings["max_cache_len"], batch=settings["batch"],
+                             exact=settings.get("exact", True))
     if program.fingerprint != meta["fingerprint"]:
         raise ArtifactError(f"{path}: saved for another model (fingerprint {meta['fingerprint']}; this "
                             f"{type(model).__name__} with {program.meta['num_params']} parameters, "

@@ -96,13 +96,25 @@ def looks_like_path(text: str) -> bool:
     return bool(t) and t[0] not in "[{\"" and (t.endswith(".json") or "/" in t or "\\" in t)
 
 
-def capture(model, example_inputs=None, device=None, max_cache_len=None):
-    """The frontend's capture (HF causal LMs: prefill + decode over a static KV cache; plain modules: forward)."""
+def capture(model, example_inputs=None, device=None, max_cache_len=None, batch: int = 1):
+    """The frontend's capture (HF causal LMs: prefill + decode over a static KV cache; plain modules: forward).
+
+    ``batch`` > 1: a causal LM captured for that many concurrent sequences (``tkcc.frontend.slots``)."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"tkcc.compile: model must be a torch.nn.Module, got {type(model).__module__}."
                            f"{type(model).__qualname__}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise CaptureError(f"tkcc.compile: batch={batch!r} must be a positive integer (sequences served together)")
     if device is not None:
         model = model.to(device)
+    if batch > 1:
+        from tkcc.frontend.hf import is_hf_causal_lm
+        from tkcc.frontend.slots import capture_slots
+
+        if example_inputs is not None or not is_hf_causal_lm(model):
+            raise CaptureError(f"tkcc.compile: batch={batch} is for Hugging Face causal LMs (sequences served "
+                               "together); a plain module's batch is the one in its example_inputs")
+        return capture_slots(model, batch, max_cache_len=max_cache_len)
     from tkcc.frontend import capture as frontend_capture
 
     kwargs = {} if example_inputs is None else {"example_inputs": example_inputs}
@@ -245,7 +257,7 @@ def compile(model, trace=None, *, budget=None, plan=None, example_inputs=None, d
             mode: str = "exact", compare=(), measure: bool = True, pass_modules=(), out_dir=None,
             check: bool = True, codegen: bool = True, progress: bool = True, max_buckets: int | None = None,
             measure_max_context: int | None = None, program=None, seed: int = 0, store=None,
-            max_cache_len: int | None = None, clock=None) -> CompiledModel:
+            max_cache_len: int | None = None, batch: int = 1, clock=None) -> CompiledModel:
     """Capture ``model``, run the optimisation loop on ``trace``'s shapes for ``budget``, return the winner.
 
     model:         an ``nn.Module`` (an HF causal LM, or a plain module with ``example_inputs``).
@@ -261,6 +273,10 @@ def compile(model, trace=None, *, budget=None, plan=None, example_inputs=None, d
     out_dir:       where to keep the artifact, pass logs and the experiment store (default: a temporary dir).
     store:         the experiment store's path (default: in ``out_dir``), to resume or inspect the loop.
     max_cache_len: causal LMs: the static KV cache's length (default min(max_position_embeddings, 4096)).
+    batch:         causal LMs: sequences served together (``tkcc serve --batch``). Above 1 the model is captured
+                   with B slots (``tkcc.frontend.slots``): the batch-1 prefill and decode, which the loop
+                   measures and validates, and a ``decode_slots`` step that advances every slot at its own
+                   position, built with the same plan; ``generate`` then decodes up to B prompts together.
 
     The loop is the campaign's (``tkcc.agents.campaign``): the model's own eager forward, the captured graphs
     and ``plan`` (if given) are measured first and the fastest serves; then the built-in search proposes,
@@ -303,7 +319,10 @@ def compile(model, trace=None, *, budget=None, plan=None, example_inputs=None, d
     timings["trace"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    program = program if program is not None else capture(model, example_inputs, device, max_cache_len)
+    if program is not None and batch != 1 and int(program.meta.get("slots") or 1) != batch:
+        raise TkccError(f"tkcc.compile: batch={batch}, but the Program given was captured for "
+                        f"{program.meta.get('slots') or 1} sequence(s)")
+    program = program if program is not None else capture(model, example_inputs, device, max_cache_len, batch)
     timings["capture"] = time.perf_counter() - t
 
     final = Path(out_dir) if out_dir is not None else None

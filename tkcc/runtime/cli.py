@@ -21,7 +21,8 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default=None, help="float32|float16|bfloat16 (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--max-cache-len", type=int, default=None, help="KV cache length the model is captured with")
-    p.add_argument("--batch", type=int, default=1, help="batch size the model is captured with (default 1)")
+    p.add_argument("--batch", type=int, default=1, help="batch size the model is captured with (default 1; with "
+                   "--http: requests decoded together, continuous batching)")
     p.add_argument("--fast-blocks", type=int, default=None,
                    help="blocks in the fast tier (default: a fifth of the model's, at least 1)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads of the worker (default: torch's)")

@@ -189,7 +189,7 @@ def build_app(server) -> Starlette:
     async def health(request: Request):
         s = server.scheduler
         return JSONResponse({"status": "ok", "model": server.model_name, "forward": s.current.tag,
-                             "waiting": s.waiting, "running": int(s.running is not None), "swaps": s.swaps})
+                             "waiting": s.waiting, "running": s.num_running, "swaps": s.swaps})
 
     async def metrics(request: Request):
         return Response(server.metrics.render(), media_type=server.metrics_content_type)

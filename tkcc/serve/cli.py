@@ -64,8 +64,8 @@ def cmd_http(args):
     from tkcc.serve.runner import bind, parse_address
 
     host, port = parse_address(args.http)
-    if args.batch != 1:
-        raise TkccError(f"--batch {args.batch}: the HTTP server serves batch-1 forwards (see docs/serve.md)")
+    if args.batch < 1:
+        raise TkccError(f"--batch {args.batch}: the sequences served together must be at least 1")
     for flag, v in (("--max-queue", args.max_queue), ("--max-tokens-limit", args.max_tokens_limit - 1),
                     ("--max-prompts", args.max_prompts - 1), ("--request-timeout", args.request_timeout)):
         if v < 0:
@@ -97,6 +97,7 @@ def _serve_forever(args, server, info, sock, t0) -> None:
     h, p = sock.getsockname()[:2]
     url = f"http://{h if ':' not in h else f'[{h}]'}:{p}"
     ready = {"ready": True, "url": url, "model": server.model_name, "forward": server.scheduler.current.tag,
+             "batch": server.scheduler.slots,
              "device": info["device"], "dtype": info["dtype"], "trace": str(server.recorder.path)
              if server.recorder else None, "admin_token_file": info["admin_token_file"],
              "api_key": bool(server.api_key), "watch": bool(args.watch), "moe_counts": server.scheduler.moe_counts,
@@ -131,7 +132,7 @@ def _build_server(args):
     device = check_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model, name, tok_dir = load_model(args.model, parse_dtype(dtype_name), device)
-    builder = ForwardBuilder(model, max_cache_len=args.max_cache_len, mode=args.mode)
+    builder = ForwardBuilder(model, max_cache_len=args.max_cache_len, mode=args.mode, batch=args.batch)
     plan = None
     if args.plan:
         from tkcc.compiler import resolve_plan

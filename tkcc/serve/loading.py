@@ -39,28 +39,37 @@ def load_model(name: str, dtype, device: str):
     return build_model(name, dtype=dtype, device=device), name, None
 
 
-def load_artifact(path: str, model):
-    """``tkcc.load(path, model)``: a saved artifact as a CompiledModel (the one place the server loads one)."""
+def load_artifact(path: str, model, batch: int | None = None):
+    """``tkcc.load(path, model)``: a saved artifact as a CompiledModel (the one place the server loads one).
+
+    ``batch``: the sequences the server serves together; an artifact compiled for another batch is refused."""
     import tkcc
 
     if not os.path.isdir(path):
         raise TkccError(f"--artifact {path}: no such directory")
-    return tkcc.load(path, model)
+    compiled = tkcc.load(path, model)
+    have = int(compiled.program.meta.get("slots") or 1)
+    if batch is not None and have != batch:
+        raise TkccError(f"--artifact {path}: compiled for batch {have}, but the server serves batch {batch}; "
+                        f"serve it with --batch {have}, or compile it with tkcc.compile(..., batch={batch})")
+    return compiled
 
 
 class ForwardBuilder:
     """Builds forwards of one model for the server: the first one, and each candidate shipped into it."""
 
-    def __init__(self, model, *, max_cache_len: int | None = None, mode: str = "exact", pass_modules=()):
-        self.model, self.max_cache_len, self.mode = model, max_cache_len, mode
+    def __init__(self, model, *, max_cache_len: int | None = None, mode: str = "exact", pass_modules=(),
+                 batch: int = 1):
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise TkccError(f"--batch {batch!r}: the sequences served together must be a positive integer")
+        self.model, self.max_cache_len, self.mode, self.batch = model, max_cache_len, mode, batch
         self.pass_modules = list(pass_modules)
 
     def capture(self):
-        """A new Program of the model (weights shared, its own KV cache)."""
-        from tkcc.frontend import capture
+        """A new Program of the model (weights shared, its own KV cache; ``batch`` > 1: that many slots)."""
+        from tkcc.compiler import capture
 
-        kw = {"max_cache_len": self.max_cache_len} if self.max_cache_len else {}
-        return capture(self.model, **kw)
+        return capture(self.model, max_cache_len=self.max_cache_len, batch=self.batch)
 
     def can_build_on(self, program) -> bool:
         return program is not None and program.model is self.model
@@ -71,7 +80,7 @@ class ForwardBuilder:
     def first(self, plan=None, artifact: str | None = None, check: bool = False):
         """The forward the server starts with: ``artifact`` loaded, else ``plan`` (default plan) compiled."""
         if artifact is not None:
-            compiled = load_artifact(artifact, self.model)
+            compiled = load_artifact(artifact, self.model, self.batch)
             return compiled, _artifact_tag(compiled, artifact)
         return self._compile(plan, self.capture(), check=check)
 
@@ -84,7 +93,7 @@ class ForwardBuilder:
                             + (" (agent source candidates are served once saved as artifacts)"
                                if "source" in spec else ""))
         if "artifact" in spec:
-            compiled = load_artifact(str(spec["artifact"]), self.model)
+            compiled = load_artifact(str(spec["artifact"]), self.model, self.batch)
             return compiled, _artifact_tag(compiled, spec["artifact"])
         from tkcc.passes.plan import PassPlan
 

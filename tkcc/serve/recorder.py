@@ -1,7 +1,9 @@
 """The server's own traffic, recorded as a rolling tkcc trace (``tkcc.traffic.tkcc_format``).
 
 One line per request, written when the request has been answered, in arrival
-order (the scheduler serves and records first-in first-out): arrival time
+order (a batch-1 scheduler serves first-in first-out; with slots, requests end
+out of arrival order and ``ArrivalOrder`` holds a line back until every request
+that arrived before it has been written): arrival time
 (seconds since the server started, the header's ``start_time``), prompt and
 generated token counts, the prompt's prefix-block hashes, and the request's
 per-layer MoE expert counts when they were taken. Each line is flushed whole,
@@ -91,3 +93,29 @@ class RollingTrace:
             if self._rec is not None:
                 self._rec.close()
                 self._rec = None
+
+
+class ArrivalOrder:
+    """Hands records to ``write`` in arrival order (``seq``: 0, 1, 2, ...) when requests finish out of it.
+
+    The trace format wants lines in arrival order (its readers check it), and with continuous batching a short
+    request that arrived later finishes before a long one: its line waits for the long one's. ``flush`` writes
+    whatever is held, in order, past any gap (a request that never finished: the server stopped)."""
+
+    def __init__(self, write):
+        self.write = write
+        self.next = 0
+        self.held: dict[int, tuple] = {}
+
+    def add(self, seq: int, *args, **kwargs) -> None:
+        self.held[seq] = (args, kwargs)
+        while self.next in self.held:
+            a, kw = self.held.pop(self.next)
+            self.write(*a, **kw)
+            self.next += 1
+
+    def flush(self) -> None:
+        for seq in sorted(self.held):
+            a, kw = self.held.pop(seq)
+            self.write(*a, **kw)
+            self.next = seq + 1

@@ -70,7 +70,10 @@ class ExpertCounter:
             raise TkccError("not an MoE model: no num_experts/num_experts_per_tok in its config")
         self.num_experts, self.top_k = moe
         self.program = program
-        gm = program.graphs["prefill"]
+        gm = program.graphs.get("prefill")
+        if gm is None:
+            raise TkccError("no captured prefill graph to read the routers from (a forward loaded with tkcc.load "
+                            "exports no graph)")
         found = router_nodes(gm, program.layer_map.get("prefill", {}), self.num_experts, self.top_k)
         if not found:
             raise TkccError(f"no router top-k (k={self.top_k} over {self.num_experts} experts) in the captured "
@@ -86,7 +89,8 @@ class ExpertCounter:
     def count(self, token_ids: list[int]) -> list[list[int]]:
         """(num_layers, num_experts) assignment counts of ``token_ids`` processed from position 0.
 
-        Writes the program's KV cache: call it only where no request is decoding on that cache."""
+        Writes the program's KV cache (a slots Program's staging row only): call it only where no request is
+        decoding on those rows."""
         meta = self.program.meta
         dev = torch.device(meta.get("device", "cpu"))
         n = len(token_ids)
@@ -96,15 +100,25 @@ class ExpertCounter:
             raise TkccError(f"{n} tokens do not fit the KV cache ({meta['max_cache_len']})")
         counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.long, device=dev)
         ids = torch.tensor([token_ids], dtype=torch.long, device=dev)
-        self.program.reset_state()
+        self._clear()
         with torch.no_grad():
             for lo in range(0, n, CHUNK):
                 hi = min(n, lo + CHUNK)
                 outs = self.graph(ids[:, lo:hi], torch.arange(lo, hi, device=dev))
                 for i, sel in enumerate(outs[1:]):
                     counts[i] += torch.bincount(sel.reshape(-1), minlength=self.num_experts)
-        self.program.reset_state()
+        self._clear()
         return counts.cpu().tolist()
+
+    def _clear(self) -> None:
+        """Zero the cache rows the replay writes: all of a batch-1 Program's; only the staging row of a slots
+        Program (``tkcc.frontend.slots``), whose slots hold requests still decoding."""
+        if self.program.meta.get("slots"):
+            with torch.no_grad():
+                for buf in self.program.state.buffers(recurse=False):
+                    buf.zero_()
+        else:
+            self.program.reset_state()
 
 
 def _with_router_outputs(gm: torch.fx.GraphModule, routers: list) -> torch.fx.GraphModule:

@@ -40,7 +40,8 @@ class Server:
                  trace_dir=None, moe_counts: str = "all", max_queue: int = 64, builder=None,
                  rotate_requests: int = 100_000, keep_files: int = 10):
         program = getattr(compiled, "program", None)
-        if program is None or not {"prefill", "decode"} <= set(getattr(program, "graphs", {})):
+        phases = set(getattr(program, "meta", {}).get("phases") or getattr(program, "graphs", {}))
+        if program is None or not {"prefill", "decode"} <= phases:  # a loaded artifact has no graphs, its phases
             raise TkccError("the server serves causal LMs: a CompiledModel whose Program has prefill and decode")
         meta = program.meta
         self.model_name = model_name
@@ -104,7 +105,9 @@ class Server:
 
         What single-stream TPOT is compared with (benchmarks/serve.py): the same forward object, the
         same device, ``tkcc.runtime.timing.time_eager`` (CUDA events on a GPU), on two input sets with
-        the KV cache filled to ``context``; run on the scheduler thread, so no request shares the cache."""
+        the KV cache filled to ``context``; run on the scheduler thread, so no request shares the cache.
+        With slots it times the ``decode_slots`` step (every slot at ``context``), once the serving
+        Program's slots are drained (no request is admitted there meanwhile)."""
         from tkcc.runtime.timing import time_eager
         from tkcc.traffic.workload import Bucket
 
@@ -116,20 +119,22 @@ class Server:
             program = served.program
             dev = torch.device(program.meta.get("device", "cpu"))
             gen = torch.Generator().manual_seed(0)
-            sets = [program.inputs("decode", Bucket("decode", 1, int(context)), gen) for _ in range(2)]
+            phase = "decode_slots" if program.meta.get("slots") else "decode"
+            sets = [program.inputs(phase, Bucket("decode", 1, int(context)), gen) for _ in range(2)]
             try:
-                t = sorted(time_eager(served.compiled.forwards["decode"], sets, int(reps), int(warmup), dev))
+                t = sorted(time_eager(served.compiled.forwards[phase], sets, int(reps), int(warmup), dev))
             finally:
                 program.reset_state()
             return {"forward": served.tag, "context": int(context), "median_ms": 1e3 * t[len(t) // 2],
                     "p10_ms": 1e3 * t[len(t) // 10], "p90_ms": 1e3 * t[(9 * len(t)) // 10], "samples": len(t),
-                    "device": str(dev), "clock": "tkcc.runtime.timing.time_eager"}
-        return self.scheduler.call(run).result()
+                    "device": str(dev), "clock": "tkcc.runtime.timing.time_eager", "phase": phase,
+                    "slots": int(program.meta.get("slots") or 1)}
+        return self.scheduler.call(run, quiet=lambda: self.scheduler.current.program).result()
 
     def status(self) -> dict:
         s = self.scheduler
         return {"model": self.model_name, "forward": s.current.tag, "waiting": s.waiting,
-                "running": int(s.running is not None), "served": s.served, "swaps": s.swaps,
+                "running": s.num_running, "slots": s.slots, "served": s.served, "swaps": s.swaps,
                 "trace": str(self.recorder.path) if self.recorder else None, "moe_counts": s.moe_counts,
                 "moe_note": self.moe_note or s.moe_note, "ships": list(self.swapper.history) if self.swapper else [],
                 "max_cache_len": self.max_cache_len, "tokenizer": self.tokenizer.name,
