@@ -58,27 +58,46 @@ def test_recurrent_state_lives_in_program_state_and_decode_writes_it_in_place(mi
     rec = [i for i in range(prog.num_blocks) if prog.state.kind(i) == "recurrent"]
     assert rec == [0, 2] and prog.state.attention_layers == [1, 3]
     cfg = prog.model.config
-    s0 = prog.state.state(0, "linear")
-    assert s0.shape == (1, cfg.num_attention_heads, cfg.head_dim, cfg.head_dim)
+    s0 = prog.state.state(0, "linear")  # slot p % 2: the state after p tokens
+    assert s0.shape == (2, 1, cfg.num_attention_heads, cfg.head_dim, cfg.head_dim)
     with pytest.raises(TkccError, match="layer 0 keeps recurrent state"):
         prog.state.key(0)
     ids = rand_ids((1, 7), seed=1)
     with torch.no_grad():
         reset_state(prog)
         prog.graphs["prefill"](ids, torch.arange(7))
-        # the state the prompt left is the one the model's own cache (MiniMaxCache) holds after it
+        # the state the prompt left (slot 7 % 2) is the one the model's own cache (MiniMaxCache) holds after it
         own = prog.model(input_ids=ids, use_cache=True).past_key_values
         for i in rec:
-            torch.testing.assert_close(prog.state.state(i, "linear"), own.linear_cache[i], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(prog.state.state(i, "linear")[1], own.linear_cache[i], atol=1e-5, rtol=1e-5)
+        assert s0[0].abs().sum() == 0
         before = [b.clone() for b in prog.state.buffers()]
-        s0_before, ptr = s0.clone(), s0.data_ptr()
+        ptr = s0.data_ptr()
         got = prog.graphs["decode"](ids[:, :1], torch.tensor([7]))
-        assert s0.data_ptr() == ptr and not torch.equal(s0, s0_before)
+        assert s0.data_ptr() == ptr and s0[0].abs().sum() > 0 and torch.equal(s0[1], before_slot(prog, before, 1))
+        # replayed, the decode step reads the slot it read the first time: the same logits and state
+        again = prog.graphs["decode"](ids[:, :1], torch.tensor([7]))
+        assert torch.equal(again, got)
         after = [b.clone() for b in prog.state.buffers()]
         for b, s in zip(prog.state.buffers(), before):
             b.copy_(s)
         assert torch.equal(prog.eager(ids[:, :1], torch.tensor([7])), got)  # the graph is the eager step
         assert all(torch.equal(a, b) for a, b in zip(after, prog.state.buffers()))
+
+
+def test_a_fresh_prompt_ignores_what_the_state_holds(minimax):
+    prog = minimax
+    ids = rand_ids((1, 5), seed=3)
+    with torch.no_grad():
+        reset_state(prog)
+        ref = prog.graphs["prefill"](ids, torch.arange(5))
+        prog.state.fill_random(9, torch.Generator().manual_seed(1))
+        assert torch.equal(prog.graphs["prefill"](ids, torch.arange(5)), ref)
+
+
+def before_slot(prog, before, slot):
+    names = [n for n, _b in prog.state.named_buffers()]
+    return before[names.index("state_0_linear")][slot]
 
 
 def test_decode_bucket_fills_recurrent_state_too(minimax):

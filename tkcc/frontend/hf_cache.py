@@ -10,7 +10,7 @@ whose layers keep something else is refused here, by name, before export.
 ``PositionedCache`` is the ``Cache`` the captured steps run on: each layer
 points at the ``KVCache`` buffers of the step being traced; keys and values
 are written at ``cache_position`` (``index_copy_``), recurrent states are
-overwritten in place (``copy_``). Where a family's modeling code calls its own
+written in place too (``index_copy_`` into the slot of the step's end). Where a family's modeling code calls its own
 cache class's methods (MiniMax's ``get_linear_cache``), the cache also is an
 instance of that class with those methods on tkcc's buffers
 (``tkcc.frontend.hf_adapters``).
@@ -192,18 +192,33 @@ class PositionedCache(StaticCache):
         return self.max_len, 0
 
     def recurrent_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
-        """Layer ``layer_idx``'s state ``name`` (None for a layer that keeps no such state)."""
-        layer = self.layers[layer_idx]
-        return layer.states.get(name) if isinstance(layer, StateLayer) else None
+        """Layer ``layer_idx``'s state ``name`` as this step starts (None for a layer without such a state).
+
+        The state after p tokens is in slot ``p % 2`` of the buffer (``tkcc.frontend.kv_cache``). A step at
+        position 0 starts a sequence: it reads zeros, whatever the buffer holds, so a fresh prompt depends on
+        its inputs only, as with keys and values (slots at or after the step's are masked)."""
+        buf = self._state_buffer(layer_idx, name)
+        if buf is None:
+            return None
+        start = self.position[0]
+        slot = buf.index_select(0, (start % 2).reshape(1))[0]
+        return torch.where(start > 0, slot, torch.zeros((), dtype=buf.dtype, device=buf.device))
 
     def write_state(self, layer_idx: int, name: str, value: torch.Tensor) -> torch.Tensor:
-        """Overwrite layer ``layer_idx``'s state ``name`` in place with ``value``; returns the buffer."""
-        buf = self.recurrent_state(layer_idx, name)
+        """Write layer ``layer_idx``'s state ``name`` after this step, in place: slot ``end % 2`` (end = the
+        step's last position + 1), so a decode step read slot ``p % 2`` and wrote the other one: replaying
+        it reads what it read the first time."""
+        buf = self._state_buffer(layer_idx, name)
         if buf is None:
             raise CaptureError(f"tkcc.frontend.hf_cache.PositionedCache.write_state: layer {layer_idx} keeps no "
                                f"recurrent state {name!r} (the probe step saw none)")
-        buf.copy_(value)
+        end = (self.position[-1] + 1) % 2
+        buf.index_copy_(0, end.reshape(1), value.unsqueeze(0).to(buf.dtype))
         return buf
+
+    def _state_buffer(self, layer_idx: int, name: str) -> torch.Tensor | None:
+        layer = self.layers[layer_idx]
+        return layer.states.get(name) if isinstance(layer, StateLayer) else None
 
 
 _CLASSES: dict[str, type] = {}

@@ -15,8 +15,16 @@ A layer keeps one of (``LayerState.kind``):
   the shared rotary key as the "value"), and so may layers. A sliding-window
   layer has the same full-length buffers; the attention mask hides what lies
   outside its window, so any context up to ``max_cache_len`` is exact.
-- ``recurrent``: buffers ``state_<i>_<name>`` of a fixed shape (a linear-attention
-  layer's running ``K^T V``), overwritten in place by every step.
+- ``recurrent``: buffers ``state_<i>_<name>`` [2, batch, ...] (a linear-attention
+  layer's running ``K^T V``): slot ``p % 2`` holds the state after p tokens.
+  A step from position p reads slot ``p % 2`` and writes slot ``(p + T) % 2``
+  in place, so a decode step read one slot and wrote the other: replayed, it
+  reads what it read the first time and gives the same logits, as a step over
+  keys and values does (the engine times and checks a step by replaying it). A
+  step at position 0 reads zeros (a fresh sequence), whatever the slot holds.
+  Only a prefill that continues a sequence by an even number of tokens
+  overwrites the slot it read (run once in order, as generation does, it is
+  exact; replayed, it is not).
 - ``none``: nothing.
 
 The layout comes from the model itself (``tkcc.frontend.hf_cache.probe_layout``
@@ -61,7 +69,7 @@ class LayerState:
 def state_bytes(layout: list[LayerState], context: int, batch: int = 1) -> int:
     """Bytes of state one decode step at ``context`` must move: the keys and values of the positions it
     attends to (``min(context, window)`` for a sliding-window layer), and each recurrent state read and
-    written once. The KV term is the one BENCH.md's floor has always counted (2 x kv heads x head dim x
+    written once (one slot each). The KV term is the one BENCH.md's floor has always counted (2 x kv heads x head dim x
     context x 2 bytes per layer in bf16)."""
     total = 0
     for ls in layout:
@@ -113,7 +121,7 @@ class KVCache(torch.nn.Module):
                                                     dtype=ls.dtype, device=device)
             elif ls.kind == "recurrent":
                 for name, shape in ls.states:
-                    tensors[f"state_{i}_{name}"] = torch.zeros((batch, *shape), dtype=ls.dtype, device=device)
+                    tensors[f"state_{i}_{name}"] = torch.zeros((2, batch, *shape), dtype=ls.dtype, device=device)
         return cls(layout, tensors, max_cache_len, batch, cache_api)
 
     def first(self, k: int) -> "KVCache":
