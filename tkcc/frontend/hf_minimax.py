@@ -42,21 +42,24 @@ class LinearCacheMethods:
         self.write_state(layer_idx, "linear", linear_cache)
 
 
-def lightning_block(q, k, v, state, slope_rate):
+def lightning_block(q, k, v, state, slope_rate, block_slope=None):
     """T tokens of lightning attention from ``state``: (output [B, H, T, D], state after the T tokens).
 
     q, k, v [B, H, T, D]; state [B, H, D, D]; slope_rate [H, 1, 1] (the decay is ``exp(-slope)`` per token).
-    The decays are the ones ``MiniMaxLightningAttention.decay_factors`` computes, for a block of T."""
+    The decays are the ones ``MiniMaxLightningAttention.decay_factors`` computes for a block of T: in the
+    slope's dtype (transformers computes them in float32 at init), then in q's. ``block_slope``: the slope
+    the state's decay over the block uses (transformers: the module's buffer, in the model dtype)."""
     t = q.shape[2]
     pos = torch.arange(t, device=q.device) + 1
-    query_decay = torch.exp(-slope_rate * pos[:, None])
-    key_decay = torch.exp(-slope_rate * (t - pos[:, None]))
+    query_decay = torch.exp(-slope_rate * pos[:, None]).to(q.dtype)
+    key_decay = torch.exp(-slope_rate * (t - pos[:, None])).to(q.dtype)
     diagonal = pos[:, None] - pos[None, :]
     diagonal = slope_rate * diagonal[None, None, :, :]
-    diagonal_decay = torch.exp(torch.where(diagonal >= 0, -diagonal, float("-inf")))
+    diagonal_decay = torch.exp(torch.where(diagonal >= 0, -diagonal, float("-inf"))).to(q.dtype)
     intra = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * diagonal_decay, v)
     inter = torch.matmul(q * query_decay, state)
-    new_state = state * torch.exp(-slope_rate * t) + torch.matmul((k * key_decay).transpose(-1, -2), v)
+    block_slope = slope_rate if block_slope is None else block_slope
+    new_state = state * torch.exp(-block_slope * t) + torch.matmul((k * key_decay).transpose(-1, -2), v)
     return inter + intra, new_state
 
 
@@ -73,7 +76,9 @@ def lightning_forward(self, hidden_states: torch.Tensor, position_embeddings=Non
     qkv = qkv.reshape(batch_size, seq_len, self.num_attention_heads, 3 * self.head_dim)
     q, k, v = (x.transpose(1, 2) for x in torch.split(qkv, self.head_dim, dim=3))
     state = past_key_values.get_linear_cache(self.layer_idx)
-    out, state = lightning_block(q, k, v, state, self.slope_rate)
+    # the decays from the float32 slope transformers' decay_factors used, as its precomputed buffers were
+    slope = self.get_slope_rate().to(device=q.device, dtype=torch.float32)
+    out, state = lightning_block(q, k, v, state, slope, block_slope=self.slope_rate)
     out = out.transpose(1, 2).reshape(batch_size, seq_len, self.num_attention_heads * self.head_dim)
     out = self.norm(out)
     out = F.sigmoid(self.output_gate(hidden_states)) * out
