@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs -> Program with phases "prefill" and "decode" over a static KV cache.
+"""Hugging Face causal LMs -> Program with phases "prefill" and "decode" over a static state (``KVCache``).
 
 Each phase is one whole graph of ``StepModule.forward(input_ids, cache_position)
 -> logits``:
@@ -10,9 +10,11 @@ Each phase is one whole graph of ``StepModule.forward(input_ids, cache_position)
   ``model(...)`` returns them).
 
 A step writes the new keys/values at ``cache_position`` into the KV buffers
-(``Program.state``, a ``KVCache``) and attends over the cache with a causal
-mask from those positions, so its result depends only on its inputs and on
-cache positions < ``cache_position[-1]``.
+(``Program.state``, a ``KVCache``; a recurrent layer's state too, see
+``tkcc.frontend.kv_cache``) and attends over the cache with a causal mask from
+those positions, so its result depends only on its inputs and on cache
+positions < ``cache_position[-1]``. What each layer keeps is probed from the
+model itself (``tkcc.frontend.hf_cache.probe_layout``).
 """
 from __future__ import annotations
 

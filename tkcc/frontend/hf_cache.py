@@ -9,11 +9,11 @@ whose layers keep something else is refused here, by name, before export.
 
 ``PositionedCache`` is the ``Cache`` the captured steps run on: each layer
 points at the ``KVCache`` buffers of the step being traced; keys and values
-are written at ``cache_position`` (``index_copy_``), recurrent states are
-written in place too (``index_copy_`` into the slot of the step's end). Where a family's modeling code calls its own
-cache class's methods (MiniMax's ``get_linear_cache``), the cache also is an
-instance of that class with those methods on tkcc's buffers
-(``tkcc.frontend.hf_adapters``).
+are written at ``cache_position`` (``index_copy_``), recurrent states in
+place too (``index_copy_`` into the slot of the step's end). Where a family's
+modeling code calls its own cache class's methods (MiniMax's
+``get_linear_cache``), the cache also is an instance of that class with those
+methods on tkcc's buffers (``tkcc.frontend.hf_adapters``).
 """
 from __future__ import annotations
 
