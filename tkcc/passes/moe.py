@@ -133,7 +133,7 @@ def routed_nodes(gm: torch.fx.GraphModule, path: str) -> list[torch.fx.Node]:
     (views) that only feeds them. Nodes of other children (a shared expert, its gate) and what reads them
     are not among them."""
     block = region_nodes(gm, path)
-    core = set(region_nodes(gm, f"{path}.gate")) | set(region_nodes(gm, f"{path}.experts"))
+    core = {n for child in ROUTED for n in region_nodes(gm, f"{path}.{child}")}
     own = [n for n in block if n not in core and _innermost(n) == path]
     changed = True
     while changed:
