@@ -41,7 +41,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tkcc.frontend.decode_bytes import bytes_per_token, weight_bytes_per_token  # noqa: E402
 from tkcc.frontend.generate import greedy_loop  # noqa: E402
+from tkcc.frontend.hf_cache import probe_layout  # noqa: E402
 from tkcc.frontend.models import build_model, get_spec  # noqa: E402
 from tkcc.frontend.weight_packing import pack_projections  # noqa: E402
 from tkcc.kernels.decoder import ATTENTION_KINDS, FusedDecoder  # noqa: E402
@@ -81,26 +83,14 @@ def copy_bandwidth() -> float:
     return 2 * n / float(np.median(ts))
 
 
-def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decode token reads: all but the embedding table (one row), experts k/E."""
-    cfg = model.config
-    total = 0
-    emb = model.model.embed_tokens.weight
-    for name, p in model.named_parameters():
-        if p is emb and not getattr(cfg, "tie_word_embeddings", False):
-            total += p.shape[1] * p.element_size()
-            continue
-        b = p.numel() * p.element_size()
-        if ".experts." in name:
-            b = b * cfg.num_experts_per_tok // cfg.num_experts
-        total += b
-    return total
+_LAYOUTS: dict = {}
 
 
 def kv_bytes(model, context: int) -> int:
-    cfg = model.config
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * d * context * 2
+    """State bytes a decode step at ``context`` reads (tkcc.frontend.decode_bytes, the floor's one mechanism)."""
+    if id(model) not in _LAYOUTS:
+        _LAYOUTS[id(model)] = probe_layout(model, 1)[0]
+    return bytes_per_token(model, context, _LAYOUTS[id(model)])["state"]
 
 
 def time_steps(fn, n: int, reps: int) -> float:

@@ -12,7 +12,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "olmoe-tiny"])
+@pytest.mark.parametrize("name", ["llama-tiny", "olmoe-tiny", "mixtral-tiny", "qwen3moe-tiny", "qwen2moe-tiny",
+                                  "deepseekv3-tiny", "minimax-tiny"])
 def test_tiny_greedy_matches_hf_on_gpu(name):
     from tkcc.frontend import capture, greedy
     from tkcc.frontend.models import build_model
@@ -26,7 +27,8 @@ def test_tiny_greedy_matches_hf_on_gpu(name):
     assert torch.equal(tokens, ref[:, 6:])
 
 
-@pytest.mark.parametrize("name", ["olmoe-16l", "llama-1b-16l"])
+@pytest.mark.parametrize("name", ["olmoe-16l", "llama-1b-16l", "mixtral-16l", "qwen3moe-16l", "qwen2moe-16l",
+                                  "deepseekv3-16l", "minimax-16l"])
 def test_reference_model_capture_on_gpu(name):
     from tkcc.frontend import capture, greedy
     from tkcc.frontend.models import build_model

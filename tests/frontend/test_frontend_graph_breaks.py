@@ -73,8 +73,9 @@ def test_suggestions_by_reason():
     assert suggest_fix("something new\n  Hint: do the other thing") == "do the other thing"
 
 
-def test_hf_moe_with_eager_experts_names_the_transformers_line():
-    """transformers' 'eager' experts loop over nonzero(): the error points into modeling_olmoe.py and says what to set."""
+def test_hf_moe_with_eager_experts_names_tkcc_frame_module_and_setting():
+    """transformers' 'eager' experts loop over nonzero(): the error leads with tkcc's frame and the reason, names
+    the model's module and line where export stopped, and says what to configure (never what to rewrite)."""
     pytest.importorskip("transformers")
     from tkcc.frontend.models import build_model
 
@@ -83,5 +84,33 @@ def test_hf_moe_with_eager_experts_names_the_transformers_line():
     with pytest.raises(CaptureError) as info:
         capture(model, max_cache_len=16, phases=["decode"])
     msg = str(info.value)
-    assert "modeling_olmoe.py" in msg and "nonzero" in msg and "batched_mm" in msg
-    assert all(b.line > 0 for b in info.value.breaks)
+    assert msg.startswith("tkcc.frontend.hf.capture_hf: cannot capture the decode step of OlmoeForCausalLM")
+    assert "modeling_olmoe.py" in msg and "model.layers.0.mlp.experts, OlmoeExperts" in msg
+    assert "data-dependent" in msg and "batched_mm" in msg
+    assert "change:" not in msg and "rewrite" not in msg
+    assert len(info.value.breaks) == 1 and info.value.breaks[0].line > 0
+
+
+def test_a_family_tkcc_cannot_capture_is_refused_by_name_before_export():
+    """Qwen3-Next's gated-delta-net layers keep conv and recurrent states (transformers' LinearAttentionLayer):
+    refused at the probe step, naming tkcc's frame, the layer, what it keeps and what tkcc captures; cheaply."""
+    transformers = pytest.importorskip("transformers")
+    import time
+
+    cfg = transformers.Qwen3NextConfig(
+        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, vocab_size=256, layer_types=["linear_attention", "full_attention"],
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._experts_implementation = "batched_mm"
+    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    t0 = time.perf_counter()
+    with pytest.raises(CaptureError) as info:
+        capture(model, max_cache_len=16)
+    assert time.perf_counter() - t0 < 5  # one eager step, no export, no dynamo explain
+    msg = str(info.value)
+    assert msg.startswith("tkcc.frontend.hf_cache.probe_layout: cannot capture Qwen3NextForCausalLM")
+    assert "layer 0 (linear_attention)" in msg and "LinearAttentionLayer" in msg
+    assert "recurrent_states[0] (1, 2, 16, 16)" in msg and "MiniMaxCache" in msg
+    assert "modeling_qwen3_next.py" not in msg

@@ -31,12 +31,13 @@ import torch.fx
 _CHECK_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "sym_constrain_range"}
 
 
-def export_graph(module: torch.nn.Module, args: tuple, dynamic_shapes=None, what: str = "model") -> tuple[
-        torch.fx.GraphModule, object]:
+def export_graph(module: torch.nn.Module, args: tuple, dynamic_shapes=None, what: str = "model",
+                 failure=None) -> tuple[torch.fx.GraphModule, object]:
     """Export ``module(*args)`` as one graph. Returns (graph module, output pytree spec).
 
     Raises CaptureError listing every graph break when the module cannot be
-    captured whole.
+    captured whole; ``failure(exc) -> CaptureError`` builds the error instead
+    (a library model's, which names tkcc's frame rather than lines to rewrite).
     """
     # torch.export prints the partial graph of a failed export to stderr; our error summarises it instead.
     err = io.StringIO()
@@ -46,6 +47,8 @@ def export_graph(module: torch.nn.Module, args: tuple, dynamic_shapes=None, what
     except Exception as exc:  # noqa: BLE001 - any export failure is turned into a CaptureError
         partial = str(getattr(exc, "partial_fx_graph", "") or "")
         sys.stderr.write(err.getvalue().replace(partial, "") if partial else err.getvalue())
+        if failure is not None:
+            raise failure(exc) from exc
         from tkcc.frontend.graph_breaks import capture_error_from_failure
 
         raise capture_error_from_failure(module, tuple(args), exc, what) from exc

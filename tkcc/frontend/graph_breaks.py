@@ -149,3 +149,50 @@ def capture_error_from_failure(module, args: tuple, exc: BaseException, what: st
     err = CaptureError("\n".join(lines))
     err.breaks = breaks
     return err
+
+
+# (pattern in the failure, what to configure): a library model is configured, never rewritten.
+_LIBRARY_FIXES = [
+    (r"nonzero|DynamicOutputShape|dynamic shape operator|data-dependent|GuardOnDataDependent",
+     "a data-dependent op inside the model's code; for a Hugging Face MoE model set "
+     "config._experts_implementation = 'batched_mm' (a fixed-shape experts implementation) before capture"),
+    (r"flash_attn|flex_attention|BlockMask",
+     "set config._attn_implementation = 'sdpa' before capture"),
+]
+
+
+def library_failure(model, what: str, exc: BaseException, where: str, supported: str) -> CaptureError:
+    """A CaptureError for a library model (a Hugging Face ``*ForCausalLM``) that ``torch.export`` could not trace.
+
+    Unlike a user's module, the model's code is not the user's to rewrite: the error leads with tkcc's own
+    frame (``where``) and the reason, says in which of the model's modules and lines export stopped, and
+    offers a configuration change where one is known, else what tkcc does capture (``supported``)."""
+    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    frame = failure_frame(exc)
+    module = _failing_module(model, exc)
+    at = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else "an unknown line"
+    inside = f" (module {module})" if module else ""
+    fix = next((f for pat, f in _LIBRARY_FIXES if re.search(pat, str(exc))), None)
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg.get_text_config(), "model_type", "?") if cfg is not None else "?"
+    msg = (f"{where}: cannot capture {what} {type(model).__name__} (model_type {kind!r}) as one graph: "
+           f"torch.export stopped at {at}{inside}: {reason}\n"
+           + (f"  what to do: {fix}" if fix else f"  tkcc does not capture this model's code yet; it captures "
+                                                 f"{supported}"))
+    err = CaptureError(msg)
+    err.breaks = [GraphBreak(file=frame.filename if frame else "<unknown>", line=frame.lineno if frame else 0,
+                             function=frame.name if frame else "?", code=(frame.line or "") if frame else "",
+                             reason=reason, fix=fix or "not supported by tkcc's capture")]
+    return err
+
+
+def _failing_module(model, exc: BaseException) -> str | None:
+    """'<path> (<class>)' of the innermost module of ``model`` whose code was running when ``exc`` was raised."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, torch.nn.Module) and id(obj) in paths and paths[id(obj)]:
+            found = f"{paths[id(obj)]}, {type(obj).__name__}"
+        tb = tb.tb_next
+    return found

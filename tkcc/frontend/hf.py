@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs -> Program with phases "prefill" and "decode" over a static KV cache.
+"""Hugging Face causal LMs -> Program with phases "prefill" and "decode" over a static state (``KVCache``).
 
 Each phase is one whole graph of ``StepModule.forward(input_ids, cache_position)
 -> logits``:
@@ -10,19 +10,25 @@ Each phase is one whole graph of ``StepModule.forward(input_ids, cache_position)
   ``model(...)`` returns them).
 
 A step writes the new keys/values at ``cache_position`` into the KV buffers
-(``Program.state``, a ``KVCache``) and attends over the cache with a causal
-mask from those positions, so its result depends only on its inputs and on
-cache positions < ``cache_position[-1]``.
+(``Program.state``, a ``KVCache``; a recurrent layer's state too, see
+``tkcc.frontend.kv_cache``) and attends over the cache with a causal mask from
+those positions, so its result depends only on its inputs and on cache
+positions < ``cache_position[-1]``. What each layer keeps is probed from the
+model itself (``tkcc.frontend.hf_cache.probe_layout``).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
+import types
 
 import torch
 
 from tkcc.errors import CaptureError, TkccError
 from tkcc.frontend.export import export_graph
 from tkcc.frontend.fingerprint import model_fingerprint
+from tkcc.frontend.graph_breaks import library_failure
 from tkcc.frontend.layer_map import layer_map
 from tkcc.frontend.program import Program
 from tkcc.frontend.truncate import copied_path, keep_first_blocks
@@ -57,47 +63,48 @@ def decoder_layers_path(model) -> str:
     return min(candidates, key=lambda p: p.count("."))
 
 
-def kv_shape(config) -> tuple[int, int]:
-    """(kv heads, head dim) of every layer; per-layer variation is not supported."""
-    cfg = config.get_text_config()
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return int(heads), int(head_dim)
-
-
 class StepModule(torch.nn.Module):
-    """One prefill/decode step of an HF causal LM over a ``KVCache``: (input_ids, cache_position) -> logits."""
+    """One prefill/decode step of an HF causal LM over a ``KVCache``: (input_ids, cache_position) -> logits.
+
+    Modules with a registered forward (``tkcc.frontend.hf_adapters.MODULE_FORWARDS``) run it during the
+    step, and only then: the model is the user's, unchanged outside a step."""
 
     def __init__(self, lm: torch.nn.Module, kv):
         super().__init__()
-        from tkcc.frontend.kv_cache import PositionedCache
+        from tkcc.frontend.hf_adapters import module_forwards
+        from tkcc.frontend.hf_cache import positioned_cache
 
         self.lm = lm
         self.kv = kv
-        self._cache = PositionedCache(kv)
+        self._cache = positioned_cache(kv)
+        self._forwards = module_forwards(lm)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         # Point the cache at this module's buffers (during export: the traced ones) and this step's positions.
         self._cache.bind(self.kv, cache_position)
-        out = self.lm(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
-                      past_key_values=self._cache, use_cache=True)
+        with _registered_forwards(self._forwards):
+            out = self.lm(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
+                          past_key_values=self._cache, use_cache=True)
         return out.logits
 
 
-def _check_model(model) -> None:
-    cfg = model.config.get_text_config()
-    if getattr(cfg, "per_layer_attributes", None):
-        raise CaptureError(f"{type(model).__name__}: per-layer head shapes ({cfg.per_layer_attributes}) are not "
-                           "supported by the static KV cache")
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if not kinds <= {"full_attention", "sliding_attention"}:
-        raise CaptureError(f"{type(model).__name__}: layer types {sorted(kinds)} are not supported "
-                           "(only attention layers with a KV cache)")
+@contextlib.contextmanager
+def _registered_forwards(pairs):
+    """Each module's registered forward as its instance ``forward`` for the duration of one step."""
+    for mod, fn in pairs:
+        mod.forward = types.MethodType(fn, mod)
+    try:
+        yield
+    finally:
+        for mod, _fn in pairs:
+            mod.__dict__.pop("forward", None)
 
 
 def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: int = 1, exact: bool = True,
                _parent: Program | None = None, _kv=None) -> Program:
     """Capture an HF causal LM as a Program (see module docstring for the phase conventions)."""
+    from tkcc.frontend.hf_cache import SUPPORTED
+
     t0 = time.perf_counter()
     prog = prepare_hf(model, phases=phases, max_cache_len=max_cache_len, batch=batch, exact=exact, _parent=_parent,
                       _kv=_kv)
@@ -109,7 +116,9 @@ def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
             t = torch.export.Dim("T", min=1, max=prog.meta["max_cache_len"])
             dyn = ({1: t}, {0: t})
         with torch.no_grad():
-            gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, what=f"{phase} step of")
+            gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, failure=functools.partial(
+                library_failure, model, f"the {phase} step of", where="tkcc.frontend.hf.capture_hf",
+                supported=SUPPORTED))
         graphs[phase] = gm
         layer_maps[phase] = layer_map(gm, prog.meta["block_container"])
     step._cache.bind(prog.state, None)  # drop references to traced tensors
@@ -123,13 +132,13 @@ def prepare_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
     """Everything of a captured Program but its graphs: packed weights, the KV cache, the eager step, the
     fingerprint and the input makers. ``capture_hf`` adds the exported graphs; ``tkcc.load`` needs none
     (an artifact brings its forwards), so a loaded model is ready without exporting anything."""
+    from tkcc.frontend.hf_cache import probe_layout
     from tkcc.frontend.kv_cache import KVCache
 
     phases = tuple(phases or PHASES)
     bad = [p for p in phases if p not in PHASES]
     if bad:
         raise CaptureError(f"unknown phase(s) {bad} for a causal LM; phases are {list(PHASES)}")
-    _check_model(model)
     cfg = model.config.get_text_config()
     if max_cache_len is None:
         max_cache_len = min(getattr(cfg, "max_position_embeddings", DEFAULT_MAX_CACHE_LEN) or DEFAULT_MAX_CACHE_LEN,
@@ -145,8 +154,8 @@ def prepare_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
     if _parent is None:
         pack_projections(model)  # before any graph holds a weight pointer (see tkcc.frontend.weight_packing)
     if _kv is None:
-        heads, head_dim = kv_shape(model.config)
-        _kv = KVCache.allocate(num_layers, batch, heads, max_cache_len, head_dim, dtype, device)
+        layout, api = probe_layout(model, batch)
+        _kv = KVCache.allocate(layout, batch, max_cache_len, device, cache_api=api)
     step = StepModule(model, _kv)
 
     example_t = min(_EXAMPLE_PROMPT, max_cache_len // 2)
@@ -182,6 +191,7 @@ def prepare_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
             torch_version=torch.__version__,
             truncated_from=_parent.meta["num_layers"] if _parent is not None else None,
             prefill_chunk=_prefill_chunk(model),
+            state_layout=[ls.describe() for ls in _kv.layout],
         ),
         state=_kv,
         make_inputs={p: _input_maker(p, _kv, cfg.vocab_size, examples[p]) for p in phases},

@@ -1,126 +1,193 @@
-"""Static KV cache for captured Hugging Face models: preallocated buffers written in place.
+"""``Program.state`` of a causal LM: what every decoder layer keeps between steps, as preallocated buffers.
 
 Why not transformers' own ``StaticCache`` layers unchanged: they keep a
 ``cumulative_length`` counter tensor per layer that each forward reads and
 increments, i.e. hidden state besides the keys and values. Here the write
 position is the graph input ``cache_position`` itself, so a step is a pure
-function of (inputs, cache contents): the same inputs on the same cache give
-the same logits, and any position can be (re)written or replayed. The
-arithmetic is the one transformers' ``StaticLayer`` does: ``index_copy_`` of
-the new keys/values at the given positions, attention over the whole
-``max_cache_len`` with the causal mask hiding positions not yet written.
+function of (inputs, state contents): the same inputs on the same state give
+the same logits, and any position can be (re)written or replayed.
 
-``KVCache`` (an ``nn.Module``) owns the tensors as buffers ``key_<i>`` and
-``value_<i>`` of shape ``[batch, kv_heads, max_cache_len, head_dim]``; the
-transformers-side ``Cache`` object only points at them. The captured graphs
-read and write these buffers (``get_attr`` + ``index_copy_``): they are
-``Program.state``.
+A layer keeps one of (``LayerState.kind``):
+
+- ``attention``: buffers ``key_<i>`` [batch, key heads, max_cache_len, key dim]
+  and ``value_<i>`` [batch, value heads, max_cache_len, value dim]. Keys and
+  values may differ in shape (MLA keeps its compressed latent as the "key" and
+  the shared rotary key as the "value"), and so may layers. A sliding-window
+  layer has the same full-length buffers; the attention mask hides what lies
+  outside its window, so any context up to ``max_cache_len`` is exact.
+- ``recurrent``: buffers ``state_<i>_<name>`` [2, batch, ...] (a linear-attention
+  layer's running ``K^T V``): slot ``p % 2`` holds the state after p tokens.
+  A step from position p reads slot ``p % 2`` and writes slot ``(p + T) % 2``
+  in place, so a decode step read one slot and wrote the other: replayed, it
+  reads what it read the first time and gives the same logits, as a step over
+  keys and values does (the engine times and checks a step by replaying it). A
+  step at position 0 reads zeros (a fresh sequence), whatever the slot holds.
+  Only a prefill that continues a sequence by an even number of tokens
+  overwrites the slot it read (run once in order, as generation does, it is
+  exact; replayed, it is not).
+- ``none``: nothing.
+
+The layout comes from the model itself (``tkcc.frontend.hf_cache.probe_layout``
+runs one step with the model's own cache and reads what each layer kept).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from transformers.cache_utils import Cache, StaticCache, StaticLayer
+
+from tkcc.errors import TkccError
+
+KINDS = ("attention", "recurrent", "none")
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """What one decoder layer keeps: shapes without the batch (and, for keys/values, the position) dim."""
+
+    kind: str
+    dtype: torch.dtype | None = None
+    key: tuple[int, int] | None = None      # (heads, dim) per position
+    value: tuple[int, int] | None = None
+    window: int | None = None               # sliding-window attention: positions a query sees
+    states: tuple[tuple[str, tuple[int, ...]], ...] = ()  # recurrent: (name, shape) of each state tensor
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"LayerState kind {self.kind!r}: one of {KINDS}")
+
+    def describe(self) -> dict:
+        """JSON-ready (``Program.meta["state_layout"]``)."""
+        d = {"kind": self.kind, "dtype": str(self.dtype).replace("torch.", "") if self.dtype else None}
+        if self.kind == "attention":
+            d.update(key=list(self.key), value=list(self.value), window=self.window)
+        elif self.kind == "recurrent":
+            d["states"] = {n: list(s) for n, s in self.states}
+        return d
+
+
+def state_bytes(layout: list[LayerState], context: int, batch: int = 1) -> int:
+    """Bytes of state one decode step at ``context`` must move: the keys and values of the positions it
+    attends to (``min(context, window)`` for a sliding-window layer), and each recurrent state read and
+    written once (one slot each). The KV term is the one BENCH.md's floor has always counted (2 x kv heads x head dim x
+    context x 2 bytes per layer in bf16)."""
+    total = 0
+    for ls in layout:
+        size = ls.dtype.itemsize if ls.dtype is not None else 0
+        if ls.kind == "attention":
+            seen = min(context, ls.window) if ls.window else context
+            total += batch * seen * (ls.key[0] * ls.key[1] + ls.value[0] * ls.value[1]) * size
+        elif ls.kind == "recurrent":
+            total += 2 * batch * sum(_numel(s) for _n, s in ls.states) * size
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 class KVCache(torch.nn.Module):
-    """Per-layer key/value buffers ``key_<i>``, ``value_<i>``: [batch, kv_heads, max_cache_len, head_dim]."""
+    """Every layer's state as buffers (see the module docstring); ``layout[i]`` says what layer i keeps.
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    ``cache_api`` names the model's own transformers cache class when the model calls methods of it
+    beyond ``Cache``'s (MiniMax's ``get_linear_cache``); ``tkcc.frontend.hf_cache`` offers them.
+    """
+
+    def __init__(self, layout: list[LayerState], tensors: dict[str, torch.Tensor], max_cache_len: int,
+                 batch: int, cache_api: str | None = None):
         super().__init__()
-        if len(keys) != len(values) or not keys:
-            raise ValueError(f"KVCache needs one key and one value tensor per layer, got {len(keys)}/{len(values)}")
-        for i, (k, v) in enumerate(zip(keys, values)):
-            self.register_buffer(f"key_{i}", k, persistent=False)
-            self.register_buffer(f"value_{i}", v, persistent=False)
-        self.num_layers = len(keys)
+        if not layout:
+            raise ValueError("KVCache needs at least one layer")
+        for name, t in tensors.items():
+            self.register_buffer(name, t, persistent=False)
+        self.layout = list(layout)
+        self.num_layers = len(layout)
+        self._max_cache_len, self._batch = int(max_cache_len), int(batch)
+        self.cache_api = cache_api
 
     @classmethod
-    def allocate(cls, num_layers: int, batch: int, kv_heads: int, max_cache_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> "KVCache":
-        shape = (batch, kv_heads, max_cache_len, head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+    def allocate(cls, layout: list[LayerState], batch: int, max_cache_len: int, device: torch.device,
+                 cache_api: str | None = None) -> "KVCache":
+        """Zero-filled buffers for ``layout`` (the state of a fresh sequence)."""
+        tensors = {}
+        for i, ls in enumerate(layout):
+            if ls.kind == "attention":
+                tensors[f"key_{i}"] = torch.zeros((batch, ls.key[0], max_cache_len, ls.key[1]), dtype=ls.dtype,
+                                                  device=device)
+                tensors[f"value_{i}"] = torch.zeros((batch, ls.value[0], max_cache_len, ls.value[1]),
+                                                    dtype=ls.dtype, device=device)
+            elif ls.kind == "recurrent":
+                for name, shape in ls.states:
+                    tensors[f"state_{i}_{name}"] = torch.zeros((2, batch, *shape), dtype=ls.dtype, device=device)
+        return cls(layout, tensors, max_cache_len, batch, cache_api)
 
     def first(self, k: int) -> "KVCache":
         """A KVCache over the first k layers' buffers (the same tensors: a truncated tier shares memory)."""
-        return KVCache([self.key(i) for i in range(k)], [self.value(i) for i in range(k)])
+        keep = {n: b for n, b in self.named_buffers() if int(n.split("_")[1]) < k}
+        return KVCache(self.layout[:k], keep, self._max_cache_len, self._batch, self.cache_api)
+
+    def kind(self, i: int) -> str:
+        return self.layout[i].kind
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, ls in enumerate(self.layout) if ls.kind == "attention"]
 
     def key(self, i: int) -> torch.Tensor:
+        self._need(i, "attention", "keys")
         return getattr(self, f"key_{i}")
 
     def value(self, i: int) -> torch.Tensor:
+        self._need(i, "attention", "values")
         return getattr(self, f"value_{i}")
+
+    def state(self, i: int, name: str) -> torch.Tensor:
+        self._need(i, "recurrent", f"a recurrent state {name!r}")
+        try:
+            return getattr(self, f"state_{i}_{name}")
+        except AttributeError:
+            have = [n for n, _s in self.layout[i].states]
+            raise TkccError(f"layer {i} keeps the recurrent state(s) {have}, not {name!r}") from None
+
+    def _need(self, i: int, kind: str, what: str) -> None:
+        if not 0 <= i < self.num_layers:
+            raise TkccError(f"layer {i} is outside this cache's {self.num_layers} layers")
+        if self.layout[i].kind != kind:
+            raise TkccError(f"layer {i} keeps {self.layout[i].kind} state, not {what}")
 
     @property
     def max_cache_len(self) -> int:
-        return self.key_0.shape[2]
+        return self._max_cache_len
 
     @property
     def batch(self) -> int:
-        return self.key_0.shape[0]
+        return self._batch
+
+    def decode_bytes(self, context: int) -> int:
+        """Bytes of state one decode step at ``context`` moves (``state_bytes``)."""
+        return state_bytes(self.layout, context, self._batch)
 
     def reset(self) -> None:
-        """Zero every key/value (the state a fresh request starts from)."""
+        """Zero every buffer (the state a fresh request starts from)."""
         with torch.no_grad():
             for b in self.buffers():
                 b.zero_()
 
     def fill_random(self, length: int, generator: torch.Generator | None = None, scale: float = 1.0) -> None:
-        """Write N(0, scale) values at positions [0, length) of every layer, zeros after.
+        """N(0, scale) keys/values at positions [0, length) of every attention layer, zeros after; every
+        recurrent state N(0, scale) when ``length > 0`` (zeros at 0).
 
         For timing decode at context ``length`` without running a prefill: the
         values are not those a real prompt would produce, the amount of work is.
         """
         with torch.no_grad():
-            for b in self.buffers():
+            for name, b in self.named_buffers():
                 b.zero_()
-                if length > 0:
-                    view = b[:, :, :length]
-                    view.copy_(torch.randn(view.shape, generator=generator, device=b.device, dtype=torch.float32)
-                               .mul_(scale).to(b.dtype))
-
-
-class PositionedLayer(StaticLayer):
-    """A transformers ``StaticLayer`` whose write position is the step's ``cache_position`` input.
-
-    ``keys``/``values`` point at ``KVCache`` buffers and ``position`` at the
-    current ``cache_position``; ``StepModule.forward`` sets all three before
-    every call (during export they are the traced tensors).
-    """
-
-    def __init__(self, max_cache_len: int):
-        super().__init__(max_cache_len=max_cache_len)
-        self.position: torch.Tensor | None = None
-
-    def bind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys, self.values = keys, values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.batch_size, self.num_heads = keys.shape[:2]
-        self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers come from KVCache
-        raise RuntimeError("PositionedLayer is bound to KVCache buffers; bind() it before use")
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys.index_copy_(2, self.position, key_states)
-        self.values.index_copy_(2, self.position, value_states)
-        return self.keys, self.values
-
-    def get_seq_length(self):
-        # Tokens before this step = the first position written (a 0-dim tensor, as StaticLayer returns).
-        return self.position[0]
-
-
-class PositionedCache(StaticCache):
-    """A ``StaticCache`` made of ``PositionedLayer`` s over a ``KVCache``."""
-
-    def __init__(self, kv: KVCache):  # noqa: D107 - StaticCache.__init__ needs a config; not used here
-        layers = [PositionedLayer(kv.max_cache_len) for _ in range(kv.num_layers)]
-        Cache.__init__(self, layers=layers)
-        self.bind(kv, None)
-
-    def bind(self, kv: KVCache, cache_position: torch.Tensor | None) -> None:
-        for i, layer in enumerate(self.layers):
-            layer.bind(kv.key(i), kv.value(i))
-            layer.position = cache_position
+                if length <= 0:
+                    continue
+                view = b if name.startswith("state_") else b[:, :, :length]
+                view.copy_(torch.randn(view.shape, generator=generator, device=b.device, dtype=torch.float32)
+                           .mul_(scale).to(b.dtype))

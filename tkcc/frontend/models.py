@@ -19,16 +19,32 @@ from tkcc.errors import TkccError
 EXPERTS_IMPLEMENTATION = "batched_mm"
 
 
+# family -> (transformers config class, model class, whether its blocks are sparse MoE)
+FAMILIES: dict[str, tuple[str, str, bool]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", False),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", True),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", True),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", True),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", True),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", True),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", True),
+}
+
+# Buffers a checkpoint fills but random initialisation leaves at zero; seeded random values make the
+# reference models exercise them (DeepSeek-V3's router bias that corrects expert selection).
+_CHECKPOINT_BUFFERS = ("e_score_correction_bias",)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str  # "llama", "olmoe", "mixtral", "qwen3_moe"
+    family: str  # a key of FAMILIES
     config: dict
     description: str
 
     @property
     def is_moe(self) -> bool:
-        return self.family in ("olmoe", "mixtral", "qwen3_moe")
+        return FAMILIES[self.family][2]
 
 
 _NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -43,23 +59,13 @@ DEFAULT_MODEL: str = _SPECS["default"]
 def _config_cls(family: str):
     import transformers
 
-    return {
-        "llama": transformers.LlamaConfig,
-        "olmoe": transformers.OlmoeConfig,
-        "mixtral": transformers.MixtralConfig,
-        "qwen3_moe": transformers.Qwen3MoeConfig,
-    }[family]
+    return getattr(transformers, FAMILIES[family][0])
 
 
 def _model_cls(family: str):
     import transformers
 
-    return {
-        "llama": transformers.LlamaForCausalLM,
-        "olmoe": transformers.OlmoeForCausalLM,
-        "mixtral": transformers.MixtralForCausalLM,
-        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-    }[family]
+    return getattr(transformers, FAMILIES[family][1])
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -92,6 +98,10 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, device: str | tor
     torch.manual_seed(seed)
     with torch.device(dev):
         model = _model_cls(spec.family)(cfg)
+        with torch.no_grad():
+            for path, buf in model.named_buffers():
+                if path.rsplit(".", 1)[-1] in _CHECKPOINT_BUFFERS:
+                    buf.normal_(0.0, cfg.initializer_range)
     model = model.to(dtype=dtype).eval()
     model.requires_grad_(False)
     model.tkcc_name = name
