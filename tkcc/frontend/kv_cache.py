@@ -124,6 +124,14 @@ class KVCache(torch.nn.Module):
                     tensors[f"state_{i}_{name}"] = torch.zeros((2, batch, *shape), dtype=ls.dtype, device=device)
         return cls(layout, tensors, max_cache_len, batch, cache_api)
 
+    @classmethod
+    def of_tensors(cls, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "KVCache":
+        """A cache of attention layers over existing [B, H, S, D] key and value tensors (shared, not copied)."""
+        layout = [LayerState("attention", dtype=k.dtype, key=(k.shape[1], k.shape[3]), value=(v.shape[1], v.shape[3]))
+                  for k, v in zip(keys, values)]
+        tensors = {**{f"key_{i}": k for i, k in enumerate(keys)}, **{f"value_{i}": v for i, v in enumerate(values)}}
+        return cls(layout, tensors, keys[0].shape[2], keys[0].shape[0])
+
     def first(self, k: int) -> "KVCache":
         """A KVCache over the first k layers' buffers (the same tensors: a truncated tier shares memory)."""
         keep = {n: b for n, b in self.named_buffers() if int(n.split("_")[1]) < k}

@@ -60,8 +60,9 @@ class SlotCache(KVCache):
         n = keys[0].shape[0] - 1
         if n < 1:
             raise ValueError(f"SlotCache needs tensors of B + 1 >= 2 rows, got {keys[0].shape[0]}")
-        super().__init__([k[n:] for k in keys], [v[n:] for v in values])
-        self.slots = KVCache([k[:n] for k in keys], [v[:n] for v in values])
+        staging = KVCache.of_tensors([k[n:] for k in keys], [v[n:] for v in values])
+        super().__init__(staging.layout, dict(staging.named_buffers()), staging.max_cache_len, 1)
+        self.slots = KVCache.of_tensors([k[:n] for k in keys], [v[:n] for v in values])
         self._full = (list(keys), list(values))
 
     @classmethod
@@ -183,7 +184,8 @@ def prepare_slots(model, slots: int, *, max_cache_len: int, exact: bool = True):
 
 
 def _allocate(model, slots: int, max_cache_len: int | None) -> SlotCache:
-    from tkcc.frontend.hf import DEFAULT_MAX_CACHE_LEN, is_hf_causal_lm, kv_shape
+    from tkcc.frontend.hf import DEFAULT_MAX_CACHE_LEN, is_hf_causal_lm
+    from tkcc.frontend.hf_cache import probe_layout
 
     if not is_hf_causal_lm(model):
         raise CaptureError(f"capture_slots: {type(model).__name__} is not a Hugging Face causal LM")
@@ -203,7 +205,13 @@ def _allocate(model, slots: int, max_cache_len: int | None) -> SlotCache:
                            f"{max_cache_len}) are not supported by the slot decode step, whose mask is the full "
                            "causal one; capture with max_cache_len <= the window, or batch 1")
     param = next(model.parameters())
-    heads, head_dim = kv_shape(model.config)
+    layout, api = probe_layout(model, 1)
+    shapes = {(ls.kind, ls.key, ls.value) for ls in layout}
+    if len(shapes) != 1 or layout[0].kind != "attention" or layout[0].key != layout[0].value or api is not None:
+        raise CaptureError(f"{type(model).__name__}: the slot decode step takes models whose every layer keeps "
+                           f"keys and values of one shape; this one keeps {sorted(map(str, shapes))} (serve it "
+                           "at batch 1)")
+    heads, head_dim = layout[0].key
     return SlotCache.allocate(cfg.num_hidden_layers, slots, heads, int(max_cache_len), head_dim, param.dtype,
                               param.device)
 
@@ -211,7 +219,8 @@ def _allocate(model, slots: int, max_cache_len: int | None) -> SlotCache:
 def _staging(cache: SlotCache) -> KVCache:
     """The staging row as a plain KVCache of the same tensor objects: what the batch-1 step is exported over
     (codegen binds a graph's tensors to ``Program.state`` by identity)."""
-    return KVCache([cache.key(i) for i in range(cache.num_layers)], [cache.value(i) for i in range(cache.num_layers)])
+    return KVCache.of_tensors([cache.key(i) for i in range(cache.num_layers)],
+                              [cache.value(i) for i in range(cache.num_layers)])
 
 
 def _add_slots(prog, model, cache: SlotCache) -> None:
