@@ -69,13 +69,24 @@ def _source_of(jit_fn) -> str:
     return src
 
 
+class Found:
+    """What a ``deferring`` block saw: launches turned off, and compiles listed (passed on or skipped)."""
+
+    def __init__(self):
+        self.launches = 0
+        self.compiles = 0
+        self.skipped = 0
+
+
 @contextmanager
 def deferring(on_job, target=None, skip=None):
-    """Inside: launches do not run and compiles become ``on_job(KernelJob)`` calls (see the module doc).
+    """Inside: launches do not run and compiles become ``on_job(KernelJob)`` calls (see the module doc); yields
+    a ``Found``.
 
     ``target``: a target name (``cuda:90:32``) or GPUTarget to list kernels for with a stand-in driver (a
-    machine without that GPU). ``skip(job) -> bool``: jobs already done (in the kernel cache): not passed on.
-    Not reentrant; one block at a time per process."""
+    machine without that GPU). ``skip(job, fn) -> bool`` (``fn`` the @triton.jit function): jobs already done
+    (in the kernel cache), counted but not passed on. Not reentrant; one block at a time per process."""
+    found = Found()
     from triton import knobs
     from triton.runtime import jit
     from triton.runtime.driver import driver
@@ -86,13 +97,17 @@ def deferring(on_job, target=None, skip=None):
         tgt = jit_fn.device_caches[device][2]
         job = KernelJob(_source_of(jit_fn), jit_fn.fn.__name__, compile["specialization_data"], target_name(tgt),
                         f"{jit_fn.fn.__module__}.{jit_fn.fn.__qualname__}")
-        if skip is None or not skip(job):
+        found.compiles += 1
+        if skip is not None and skip(job, jit_fn):
+            found.skipped += 1
+        else:
             on_job(job)
         return True  # do not compile here
 
     original_run = jit.JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
+        found.launches += 0 if warmup else 1
         return original_run(self, *args, grid=grid, warmup=True, **kwargs)
 
     if not _LOCK.acquire(blocking=False):
@@ -103,7 +118,7 @@ def deferring(on_job, target=None, skip=None):
         jit.JITFunction.run = run
         if target is not None:
             driver.set_active(CompileOnlyDriver(target))
-        yield
+        yield found
     finally:
         jit.JITFunction.run = original_run
         knobs.runtime.jit_cache_hook = saved_hook

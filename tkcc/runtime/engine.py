@@ -34,7 +34,7 @@ import torch
 
 from tkcc.errors import EngineError
 from tkcc.runtime import candidates as cands
-from tkcc.runtime import determinism
+from tkcc.runtime import determinism, prefetch
 from tkcc.runtime.graphs import CapturedGraph, GraphCaptureError
 from tkcc.runtime.measurement import Measurement, environment
 from tkcc.runtime.programs import (build_tiers, check_device, check_tier, fast_blocks_for, load_program,
@@ -91,6 +91,7 @@ class EngineCore:
     def __init__(self, cfg: dict):
         t0 = time.perf_counter()
         self.cfg = cfg
+        self.kernel_cache = prefetch.setup(cfg)  # before anything compiles: the shared, checksummed cache
         self.device = torch.device(check_device(self._device_name(cfg)))
         self.dtype = parse_dtype(cfg.get("dtype", "float32"))
         self.work_dir = cfg.get("work_dir") or os.path.join(cfg.get("state_dir", "/tmp"), "candidates")
@@ -385,6 +386,13 @@ class EngineCore:
                        fork_s_median=sorted(forks)[len(forks) // 2] if forks else None)
         return out
 
+    def op_discover(self, spec: dict, tier: str) -> dict:
+        """The Triton compiles ``spec``'s build on ``tier`` needs, listed without compiling or launching anything
+        (``tkcc.runtime.prefetch``); a build that launched nothing is kept, so its ``load`` is free."""
+        check_tier(tier)
+        return prefetch.discover(self, spec, tier)
+
+    @prefetch.jit_counted
     def op_load(self, spec: dict, tier: str) -> dict:
         from tkcc.runtime.tp import check_layout_of, exact_at_degree_1
 
@@ -403,6 +411,7 @@ class EngineCore:
         return {"candidate": cid, "tier": tier, "compile_s": cand.compile_s.get(tier, 0.0),
                 "exact": cand.exact, "info": cand.info.get(tier, {})}
 
+    @prefetch.jit_counted
     def op_validate(self, candidate: str, tier: str, workload=None, seed: int | None = None,
                     max_shapes: int = 4) -> dict:
         check_tier(tier)
@@ -438,6 +447,7 @@ class EngineCore:
         self.validations[(candidate, tier)] = res
         return res
 
+    @prefetch.jit_counted
     def op_swap(self, candidate: str, tier: str, workload=None, capture: bool = True, seed: int | None = None) -> dict:
         """Point the tier's forward at ``candidate`` (validated), keep the old one for revert, re-capture graphs."""
         check_tier(tier)
@@ -655,6 +665,7 @@ class EngineCore:
             compare(ref, outs, False, atol, rtol, what, scaled)
         return exact, scaled, note
 
+    @prefetch.jit_counted
     def op_measure(self, tier: str, workload=None, reps: int = 30, warmup: int = 5, rotations: int = 4,
                    seed: int | None = None, min_reps: int | None = MIN_REPS, ci_rel: float = CI_REL) -> dict:
         """Time the tier's current forward per bucket: ``warmup`` calls, then ``min_reps``..``reps`` recorded
