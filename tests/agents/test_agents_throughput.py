@@ -209,3 +209,33 @@ INSERT INTO experiments VALUES (1, 1, 'abc', '[]', 'search', 'h', 'w', 'fast', 2
     store.close()
     cols = [r[1] for r in sqlite3.connect(path).execute("PRAGMA table_info(experiments)")]
     assert cols[-2:] == ["engine", "timing"]
+
+
+def test_the_report_shows_experiments_per_hour_and_the_phases(tmp_path):
+    from tkcc.agents.report import write_report
+
+    clock = FakeClock()
+
+    class Phased(TimedEvaluator):
+        def measure(self, ahash, tier):
+            res = super().measure(ahash, tier)
+            res.timing = {"critical": {"render": 0.5, "validate": 1.0, "measure": self.cost[tier] - 1.5},
+                          "parallel": {"compile": 7.0}}
+            return res
+
+    cfg = CampaignConfig(name="rep", model="m", budget_s=40.0, started=clock() - 4.0, batch=3)
+    store = ExperimentStore(tmp_path / "s.db")
+    state = run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse, Slow, Wide]), seed=0), Phased(clock),
+                         progress=False, clock=clock)
+    store.close()
+    html = write_report(tmp_path / "s.db", "rep", tmp_path / "rep.html").read_text()
+    t = state.throughput
+    assert 'id="throughput"' in html and 'id="plot-throughput"' in html
+    assert f"<b>{t['experiments_per_hour']:.0f}</b>" in html and f"{t['critical_s']['validate']:.1f} s" in html
+    assert f"{t['parallel_s']['compile']:.1f} worker-s" in html
+    old = ExperimentStore(tmp_path / "old.db")  # a campaign that recorded no phases
+    cid = old.open_campaign("old", "m", {}, resume=False)
+    old.record(cid, candidate="a", plan=[], proposer="baseline", workload_fp="w", tier="fast", verdict="measured",
+               objective=1.0)
+    old.close()
+    assert "Not recorded" in write_report(tmp_path / "old.db", "old", tmp_path / "old.html").read_text()

@@ -122,7 +122,10 @@ class EngineEvaluator:
             pass
 
     def build(self, cand: Candidate, tier: str) -> str:
-        """Compile the candidate for a tier in the engine; returns the built artifact's hash."""
+        """Compile the candidate for a tier in the engine; returns the built artifact's hash. A candidate not
+        prepared yet is prepared first, so even then its kernels compile in the pool, in parallel."""
+        if self.compiles_ahead and (cand.key, tier) not in self._prepared:
+            self.prepare(cand, tier)
         spec = self._spec(cand)
         try:
             res = self.client.load(spec, tiers=tier)
