@@ -10,8 +10,8 @@ pool's workers (``tkcc.codegen.compile_pool``) and a later campaign all look
 kernels up by that key. ``use(folder)`` points this process and the processes
 it starts at it.
 
-What this module adds to Triton's ``FileCacheManager`` is a checksum per
-entry. Triton keeps an entry as a folder of files (IR, binary, metadata) and
+What it adds to Triton's ``FileCacheManager`` (``tkcc.codegen.triton_cache``,
+the one part that imports Triton) is a checksum per entry. Triton keeps an entry as a folder of files (IR, binary, metadata) and
 a group file naming them, and trusts whatever it finds. Here the group file
 also records every file's SHA-256 (``tkcc_sha256``); an entry whose group
 does not parse, or a file that is missing, truncated (a full disk under a
@@ -31,12 +31,10 @@ import shutil
 import threading
 import uuid
 
-from triton.runtime.cache import FileCacheManager
-
 from tkcc.errors import TkccError
 
 log = logging.getLogger("tkcc.kernel_cache")
-MANAGER = "tkcc.codegen.kernel_cache:ChecksummedCacheManager"
+MANAGER = "tkcc.codegen.triton_cache:ChecksummedCacheManager"  # Triton's own cache, checksummed
 SUMS = "tkcc_sha256"
 # what this process found rebuilt (entry folder -> why), for tests and status
 REBUILT: dict[str, str] = {}
@@ -93,7 +91,7 @@ def _write_atomically(path: str, data: bytes) -> None:
                                f"({what}); the kernel is compiled again when next needed") from None
 
 
-def _invalidate(folder: str, why: str) -> None:
+def invalidate(folder: str, why: str) -> None:
     """Move a bad entry aside (then remove it): the next lookup misses and the kernel is compiled again."""
     with _REBUILT_LOCK:
         REBUILT[os.path.basename(folder)] = why
@@ -129,32 +127,6 @@ def check_group(folder: str, group_file: str) -> tuple[dict | None, str]:
             return None, f"{child} does not match its checksum"
         out[child] = local
     return out, ""
-
-
-class ChecksummedCacheManager(FileCacheManager):
-    """Triton's file cache, with a SHA-256 per file in each group (see the module docstring)."""
-
-    def get_group(self, filename: str):
-        if self.cache_dir is None:
-            return None
-        grp = f"__grp__{filename}"
-        group, why = check_group(self.cache_dir, grp)
-        if group is None and why:
-            _invalidate(self.cache_dir, why)
-        return group
-
-    def put(self, data, filename, binary=True) -> str:
-        if not self.cache_dir:
-            raise RuntimeError("Could not create or locate cache dir")
-        data = data if isinstance(data, bytes) else str(data).encode()
-        path = self._make_path(filename)
-        _write_atomically(path, data)
-        return path
-
-    def put_group(self, filename: str, group: dict) -> str:
-        sums = {child: _sha256(p) for child, p in group.items()}
-        body = json.dumps({"child_paths": group, SUMS: sums}).encode()
-        return self.put(body, f"__grp__{filename}")
 
 
 class KernelCache:

@@ -32,7 +32,10 @@ from tkcc.errors import EngineError
 
 def setup(cfg: dict):
     """This process's kernel cache (``cfg["kernel_cache"]``, checksummed) and JIT compile accounting; the
-    ``KernelCache`` or None when the engine keeps Triton's own default cache."""
+    ``KernelCache`` or None when the engine keeps Triton's own default cache. A CPU engine compiles no Triton
+    kernel (unless ``compile_target`` names a GPU): nothing to set up, and Triton is not even imported."""
+    if not (str(cfg.get("device", "cpu")).startswith("cuda") or cfg.get("compile_target")):
+        return None
     try:
         from tkcc.kernels import jit_stats
 
@@ -49,11 +52,10 @@ def setup(cfg: dict):
 
 
 def jit_now() -> dict:
-    try:
-        from tkcc.kernels import jit_stats
-    except ImportError:
-        return {}
-    return jit_stats.snapshot()
+    import sys
+
+    mod = sys.modules.get("tkcc.kernels.jit_stats")  # counting only where setup installed it
+    return mod.snapshot() if mod is not None and mod._INSTALLED else {}
 
 
 def jit_since(before: dict) -> dict:
