@@ -119,6 +119,9 @@ class EngineCore:
         self.program = self.programs["slow"]
         t3 = time.perf_counter()
         self.slots = {t: Slot() for t in self.programs}
+        from tkcc.runtime.refbank import ReferenceBank
+
+        self.refbank = ReferenceBank()  # the reference's results per tier and shape, reused (tkcc.runtime.refbank)
         self.ref_graphs: dict = {}  # (tier, bucket key) -> the reference's own CapturedGraph (False: not capturable)
         baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
         self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
@@ -246,8 +249,10 @@ class EngineCore:
             # an inexact candidate on an exact tier, at the dtype's tolerance: the scale-aware bound
             policy = dataclasses.replace(policy, mode="tolerance", tolerance=self._scaled(tier, False))
         policy = policy if policy is not None and not exact else None
+        bank = self.refbank if tier is not None and self.tp == 1 else None
         return validate(prog, reference, forwards, buckets, exact, atol, rtol, seed, (self.program.model, self.weights),
-                        policy=policy)
+                        policy=policy, bank=bank, tier=f"{tier}/{'exact' if exact else 'tolerance'}",
+                        candidate_id=getattr(self, "_validating", ""))
 
     def _agree(self, res: dict) -> dict:
         """A validation verdict as every rank sees it (one rank: its own)."""
@@ -375,6 +380,7 @@ class EngineCore:
             "env": self.env,
             "startup": self.startup,
             "isolation": self._isolation_status(),
+            "reference_bank": self.refbank.to_json(),
         }
 
     def _isolation_status(self) -> dict:
@@ -423,6 +429,7 @@ class EngineCore:
         atol, rtol = self._tolerance(cand)
         seed = secrets.randbits(62) if seed is None else int(seed)  # fresh: drawn after the candidate loaded
         buckets = pick_buckets(w, max_shapes)
+        self._validating = candidate  # the reference bank gives it only draws it has not been validated on
         res = self._run_validation(prog, self._reference(tier), fwd, buckets, exact, atol, rtol, seed)
         if not res["ok"] and res.get("mismatch") and self._demote_on_own_failure(cand, tier, res):
             exact, note = self._mode(cand, tier)  # tolerance from here on: validate this candidate again under it
