@@ -122,6 +122,7 @@ class EngineCore:
         from tkcc.runtime.refbank import ReferenceBank
 
         self.refbank = ReferenceBank()  # the reference's results per tier and shape, reused (tkcc.runtime.refbank)
+        self.replays: dict = {}  # (candidate or "reference", tier) -> {phase: Replays}: graphs kept per shape
         self.ref_graphs: dict = {}  # (tier, bucket key) -> the reference's own CapturedGraph (False: not capturable)
         baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
         self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
@@ -250,8 +251,9 @@ class EngineCore:
             policy = dataclasses.replace(policy, mode="tolerance", tolerance=self._scaled(tier, False))
         policy = policy if policy is not None and not exact else None
         bank = self.refbank if tier is not None and self.tp == 1 else None
+        how = "replay" if getattr(self, "_replaying", False) else "eager"
         return validate(prog, reference, forwards, buckets, exact, atol, rtol, seed, (self.program.model, self.weights),
-                        policy=policy, bank=bank, tier=f"{tier}/{'exact' if exact else 'tolerance'}",
+                        policy=policy, bank=bank, tier=f"{tier}/{'exact' if exact else 'tolerance'}/{how}",
                         candidate_id=getattr(self, "_validating", ""))
 
     def _agree(self, res: dict) -> dict:
@@ -430,10 +432,12 @@ class EngineCore:
         seed = secrets.randbits(62) if seed is None else int(seed)  # fresh: drawn after the candidate loaded
         buckets = pick_buckets(w, max_shapes)
         self._validating = candidate  # the reference bank gives it only draws it has not been validated on
-        res = self._run_validation(prog, self._reference(tier), fwd, buckets, exact, atol, rtol, seed)
+        fwd, ref = self._validation_forwards(cand, tier, fwd)
+        res = self._run_validation(prog, ref, fwd, buckets, exact, atol, rtol, seed)
         if not res["ok"] and res.get("mismatch") and self._demote_on_own_failure(cand, tier, res):
             exact, note = self._mode(cand, tier)  # tolerance from here on: validate this candidate again under it
-            res = self._run_validation(prog, self._reference(tier), fwd, buckets, exact, atol, rtol, seed)
+            res = self._run_validation(prog, ref, fwd, buckets, exact, atol, rtol, seed)
+        res["replays"] = self._replay_status(cand, tier)
         if getattr(self, "before_canary", None) is not None:
             self.before_canary()  # in-process: the worker's audit puts back what a candidate changed, first
         tampered = self._canary_ok(tier)
@@ -479,6 +483,44 @@ class EngineCore:
                 self._point(slot, prev)
                 raise
         return {"candidate": cand.id, "tier": tier, "previous": prev, "swap_s": swap_s, **cap}
+
+    def _validation_forwards(self, cand: cands.Candidate, tier: str, fwd: dict) -> tuple[dict, dict]:
+        """(candidate, reference) forwards to validate with. On a GPU (one rank): CUDA-graph replays of both,
+        captured once per input shape and kept (``tkcc.runtime.replays``): the candidate is validated the way
+        it is measured, and swap reuses its graphs. The baseline replays the reference's own graphs."""
+        self._replaying = self.device.type == "cuda" and self.tp == 1
+        if not self._replaying:
+            return fwd, self._reference(tier)
+        ref = self._replays_of("reference", tier, self._reference(tier))
+        if cand.id == "baseline":
+            return ref, ref
+        return self._replays_of(cand.id, tier, fwd), ref
+
+    def _replays_of(self, cid: str, tier: str, fwd: dict) -> dict:
+        from tkcc.runtime.replays import replays_of
+
+        key = (cid, tier)
+        if key not in self.replays:
+            def capture(fn, inputs, warmup):
+                return CapturedGraph(fn, inputs, self.device, warmup=warmup)
+
+            self.replays[key] = replays_of(fwd, self.programs[tier].state, capture, CAPTURE_WARMUP)
+        return self.replays[key]
+
+    def _replay_status(self, cand: cands.Candidate, tier: str) -> dict | None:
+        rp = self.replays.get(("reference" if cand.id == "baseline" else cand.id, tier))
+        if rp is None:
+            return None
+        return {"graphs": sum(len(r.graphs) for r in rp.values()), "captured": sum(r.captures for r in rp.values()),
+                "eager": {p: list(r.notes.values()) for p, r in rp.items() if r.notes}}
+
+    def _validated_graph(self, cand: cands.Candidate, tier: str, phase: str, inputs: tuple):
+        """The graph validation captured and replayed for this candidate at these inputs' shape, if any."""
+        from tkcc.runtime.replays import signature
+
+        rp = self.replays.get(("reference" if cand.id == "baseline" else cand.id, tier))
+        r = rp.get(phase) if rp else None
+        return r.graphs.get(signature(inputs)) if r is not None else None
 
     def _point(self, slot: Slot, cid: str) -> None:
         if slot.history and slot.history[-1] == cid:
@@ -588,11 +630,17 @@ class EngineCore:
         scaled = self._scaled(tier, exact)
         gen = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else int(seed))
         graphs, notes, notes_exact = {}, {}, {}
+        reused = 0
         for b in w.buckets:
             key = b.key()
             if key in graphs or key in notes:
                 continue
             inputs = bucket_inputs(prog, b, gen, 1)[0]
+            kept = self._validated_graph(cand, tier, b.phase, inputs)
+            if kept is not None:  # validation captured it at this shape and replayed it against the reference
+                graphs[key] = kept
+                reused += 1
+                continue
             guard = StateGuard(prog.state)
             try:  # one warm-up call does a forward's lazy set-up (the replay is checked against the reference below)
                 g, why = CapturedGraph(fwd[b.phase], inputs, self.device, warmup=CAPTURE_WARMUP), ""
@@ -624,7 +672,7 @@ class EngineCore:
             graphs[key] = g
         slot.graphs, slot.graph_notes, slot.graphs_for = graphs, notes, w.fingerprint()
         return {"capture_s": time.perf_counter() - t0, "graphs": len(graphs), "eager": notes,
-                "replay_notes": notes_exact}
+                "replay_notes": notes_exact, "reused": reused}
 
     def _check_replay(self, tier: str, cand: cands.Candidate, b, key: str, inputs, guard, ref: list, outs: list,
                       exact: bool, scaled, atol: float, rtol: float,
@@ -831,6 +879,8 @@ class EngineCore:
         if in_use:
             return {"unloaded": False, "in_use": in_use}
         self.candidates.pop(candidate, None)
+        for key in [k for k in self.replays if k[0] == candidate]:
+            del self.replays[key]  # its graphs, and their memory pools
         if self.trials is not None:
             self.trials.discard(candidate)  # its process, and all it did, goes
         for key in [k for k in self.validated if k[0] == candidate]:
