@@ -30,6 +30,10 @@ def register(sub) -> None:
                         "(default 4; 0: none): needs an engine with a compile pool (a GPU engine has one)")
     c.add_argument("--compile-workers", type=int, default=None,
                    help="processes of the started engine's compile pool (default: the machine's cores on a GPU)")
+    c.add_argument("--phases", default=None, metavar="PHASE[,PHASE]",
+                   help="measure only these phases' buckets of the trace (e.g. decode: the default objective, P90 "
+                        "per-user decode tokens/s, depends on decode steps only; a model whose eager prefill cannot "
+                        "run at the trace's prompt lengths)")
     c.add_argument("--kernel-cache", default=None,
                    help="the started engine's shared kernel cache folder (default ~/.cache/tkcc/triton)")
     c.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
@@ -157,14 +161,21 @@ def compile_args(args, ray_address: str | None = None) -> tuple[str, ...]:
     return out
 
 
-def _workload_for(client, trace):
+def _workload_for(client, trace, phases: str | None = None):
     from tkcc.traffic.buckets import workload_from_trace
 
     worker = client.status().get("worker") or {}
     cap = worker.get("max_cache_len")
     if not cap:
         raise TkccError("the engine's model has no KV cache length; campaigns need an LLM engine")
-    return workload_from_trace(trace, max_context=int(cap), batch_sizes=(int(worker.get("batch") or 1),))
+    w = workload_from_trace(trace, max_context=int(cap), batch_sizes=(int(worker.get("batch") or 1),))
+    if phases:
+        want = [p.strip() for p in phases.split(",") if p.strip()]
+        try:
+            w = w.only(*want)
+        except ValueError as e:
+            raise TkccError(f"--phases {phases}: {e}") from None
+    return w
 
 
 def _search_space(args, device: str):
@@ -230,7 +241,7 @@ def cmd_campaign(args):
                             f"start within it ({e})") from None
         raise
     try:
-        workload = _workload_for(client, trace)
+        workload = _workload_for(client, trace, getattr(args, "phases", None))
         ev = EngineEvaluator(client, workload, pass_modules=args.pass_module, reps=reps,
                              keep_artifacts=_artifacts_dir(args.store))
         model = ev.model or args.model
@@ -280,8 +291,9 @@ def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, so
         if k < 1:
             raise TkccError(f"--ray on {args.device}: the Ray cluster has no GPU; pass --engines")
         address = ray.get_runtime_context().gcs_address if args.compile_workers != 0 else None
-        ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _workload_for(c, trace), device=args.device,
-                          extra=tuple(args.engine_arg) + compile_args(args, address), reps=reps, pass_modules=args.pass_module,
+        ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _workload_for(c, trace, args.phases),
+                          device=args.device, extra=tuple(args.engine_arg) + compile_args(args, address),
+                          reps=reps, pass_modules=args.pass_module,
                           gpus_per_engine=1.0 if gpu else 0.0, start_timeout_s=max(1.0, left),
                           out=None if args.no_progress else (lambda m: print(m, file=sys.stderr)))
         try:

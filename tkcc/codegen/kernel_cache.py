@@ -11,13 +11,13 @@ kernels up by that key. ``use(folder)`` points this process and the processes
 it starts at it.
 
 What it adds to Triton's ``FileCacheManager`` (``tkcc.codegen.triton_cache``,
-the one part that imports Triton) is a checksum per entry. Triton keeps an entry as a folder of files (IR, binary, metadata) and
-a group file naming them, and trusts whatever it finds. Here the group file
-also records every file's SHA-256 (``tkcc_sha256``); an entry whose group
-does not parse, or a file that is missing, truncated (a full disk under a
-writer that does not rename atomically, an interrupted copy from another
-machine) or changed, is reported, moved out of the way and compiled again, never
-loaded. A write that fails (a full disk) raises ``KernelCacheError`` naming
+the one part that imports Triton) is a checksum per entry. Triton keeps an
+entry as a folder of files (IR, binary, metadata) and a group file naming
+them, and trusts whatever it finds. Here the group file also records every
+file's SHA-256 (``tkcc_sha256``); an entry whose group does not parse, or a
+file that is missing, truncated (a full disk under a writer that does not
+rename atomically, an interrupted copy from another machine) or changed, is
+reported, moved out of the way and compiled again, never loaded. A write that fails (a full disk) raises ``KernelCacheError`` naming
 the folder, and leaves no half-written entry that could be found later.
 """
 from __future__ import annotations

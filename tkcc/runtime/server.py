@@ -81,8 +81,8 @@ def _methods(sup: Supervisor, server: "EngineServer") -> dict:
         threading.Thread(target=server.stop, name="tkcc-engine-stop", daemon=True).start()
         return {"stopping": True}
 
-    return {f.__name__: f for f in (ping, status, load, prepare, cancel, validate, swap, revert, measure, experiment, generate,
-                                    unload, results, shutdown)}
+    return {f.__name__: f for f in (ping, status, load, prepare, cancel, validate, swap, revert, measure, experiment,
+                                    generate, unload, results, shutdown)}
 
 
 def _call(fn, params: dict):

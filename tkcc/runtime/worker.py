@@ -161,7 +161,8 @@ class GroupLost(Exception):
         self.kind = kind
 
 
-AUDITED = ("load", "discover", "validate", "measure", "generate", "unload")  # ops that run candidate code (and unload's leak check)
+# ops that run candidate code (and unload's leak check)
+AUDITED = ("load", "discover", "validate", "measure", "generate", "unload")
 AUDITED_CUDA = AUDITED + ("swap", "revert")  # ... and, on a GPU, the CUDA-graph capture of a swapped-in forward
 
 
