@@ -66,6 +66,7 @@ class EngineEvaluator:
         self._loads: dict[str, dict] = {}      # artifact key -> the load that built it (its compile wait, JIT)
         self._prepared: dict[tuple, dict] = {}  # (candidate key, tier) -> what prepare said of it
         self._key_of: dict[str, str] = {}       # artifact key -> candidate key
+        self._listed: set[tuple] = set()        # (candidate key, tier) prepared once
 
     def workload_fingerprint(self) -> str:
         return self.workload.fingerprint()
@@ -110,6 +111,7 @@ class EngineEvaluator:
         except EngineError as e:  # the build itself fails: its load says so, as a failed candidate
             res = {"note": f"prepare failed: {e}"}
         self._prepared[(cand.key, tier)] = res
+        self._listed.add((cand.key, tier))  # its kernels are compiled (or compiling) from now on: once is enough
         return res
 
     def cancel(self, cand: Candidate) -> None:
@@ -124,7 +126,7 @@ class EngineEvaluator:
     def build(self, cand: Candidate, tier: str) -> str:
         """Compile the candidate for a tier in the engine; returns the built artifact's hash. A candidate not
         prepared yet is prepared first, so even then its kernels compile in the pool, in parallel."""
-        if self.compiles_ahead and (cand.key, tier) not in self._prepared:
+        if self.compiles_ahead and (cand.key, tier) not in self._prepared and (cand.key, tier) not in self._listed:
             self.prepare(cand, tier)
         spec = self._spec(cand)
         try:
