@@ -213,3 +213,21 @@ def test_pool_wait_is_timed_with_the_given_clock(cache_dir):
     assert out.ok and out.jobs == 0 and out.wait_s == 7.5
     t0 = time.monotonic()
     assert CompilePool(cache_dir, workers=1).wait("x", timeout=0.1).ok and time.monotonic() - t0 < 1
+
+
+def test_a_compile_that_kills_its_worker_fails_its_owner_and_the_pool_goes_on(cache_dir):
+    import dataclasses
+
+    SRC = good("test_a_compile_that_kills_its_worker")
+    ok_jobs = _jobs(SRC, "scale_kernel")
+    crash = dataclasses.replace(ok_jobs[0], source=SRC + "import os\nos._exit(3)\n")  # dies as it loads
+    pool = CompilePool(cache_dir, workers=1)
+    try:
+        pool.submit("crash", [crash])
+        pool.submit("fine", ok_jobs)
+        bad, fine = pool.wait("crash", timeout=300), pool.wait("fine", timeout=300)
+    finally:
+        pool.close()
+    assert not bad.ok and "died twice" in bad.failed[0], bad.failed
+    assert fine.ok and fine.compiled + fine.cached == 1
+    assert pool.status()["restarts"] == 1

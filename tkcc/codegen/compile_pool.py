@@ -13,19 +13,18 @@ that owner's jobs only (``wait``); everything else keeps compiling.
 * ``cancel(owner)`` drops the owner's jobs that have not started (and that no
   other owner waits for); its ``wait`` then says it was cancelled. A compile
   already running finishes into the cache.
-* A worker process that dies (a compiler crash) is replaced and the jobs it
-  took down are retried once; a job that kills a worker twice fails its owner.
+* A worker process that dies (a compiler crash) is replaced and the job it
+  took down is retried once; a job that kills a worker twice fails its owner.
 
-Two executors, one mechanism: ``local`` (a process pool on this machine,
-``os.cpu_count()`` workers by default, writing into the cache folder
-directly) and ``ray`` (each job a Ray task with ``num_cpus=1``, placed on any
+Two executors, one mechanism: ``local`` (worker processes on this machine,
+``tkcc.codegen.compile_worker``, ``os.cpu_count()`` of them by default,
+writing into the cache folder directly) and ``ray`` (each job a Ray task with ``num_cpus=1``, placed on any
 node of the cluster; its entry's files come back and are installed here).
 ``clock`` times the waits (tests pass a fake one).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -86,15 +85,72 @@ class _Task:
         self.done = threading.Event()
 
 
-def _init_worker(folder: str) -> None:
-    from tkcc.codegen import kernel_cache
-
-    os.environ.pop("TRITON_INTERPRET", None)
-    kernel_cache.use(folder)
+class WorkerDied(Exception):
+    """A compile worker process exited while compiling a job (a compiler crash)."""
 
 
-def _run_local(job: dict) -> dict:
-    return compile_job(KernelJob.from_json(job))
+class _Workers:
+    """``n`` persistent compile-worker processes (``tkcc.codegen.compile_worker``), one per thread of a thread
+    pool: a thread hands its worker one job at a time. A worker that dies is started again for the next job."""
+
+    def __init__(self, n: int, folder: str):
+        self.folder = folder
+        self.local = threading.local()
+        self.procs: list = []
+        self.lock = threading.Lock()
+        self.pool = cf.ThreadPoolExecutor(n, thread_name_prefix="tkcc-compile")
+
+    def _proc(self):
+        import subprocess
+        import sys
+
+        p = getattr(self.local, "proc", None)
+        if p is None or p.poll() is not None:
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            p = subprocess.Popen([sys.executable, "-m", "tkcc.codegen.compile_worker", self.folder],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, bufsize=1)
+            self.local.proc = p
+            with self.lock:
+                self.procs.append(p)
+        return p
+
+    def _run(self, job: dict) -> dict:
+        import json
+
+        p = self._proc()
+        try:
+            p.stdin.write(json.dumps(job) + "\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            p.wait(10)
+            self.local.proc = None
+            raise WorkerDied(f"exit code {p.returncode}")
+        res = json.loads(line)
+        if res["ok"]:
+            return res["result"]
+        if res.get("compile"):
+            raise KernelCompileError(res["error"])
+        raise TkccError(res["error"])
+
+    def submit(self, job: dict) -> cf.Future:
+        return self.pool.submit(self._run, job)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            procs, self.procs = self.procs, []
+        for p in procs:
+            try:
+                p.stdin.close()  # the worker exits at the end of its input
+            except OSError:
+                pass
+            try:
+                p.wait(5)
+            except Exception:  # noqa: BLE001 - a worker mid-compile: stopped
+                p.kill()
 
 
 def _run_remote(job: dict) -> dict:
@@ -132,8 +188,7 @@ class CompilePool:
         if self._executor is not None:
             return self._executor
         if self.executor_kind == "local":
-            self._executor = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
-                                                    initializer=_init_worker, initargs=(self.cache.folder,))
+            self._executor = _Workers(self.workers, self.cache.folder)
         else:
             import ray
 
@@ -149,24 +204,10 @@ class CompilePool:
             if ex == "ray":
                 fut = self._remote.remote(task.job.to_json()).future()
             else:
-                try:
-                    fut = ex.submit(_run_local, task.job.to_json())
-                except cf.process.BrokenProcessPool:
-                    self._restart(ex)
-                    ex = self._start()
-                    fut = ex.submit(_run_local, task.job.to_json())
+                fut = ex.submit(task.job.to_json())
             task.future, task.executor = fut, ex
         fut.add_done_callback(lambda f, t=task: self._finished(t, f))
 
-    def _restart(self, broken) -> None:
-        """Replace the process pool ``broken`` (once, however many of its jobs report it)."""
-        with self.lock:
-            if self._executor is not broken:
-                return
-            self._executor = None
-            self.totals["restarts"] += 1
-        if broken not in (None, "ray"):
-            broken.shutdown(wait=False, cancel_futures=True)
 
     def _finished(self, task: _Task, fut: cf.Future) -> None:
         if fut.cancelled():
@@ -182,17 +223,18 @@ class CompilePool:
             task.error = str(e)
         except KernelCacheError as e:
             task.error = str(e)
-        except cf.process.BrokenProcessPool:
-            if not task.retried:  # a compiler crash took the worker down: once more, in a fresh pool
+        except WorkerDied as e:
+            if not task.retried:  # a compiler crash took its worker down: once more, in a fresh worker
                 task.retried = True
-                self._restart(task.executor)
+                with self.lock:
+                    self.totals["restarts"] += 1
                 try:
                     self._launch(task)
                     return
-                except Exception as e:  # noqa: BLE001 - reported as this job's failure
-                    task.error = f"{task.job.describe()}: the compile pool could not restart ({e})"
+                except Exception as e2:  # noqa: BLE001 - reported as this job's failure
+                    task.error = f"{task.job.describe()}: the compile pool could not take it again ({e2})"
             else:
-                task.error = f"{task.job.describe()}: the compiler's process died (twice) compiling it"
+                task.error = f"{task.job.describe()}: the compiler's process died twice compiling it ({e})"
         except Exception as e:  # noqa: BLE001 - a Ray task's failure, an unpicklable error: this job's
             task.error = f"{task.job.describe()}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         with self.lock:
@@ -289,4 +331,4 @@ class CompilePool:
         with self.lock:
             ex, self._executor = self._executor, None
         if ex not in (None, "ray"):
-            ex.shutdown(wait=False, cancel_futures=True)
+            ex.shutdown()
