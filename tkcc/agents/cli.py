@@ -161,21 +161,25 @@ def compile_args(args, ray_address: str | None = None) -> tuple[str, ...]:
     return out
 
 
-def _workload_for(client, trace, phases: str | None = None):
+def _workload_for(client, trace):
     from tkcc.traffic.buckets import workload_from_trace
 
     worker = client.status().get("worker") or {}
     cap = worker.get("max_cache_len")
     if not cap:
         raise TkccError("the engine's model has no KV cache length; campaigns need an LLM engine")
-    w = workload_from_trace(trace, max_context=int(cap), batch_sizes=(int(worker.get("batch") or 1),))
-    if phases:
-        want = [p.strip() for p in phases.split(",") if p.strip()]
-        try:
-            w = w.only(*want)
-        except ValueError as e:
-            raise TkccError(f"--phases {phases}: {e}") from None
-    return w
+    return workload_from_trace(trace, max_context=int(cap), batch_sizes=(int(worker.get("batch") or 1),))
+
+
+def _phases(workload, phases: str | None):
+    """The workload with only ``--phases``' buckets measured (all when not given)."""
+    if not phases:
+        return workload
+    want = [p.strip() for p in phases.split(",") if p.strip()]
+    try:
+        return workload.only(*want)
+    except ValueError as e:
+        raise TkccError(f"--phases {phases}: {e}") from None
 
 
 def _search_space(args, device: str):
@@ -241,7 +245,7 @@ def cmd_campaign(args):
                             f"start within it ({e})") from None
         raise
     try:
-        workload = _workload_for(client, trace, getattr(args, "phases", None))
+        workload = _phases(_workload_for(client, trace), getattr(args, "phases", None))
         ev = EngineEvaluator(client, workload, pass_modules=args.pass_module, reps=reps,
                              keep_artifacts=_artifacts_dir(args.store))
         model = ev.model or args.model
@@ -291,7 +295,7 @@ def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, so
         if k < 1:
             raise TkccError(f"--ray on {args.device}: the Ray cluster has no GPU; pass --engines")
         address = ray.get_runtime_context().gcs_address if args.compile_workers != 0 else None
-        ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _workload_for(c, trace, args.phases),
+        ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _phases(_workload_for(c, trace), args.phases),
                           device=args.device, extra=tuple(args.engine_arg) + compile_args(args, address),
                           reps=reps, pass_modules=args.pass_module,
                           gpus_per_engine=1.0 if gpu else 0.0, start_timeout_s=max(1.0, left),
