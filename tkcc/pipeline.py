@@ -32,14 +32,19 @@ class Build:
     forwards: dict                  # phase -> callable
     artifact: object | None = None  # tkcc.codegen.artifact.Artifact (None when codegen is off)
     seconds: dict = field(default_factory=dict)
+    meta_launches: int = 0          # with list_kernels: generated kernels launched on meta tensors
 
 
 def build(program, plan, out_dir=None, *, mode: str | None = None, check_numerics: bool = True, log_code: bool = True,
-          codegen: bool = True, tier: int | None = None, aot_targets: tuple[str, ...] = ()) -> Build:
+          codegen: bool = True, tier: int | None = None, aot_targets: tuple[str, ...] = (),
+          list_kernels: bool = False) -> Build:
     """Apply ``plan`` to ``program`` and lower the result to an artifact at ``out_dir`` (required with codegen).
 
     ``mode``: the PassManager's: "exact" refuses passes that are not bit-exact, "tolerance" allows them, None
-    (the engine) checks each pass by its own flag and leaves the verdict to the engine's validation."""
+    (the engine) checks each pass by its own flag and leaves the verdict to the engine's validation.
+    ``list_kernels``: also launch every generated kernel once at its captured shapes, on meta tensors, so a
+    surrounding ``tkcc.kernels.discovery.deferring`` block lists the compiles the artifact needs (with the
+    compiles its passes asked for while they ran: a kernel tuner's configs). The engine's ``discover``."""
     from tkcc.passes.manager import PassManager
 
     t0 = time.perf_counter()
@@ -54,5 +59,10 @@ def build(program, plan, out_dir=None, *, mode: str | None = None, check_numeric
     art = build_artifact(rewritten, plan, Path(out_dir), tier=tier, aot_targets=aot_targets)
     t2 = time.perf_counter()
     forwards = dict(art.load(rewritten))
-    return Build(rewritten, logs, forwards, art,
-                 {"passes_s": t1 - t0, "codegen_s": t2 - t1, "load_s": time.perf_counter() - t2})
+    seconds = {"passes_s": t1 - t0, "codegen_s": t2 - t1, "load_s": time.perf_counter() - t2}
+    if list_kernels:
+        t3 = time.perf_counter()
+        meta = art.launch_generated()
+        seconds["list_kernels_s"] = time.perf_counter() - t3
+        return Build(rewritten, logs, forwards, art, seconds, meta)
+    return Build(rewritten, logs, forwards, art, seconds)

@@ -35,6 +35,7 @@ from tkcc.agents.budget import Budget, step_kind
 from tkcc.agents.noise import NoiseModel
 from tkcc.agents.proposer import Candidate, Outcome, Proposer
 from tkcc.agents.store import ExperimentStore
+from tkcc.agents.throughput import Throughput, describe
 from tkcc.errors import TkccError
 from tkcc.passes.plan import PassPlan
 
@@ -45,6 +46,7 @@ class EvalResult:
     objective: float | None = None
     measurement: dict | None = None
     reason: str | None = None
+    timing: dict | None = None  # seconds per phase (tkcc.agents.throughput.phases_of), when the evaluator knows
 
 
 class Evaluator(Protocol):
@@ -99,6 +101,7 @@ class CampaignConfig:
     aa_share: float = 0.2  # share of the search time A/A pairs may take beyond the minimum
     max_aa_pairs: int = 20
     reuse_max_age_s: float = 600.0  # another campaign's result older than this is measured again
+    ahead: int = 4  # candidates kept proposed and compiling ahead of the one measured (evaluator.prepare); 0: off
 
 
 @dataclass
@@ -116,6 +119,7 @@ class CampaignState:
     decisions: list[dict] = field(default_factory=list)  # ship decisions of this session, with their numbers
     budget: dict = field(default_factory=dict)  # Budget.to_json() at the end
     baseline: float | None = None  # the empty plan's slow objective this session, if measured
+    throughput: dict = field(default_factory=dict)  # experiments per hour and seconds per phase, this session
 
     @property
     def could_try(self) -> bool:
@@ -139,6 +143,8 @@ class _Run:
     serving_screen: list[float] = field(default_factory=list)  # serving candidate's screening-tier objectives
     serving_slow: float | None = None
     serving_cand: Candidate | None = None
+    throughput: Throughput = field(default_factory=Throughput)
+    prepared: dict = field(default_factory=dict)  # candidate key -> Candidate, compiling ahead, not measured yet
 
     @property
     def screen(self) -> str:
@@ -204,7 +210,11 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
         store.set_status(cid, "failed")
         raise
     finally:
+        _cancel_prepared(run)
         state.budget = budget.to_json()
+        state.throughput = run.throughput.to_json(budget.spent(), budget.startup_s)
+        for line in describe(state.throughput):
+            run.say(line)
         _close_session(run, session)
         if bar is not None:
             bar.close()
@@ -249,7 +259,7 @@ def _close_session(run: _Run, index: int) -> None:
     if index < len(sessions):
         sessions[index].update(wall_s=round(run.budget.spent(), 2), tried=st.tried, stopped=st.stopped,
                                evaluated=st.evaluated, reused=len(st.reused),
-                               aa_pairs=len(st.noise.aa_diffs), budget=st.budget)
+                               aa_pairs=len(st.noise.aa_diffs), budget=st.budget, throughput=st.throughput)
         run.store.update_config(st.campaign_id, sessions=sessions)
 
 
@@ -301,9 +311,12 @@ def _evaluate(run: _Run, cand: Candidate, tier: str, *, reuse: bool = True, judg
         ahash = run.evaluator.build(cand, tier)
     except TkccError as e:
         run.budget.charge(kind, run.budget.clock() - t0)
+        run.prepared.pop(cand.key, None)
+        timing = _timing(getattr(e, "timing", None), run.budget.clock() - t0)
+        run.throughput.add(tier, timing, run.budget.clock() - t0)
         rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
                                workload_fp=run.wfp, tier=tier, verdict="invalid", reason=f"build failed: {e}",
-                               started=started, engine=getattr(run.evaluator, "engine", None))
+                               started=started, engine=getattr(run.evaluator, "engine", None), timing=timing)
         st.history.append(Outcome(cand.plan, None, tier, key=cand.key, start=cand.eager))
         run.say(f"[{tier}] {cand.key} build failed: {e}")
         return None, rid
@@ -328,6 +341,9 @@ def _evaluate(run: _Run, cand: Candidate, tier: str, *, reuse: bool = True, judg
             run.say(f"[{tier}] {cand.key} measured again: {why_not}")
     res = run.evaluator.measure(ahash, tier)
     run.budget.charge(kind, run.budget.clock() - t0)
+    run.prepared.pop(cand.key, None)
+    res.timing = _timing(res.timing, run.budget.clock() - t0)
+    run.throughput.add(tier, res.timing, run.budget.clock() - t0)
     measured = res.verdict == "measured" and res.objective is not None
     meas = dict(res.measurement or {})
     meas["conditions"] = run.conditions
@@ -339,7 +355,7 @@ def _evaluate(run: _Run, cand: Candidate, tier: str, *, reuse: bool = True, judg
     rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
                            workload_fp=run.wfp, tier=tier, verdict=res.verdict, objective=res.objective,
                            measurement=meas, artifact_hash=ahash, reason=reason, started=started,
-                           engine=getattr(run.evaluator, "engine", None))
+                           engine=getattr(run.evaluator, "engine", None), timing=res.timing)
     st.evaluated[tier] = st.evaluated.get(tier, 0) + 1
     st.history.append(Outcome(cand.plan, res.objective if measured else None, tier, key=cand.key,
                               start=cand.eager))
@@ -497,6 +513,7 @@ def _search(run: _Run) -> None:
     """Screen proposals, interleave A/A pairs, confirm the best of each round, until the budget is spent."""
     cfg, st, screen = run.cfg, run.state, run.screen
     queue: list[Candidate] = []
+    ahead: list[Candidate] = []  # the next round, proposed early so its kernels compile meanwhile
     round_best: list[tuple[float, Candidate]] = []
     pending: list[tuple[float, Candidate]] = []  # promoted, waiting for their confirmation
     since_aa = 0
@@ -530,12 +547,15 @@ def _search(run: _Run) -> None:
                 pending = _promote(run, round_best, can_ship)
                 round_best = []
                 continue
-            queue = list(run.proposer.propose(cfg.batch, st.history))
+            queue, ahead = ahead or list(run.proposer.propose(cfg.batch, st.history)), []
             if not queue:
                 st.stopped = "the proposer has nothing new"
                 run.say(f"{st.stopped}; stopping early")
                 break
+            _prepare(run, queue)
         cand = queue.pop(0)
+        if not ahead and _lookahead(run) and len(queue) < _lookahead(run):
+            ahead = _propose_ahead(run, queue + [cand])
         if not run.budget.fits(f"candidate:{screen}"):
             st.stopped = _no_room(run, f"candidate:{screen}")
             break
@@ -558,6 +578,52 @@ def _search(run: _Run) -> None:
         run.say(f"stopped: {st.stopped}")
 
 
+def _timing(timing: dict | None, seconds: float) -> dict:
+    """An experiment's seconds per phase; all of it "other" when the evaluator does not say."""
+    return timing or {"critical": {"other": round(max(0.0, seconds), 4)}, "parallel": {}}
+
+
+def _lookahead(run: _Run) -> int:
+    """Candidates to keep compiling ahead: ``ahead`` when the evaluator compiles ahead, else 0."""
+    return run.cfg.ahead if getattr(run.evaluator, "compiles_ahead", False) else 0
+
+
+def _prepare(run: _Run, cands: list[Candidate]) -> None:
+    """Hand each candidate's kernel compiles to the evaluator's pool now (screening tier), ahead of its turn."""
+    if not _lookahead(run):
+        return
+    for c in cands:
+        if c.key in run.prepared:
+            continue
+        info = run.evaluator.prepare(c, run.screen)
+        if info is not None:
+            run.prepared[c.key] = c
+            if info.get("queued"):
+                run.say(f"[{run.screen}] {c.key}: {info['queued']} kernel compile(s) queued ahead "
+                        f"({info.get('cached', 0)} cached)")
+
+
+def _propose_ahead(run: _Run, queued: list[Candidate]) -> list[Candidate]:
+    """The next round, proposed before this one is measured (the queued candidates count as proposed), and
+    prepared at once: the pool compiles its kernels while the engine measures this round."""
+    pending = [Outcome(c.plan, None, run.screen, key=c.key, pending=True) for c in queued]
+    nxt = list(run.proposer.propose(run.cfg.batch, run.state.history + pending))
+    _prepare(run, nxt)
+    return nxt
+
+
+def _cancel_prepared(run: _Run) -> None:
+    """The campaign stops: candidates compiling ahead that were never measured give their compiles back."""
+    cancel = getattr(run.evaluator, "cancel", None)
+    for c in list(run.prepared.values()):
+        if callable(cancel):
+            try:
+                cancel(c)
+            except TkccError:
+                pass
+    run.prepared.clear()
+
+
 def _parallel(run: _Run) -> int:
     """How many screening candidates the evaluator measures at once (1 unless it has ``measure_batch``)."""
     if not callable(getattr(run.evaluator, "measure_batch", None)):
@@ -572,6 +638,9 @@ def _screen_batch(run: _Run, cands: list[Candidate], ref: float, can_ship: bool)
     for r in run.evaluator.measure_batch(cands, tier, reference=run.serving_cand, reference_objective=ref):
         cand, res, proposer = r.candidate, r.result, r.proposer or r.candidate.proposer
         run.budget.charge(step_kind(proposer, tier), r.seconds)
+        run.prepared.pop(cand.key, None)
+        res.timing = _timing(res.timing, r.seconds)
+        run.throughput.add(tier, res.timing, r.seconds)
         measured = res.verdict == "measured" and res.objective is not None
         meas = {**(res.measurement or {}), "conditions": run.conditions}
         if r.proposer is None and measured:
@@ -582,7 +651,7 @@ def _screen_batch(run: _Run, cands: list[Candidate], ref: float, can_ship: bool)
         run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
                          workload_fp=run.wfp, tier=tier, verdict=res.verdict, objective=res.objective,
                          measurement=meas, artifact_hash=r.artifact_hash, reason=reason,
-                         started=time.time() - r.seconds, engine=r.engine)
+                         started=time.time() - r.seconds, engine=r.engine, timing=res.timing)
         st.evaluated[tier] = st.evaluated.get(tier, 0) + 1
         st.history.append(Outcome(cand.plan, res.objective if measured else None, tier, key=cand.key,
                                   start=cand.eager))

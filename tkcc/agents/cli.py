@@ -25,6 +25,17 @@ def register(sub) -> None:
     c.add_argument("--aa-pairs", type=int, default=3,
                    help="A/A pairs needed before anything ships (default 3; more if the budget affords them)")
     c.add_argument("--batch", type=int, default=4, help="candidates proposed per round (default 4)")
+    c.add_argument("--ahead", type=int, default=4,
+                   help="candidates kept proposed, with their kernels compiling, ahead of the one measured "
+                        "(default 4; 0: none): needs an engine with a compile pool (a GPU engine has one)")
+    c.add_argument("--compile-workers", type=int, default=None,
+                   help="processes of the started engine's compile pool (default: the machine's cores on a GPU)")
+    c.add_argument("--phases", default=None, metavar="PHASE[,PHASE]",
+                   help="measure only these phases' buckets of the trace (e.g. decode: the default objective, P90 "
+                        "per-user decode tokens/s, depends on decode steps only; a model whose eager prefill cannot "
+                        "run at the trace's prompt lengths)")
+    c.add_argument("--kernel-cache", default=None,
+                   help="the started engine's shared kernel cache folder (default ~/.cache/tkcc/triton)")
     c.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="one engine per Ray actor, screening in parallel; ADDRESS: a running Ray cluster "
                         "(default: start a local one)")
@@ -119,7 +130,8 @@ class _Engine:
         from tkcc.frontend.models import DEFAULT_MODEL
 
         self.ctx = spawned_engine(self.args.model or DEFAULT_MODEL, self.args.device,
-                                  extra=tuple(self.args.engine_arg), start_timeout_s=self.start_timeout_s,
+                                  extra=tuple(self.args.engine_arg) + compile_args(self.args),
+                                  start_timeout_s=self.start_timeout_s,
                                   keep_temp=getattr(self.args, "keep_temp", False))
         self.client = self.ctx.__enter__()
         return self.client
@@ -135,6 +147,20 @@ class _Engine:
         return False
 
 
+def compile_args(args, ray_address: str | None = None) -> tuple[str, ...]:
+    """``tkcc serve`` arguments for the engine's compile pool and kernel cache, from the campaign's."""
+    out: tuple[str, ...] = ()
+    if getattr(args, "compile_workers", None) is not None:
+        if args.compile_workers < 0:
+            raise TkccError(f"--compile-workers must be 0 or more, got {args.compile_workers}")
+        out += ("--compile-workers", str(args.compile_workers))
+    if getattr(args, "kernel_cache", None):
+        out += ("--kernel-cache", str(Path(args.kernel_cache).resolve()))
+    if ray_address:  # the engines' kernels compile as Ray tasks, on any node's CPUs
+        out += ("--compile-executor", "ray", "--ray-address", ray_address)
+    return out
+
+
 def _workload_for(client, trace):
     from tkcc.traffic.buckets import workload_from_trace
 
@@ -143,6 +169,17 @@ def _workload_for(client, trace):
     if not cap:
         raise TkccError("the engine's model has no KV cache length; campaigns need an LLM engine")
     return workload_from_trace(trace, max_context=int(cap), batch_sizes=(int(worker.get("batch") or 1),))
+
+
+def _phases(workload, phases: str | None):
+    """The workload with only ``--phases``' buckets measured (all when not given)."""
+    if not phases:
+        return workload
+    want = [p.strip() for p in phases.split(",") if p.strip()]
+    try:
+        return workload.only(*want)
+    except ValueError as e:
+        raise TkccError(f"--phases {phases}: {e}") from None
 
 
 def _search_space(args, device: str):
@@ -180,6 +217,8 @@ def cmd_campaign(args):
     check_aa_pairs(args.aa_pairs)
     if args.batch < 1:
         raise TkccError(f"--batch must be at least 1, got {args.batch}")
+    if args.ahead < 0:
+        raise TkccError(f"--ahead must be 0 or more, got {args.ahead}")
     tiers = tuple(args.tiers.split(","))
     reps = _reps(args, budget)
     trace = load_named_trace(args.trace, format=args.format)  # bad input fails before an engine starts
@@ -206,13 +245,14 @@ def cmd_campaign(args):
                             f"start within it ({e})") from None
         raise
     try:
-        workload = _workload_for(client, trace)
+        workload = _phases(_workload_for(client, trace), getattr(args, "phases", None))
         ev = EngineEvaluator(client, workload, pass_modules=args.pass_module, reps=reps,
                              keep_artifacts=_artifacts_dir(args.store))
         model = ev.model or args.model
         name = args.name or f"{model}-{time.strftime('%Y%m%d-%H%M%S')}"
         cfg = CampaignConfig(name=name, model=str(model), budget_s=budget, tiers=tiers, batch=args.batch,
                              aa_pairs=args.aa_pairs, resume=args.resume, started=started, reserve_s=STOP_RESERVE_S,
+                             ahead=args.ahead,
                              extra={"trace": str(args.trace), "objective": workload.objective, "device": args.device,
                                     "reps": reps, "buckets": [b.__dict__ for b in workload.buckets]})
         state = run_campaign(cfg, store, _proposer(args, client, ev), ev, progress=not args.no_progress,
@@ -248,20 +288,23 @@ def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, so
     gpu = not str(args.device).startswith("cpu")
     if args.engines is not None and args.engines < 1:
         raise TkccError(f"--engines must be at least 1, got {args.engines}")
-    ours = init_ray(args.ray or None, num_cpus=(args.engines or 2) + 1)
+    # a local cluster: every core, so the engines' kernel compiles have CPUs to run on beside the engines
+    ours = init_ray(args.ray or None, num_cpus=max((args.engines or 2) + 1, os.cpu_count() or 1))
     try:
         k = args.engines or (int(ray.cluster_resources().get("GPU", 0)) if gpu else 2)
         if k < 1:
             raise TkccError(f"--ray on {args.device}: the Ray cluster has no GPU; pass --engines")
-        ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _workload_for(c, trace), device=args.device,
-                          extra=tuple(args.engine_arg), reps=reps, pass_modules=args.pass_module,
+        address = ray.get_runtime_context().gcs_address if args.compile_workers != 0 else None
+        ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _phases(_workload_for(c, trace), args.phases),
+                          device=args.device, extra=tuple(args.engine_arg) + compile_args(args, address),
+                          reps=reps, pass_modules=args.pass_module,
                           gpus_per_engine=1.0 if gpu else 0.0, start_timeout_s=max(1.0, left),
                           out=None if args.no_progress else (lambda m: print(m, file=sys.stderr)))
         try:
             name = args.name or f"{ev.model}-{time.strftime('%Y%m%d-%H%M%S')}"
             cfg = CampaignConfig(name=name, model=str(ev.model), budget_s=budget, tiers=tiers,
                                  batch=max(args.batch, k), aa_pairs=args.aa_pairs, resume=args.resume,
-                                 started=started, reserve_s=STOP_RESERVE_S,
+                                 started=started, reserve_s=STOP_RESERVE_S, ahead=args.ahead,
                                  extra={"trace": str(args.trace), "objective": ev.workload.objective,
                                         "device": args.device, "reps": reps, "ray": args.ray or "local",
                                         "engines": ev.engines(),

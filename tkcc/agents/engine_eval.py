@@ -60,6 +60,13 @@ class EngineEvaluator:
                             "reps": reps, "device": self.device, "threads": env.get("threads")}
         # relative cost of measuring each tier, for the budget before a tier has been measured
         self.tier_scale = {t: float(v.get("blocks") or 1) for t, v in (worker.get("tiers") or {}).items()}
+        # compiling ahead: the engine lists a candidate's kernel compiles and its pool runs them meanwhile
+        self.compiles_ahead = bool(((eng.get("compile") or {}).get("workers"))) and callable(
+            getattr(client, "prepare", None))
+        self._loads: dict[str, dict] = {}      # artifact key -> the load that built it (its compile wait, JIT)
+        self._prepared: dict[tuple, dict] = {}  # (candidate key, tier) -> what prepare said of it
+        self._key_of: dict[str, str] = {}       # artifact key -> candidate key
+        self._listed: set[tuple] = set()        # (candidate key, tier) prepared once
 
     def workload_fingerprint(self) -> str:
         return self.workload.fingerprint()
@@ -91,13 +98,44 @@ class EngineEvaluator:
             spec["pass_modules"] = self.pass_modules
         return spec
 
+    def prepare(self, cand: Candidate, tier: str) -> dict | None:
+        """Have the engine list the candidate's kernel compiles on ``tier`` and queue them in its compile pool
+        (returns at once; None when the engine does not compile ahead or the candidate is not a plan)."""
+        if not self.compiles_ahead or cand.eager or cand.compare or cand.artifact_dir is not None:
+            return None
+        spec = self._spec(cand)
+        if "plan" not in spec:
+            return None
+        try:
+            res = (self.client.prepare(spec, tiers=tier) or {}).get(tier) or {}
+        except EngineError as e:  # the build itself fails: its load says so, as a failed candidate
+            res = {"note": f"prepare failed: {e}"}
+        self._prepared[(cand.key, tier)] = res
+        self._listed.add((cand.key, tier))  # its kernels are compiled (or compiling) from now on: once is enough
+        return res
+
+    def cancel(self, cand: Candidate) -> None:
+        """Drop a prepared candidate's compiles that have not started (it will not be measured)."""
+        if not self.compiles_ahead:
+            return
+        try:
+            self.client.cancel(self._spec(cand))
+        except (EngineError, TkccError):
+            pass
+
     def build(self, cand: Candidate, tier: str) -> str:
-        """Compile the candidate for a tier in the engine; returns the built artifact's hash."""
+        """Compile the candidate for a tier in the engine; returns the built artifact's hash. A candidate not
+        prepared yet is prepared first, so even then its kernels compile in the pool, in parallel."""
+        if self.compiles_ahead and (cand.key, tier) not in self._prepared and (cand.key, tier) not in self._listed:
+            self.prepare(cand, tier)
         spec = self._spec(cand)
         try:
             res = self.client.load(spec, tiers=tier)
         except EngineError as e:
-            raise TkccError(f"the engine could not build {cand.key} for the {tier} tier: {e}") from None
+            err = TkccError(f"the engine could not build {cand.key} for the {tier} tier: {e}")
+            err.timing = {"critical": {"render": round(float((self._prepared.get((cand.key, tier)) or {})
+                                                             .get("render_s") or 0.0), 4)}, "parallel": {}}
+            raise err from None
         info = ((res or {}).get(tier) or {}).get("info") or {}
         key = info.get("artifact_hash") or info.get("hash")
         if not key and info.get("tree_sha256"):  # a source candidate: every file it can import
@@ -110,6 +148,8 @@ class EngineEvaluator:
         self._specs[key] = spec
         self.artifacts[key] = info.get("artifact")
         self.build_info[key] = info
+        self._loads[key] = (res or {}).get(tier) or {}
+        self._key_of[key] = cand.key
         return key
 
     def spec_of(self, key: str) -> dict:
@@ -123,14 +163,21 @@ class EngineEvaluator:
         except EngineError as e:
             return {"ok": False, "reason": str(e), "tiers": {tier: {"failure": "refused", "reason": str(e)}}}
 
+    def timing(self, key: str, tier: str, rec: dict) -> dict:
+        """Seconds per phase of one experiment (``tkcc.agents.throughput``); the build and prepare once only."""
+        from tkcc.agents.throughput import phases_of
+
+        return phases_of(rec, self._loads.pop(key, None), self._prepared.pop((self._key_of.get(key), tier), None))
+
     def measure(self, key: str, tier: str) -> EvalResult:
         res = self._run(key, tier, keep=False)
         rec = res.get("tiers", {}).get(tier, {})
+        timing = self.timing(key, tier, rec)
         if not res.get("ok"):
             verdict = {"invalid": "invalid", "timeout": "timeout"}.get(rec.get("failure"), "crashed")
-            if rec.get("failure") == "refused":
+            if rec.get("failure") in ("refused", "compile"):  # a kernel that does not compile: the candidate's
                 verdict = "invalid"
-            return EvalResult(verdict, reason=rec.get("reason") or res.get("reason"))
+            return EvalResult(verdict, reason=rec.get("reason") or res.get("reason"), timing=timing)
         m = rec["measurement"]
         if m.get("objective") is None:
             return EvalResult("invalid", reason=f"the engine measured no objective: {m.get('note', 'no reason given')}")
@@ -143,7 +190,7 @@ class EngineEvaluator:
         kept = self._keep(key, tier)
         if kept:
             m["logs_dir"] = kept
-        return EvalResult("measured", float(m["objective"]), m)
+        return EvalResult("measured", float(m["objective"]), m, timing=timing)
 
     def _keep(self, key: str, tier: str) -> str | None:
         """Copy a built candidate's pass-log summary and generated source out of the engine's work folder."""

@@ -148,7 +148,7 @@ class ExternalAgent:
         raise TkccError(f"external proposer left neither {plan_file.name} nor a modified artifact/ in {ws}")
 
     def propose(self, n: int, history: list[Outcome]) -> list[Candidate]:
-        self.history = list(history)
+        self.history = [h for h in history if not getattr(h, "pending", False)]  # measured ones only
         ws = self.prepare()
         self.rounds += 1
         self.run(ws)

@@ -48,6 +48,7 @@ class Outcome:
     tier: str
     key: str = ""        # the candidate's key, when it is not its plan's hash (eager, agent source)
     start: bool = False  # a starting reference (the model's eager forward), not a plan the search proposed
+    pending: bool = False  # proposed and queued, not measured yet: a proposer proposing ahead must not repeat it
 
 
 class Proposer(Protocol):

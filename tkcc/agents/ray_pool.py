@@ -63,6 +63,7 @@ class EngineActor:
         import socket
 
         return {"name": self.name, "pid": self.proc.pid if self.proc else None, "host": socket.gethostname(),
+                "compiles_ahead": self.ev.compiles_ahead,
                 "device": self.ev.device, "device_type": self.ev.device_type, "model": self.ev.model, "conditions": self.ev.conditions(),
                 "validation": self.ev.validation, "tier_scale": self.ev.tier_scale}
 
@@ -79,6 +80,14 @@ class EngineActor:
                 pass
         if self.proc is not None and self.proc.poll() is not None:
             raise EngineDied(f"{self.name}: its engine (pid {self.proc.pid}) exited with {self.proc.returncode}")
+
+    def prepare(self, cand: Candidate, tier: str) -> dict | None:
+        """Queue the candidate's kernel compiles in this engine's pool (their cache serves every engine that
+        shares it: the engines of one node)."""
+        return self.ev.prepare(cand, tier)
+
+    def cancel(self, cand: Candidate) -> None:
+        self.ev.cancel(cand)
 
     def build(self, cand: Candidate, tier: str) -> str:
         try:
@@ -175,6 +184,24 @@ class RayEvaluator:
         self.validation, self.tier_scale = home["validation"], home["tier_scale"]
 
     # ---- the Evaluator protocol -------------------------------------------------------------------------
+    @property
+    def compiles_ahead(self) -> bool:
+        return bool(self._info.get(self.engine, {}).get("compiles_ahead"))
+
+    def prepare(self, cand: Candidate, tier: str) -> dict | None:
+        """Queue a candidate's kernel compiles ahead, on the engines in turn (not waited for: an engine takes
+        it between its experiments); kernels land in the engine's node's cache, which its engines share."""
+        names = list(self._info)
+        if not names or not self.compiles_ahead:
+            return None
+        self._next_prepare = (getattr(self, "_next_prepare", -1) + 1) % len(names)
+        self._handles[names[self._next_prepare]].prepare.remote(cand, tier)
+        return {"queued_on": names[self._next_prepare]}
+
+    def cancel(self, cand: Candidate) -> None:
+        for h in self._handles.values():
+            h.cancel.remote(cand)
+
     def workload_fingerprint(self) -> str:
         return self.workload.fingerprint()
 

@@ -3,7 +3,8 @@
 The page: the objective over time with each tier on its own axis (they
 measure different models: the fast tier is the first blocks of the slow
 one) and the serving line on the slow tier's; the noise threshold and the
-A/A pairs it comes from; every ship decision with its numbers; every
+A/A pairs it comes from; experiments per hour and the seconds each phase took, on the engine's critical
+path and in parallel; every ship decision with its numbers; every
 experiment with its plan, the reason for its verdict and a link to its
 candidate's page. Each candidate's page (``<report>_files/<candidate>.html``)
 shows its plan, its pass logs (matched, replaced, added, removed, time per
@@ -113,6 +114,43 @@ def _plots(exps, ships, buckets, tiers) -> dict[str, str | None]:
         ax.set_ylabel("weight")
         out["traffic"] = _png(fig)
     return out
+
+
+def _throughput(exps, sessions) -> dict:
+    """Experiments per hour per session (start-up included) and seconds per phase per tier, critical path and
+    in parallel, from the rows' ``timing`` (``tkcc.agents.throughput``); a plot of the phases."""
+    from tkcc.agents.throughput import PHASES
+
+    per = {}
+    for e in exps:
+        if e.verdict == "reused" or not e.timing:
+            continue
+        t = per.setdefault(e.tier, {"experiments": 0, "critical": dict.fromkeys(PHASES, 0.0), "parallel": 0.0})
+        t["experiments"] += 1
+        for k, v in (e.timing.get("critical") or {}).items():
+            t["critical"][k] = t["critical"].get(k, 0.0) + float(v or 0.0)
+        t["parallel"] += float((e.timing.get("parallel") or {}).get("compile") or 0.0)
+    rows = [dict(s.get("throughput") or {}, session=i + 1) for i, s in enumerate(sessions) if s.get("throughput")]
+    plot = None
+    if per:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        tiers = sorted(per)
+        fig, ax = plt.subplots(figsize=(9, 0.9 + 0.7 * len(tiers)))
+        left = [0.0] * len(tiers)
+        for k in PHASES:
+            vals = [per[t]["critical"].get(k, 0.0) for t in tiers]
+            ax.barh([f"{t}: critical path" for t in tiers], vals, left=left, label=k)
+            left = [a + b for a, b in zip(left, vals)]
+        ax.barh([f"{t}: in parallel" for t in tiers], [per[t]["parallel"] for t in tiers], color="0.6",
+                label="compile (pool, worker-s)")
+        ax.set_xlabel("seconds, summed over the experiments")
+        ax.legend(fontsize=7, ncol=4, loc="lower right")
+        plot = _png(fig)
+    return {"tiers": per, "sessions": rows, "phases": PHASES, "plot": plot}
 
 
 def _noise(exps, sessions, min_pairs: int) -> dict:
@@ -233,7 +271,8 @@ def write_report(store_path: str | Path, campaign: str | int, out: str | Path) -
         c=c, exps=rows, ships=ship_rows, n_exp=len(exps), per_tier=dict(Counter(e.tier for e in exps)),
         plots=_plots(exps, ships, c["config"].get("buckets"), tiers),
         objective_name=c["config"].get("objective", "objective"), measured_on=measured_on, noise=_noise(exps, sessions, int(c["config"].get("aa_pairs") or 3)),
-        sessions=sessions, total_budget=sum(float(s.get("budget_s") or 0) for s in sessions), tiers=tiers)
+        sessions=sessions, total_budget=sum(float(s.get("budget_s") or 0) for s in sessions), tiers=tiers,
+        throughput=_throughput(exps, sessions))
     tmp = out.with_suffix(".tmp")
     tmp.write_text(html)
     tmp.replace(out)

@@ -117,7 +117,8 @@ class BayesianSearch:
 
     def posterior(self, history: list[Outcome]) -> tuple[np.ndarray, np.ndarray, float]:
         """Mean and covariance of the weights, and the baseline log objective (intercept)."""
-        history = [h for h in history if not h.start]  # references (eager) are not plans: nothing to learn
+        # references (eager) are not plans, and queued candidates have no result yet: nothing to learn
+        history = [h for h in history if not h.start and not h.pending]
         d = len(self.feats)
         ok = [h for h in history if h.objective is not None and h.objective > 0]
         base = float(np.median([math.log(h.objective) for h in ok if len(h.plan) == 0] or

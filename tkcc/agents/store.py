@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS experiments (
     reason TEXT,
     started REAL NOT NULL,
     finished REAL NOT NULL,
-    engine TEXT                    -- the engine (Ray actor) that measured it, NULL with one engine
+    engine TEXT,                   -- the engine (Ray actor) that measured it, NULL with one engine
+    timing TEXT                    -- JSON: seconds per phase, on the engine's critical path and in parallel
 );
 CREATE INDEX IF NOT EXISTS exp_reuse ON experiments(artifact_hash, workload_fp, tier);
 CREATE INDEX IF NOT EXISTS exp_campaign ON experiments(campaign_id, tier);
@@ -74,7 +75,9 @@ CREATE TABLE IF NOT EXISTS ships (
 
 # Columns added after a table's first release, added in place to an older store (additive: an older tkcc
 # still reads the store, it just does not see the new column).
-_ADDED_COLUMNS = {"ships": [("detail", "TEXT")], "experiments": [("engine", "TEXT")]}
+_ADDED_COLUMNS = {"ships": [("detail", "TEXT")], "experiments": [("engine", "TEXT"), ("timing", "TEXT")]}
+_EXP_COLUMNS = ("id, campaign_id, candidate, plan, proposer, artifact_hash, workload_fp, tier, objective, measurement,"
+                " verdict, reason, started, finished, engine, timing")
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Experiment:
     started: float
     finished: float
     engine: str | None = None  # the engine (Ray actor) that measured it, when a pool of engines did
+    timing: dict | None = None  # seconds per phase: {"critical": {phase: s}, "parallel": {phase: s}}
 
 
 class ExperimentStore:
@@ -202,35 +206,37 @@ class ExperimentStore:
     def record(self, campaign_id: int, *, candidate: str, plan: list, proposer: str, workload_fp: str, tier: str,
                verdict: str, objective: float | None = None, measurement: dict | None = None,
                artifact_hash: str | None = None, reason: str | None = None, started: float | None = None,
-               engine: str | None = None) -> int:
+               engine: str | None = None, timing: dict | None = None) -> int:
         """Append one finished experiment; committed (fsync'd) before this returns."""
         now = time.time()
         cur = self.db.execute(
             "INSERT INTO experiments(campaign_id, candidate, plan, proposer, artifact_hash, workload_fp, tier,"
-            " objective, measurement, verdict, reason, started, finished, engine) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " objective, measurement, verdict, reason, started, finished, engine, timing)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (campaign_id, candidate, json.dumps(plan, sort_keys=True), proposer, artifact_hash, workload_fp, tier,
              objective, json.dumps(measurement, default=str) if measurement is not None else None, verdict, reason,
-             started if started is not None else now, now, engine),
+             started if started is not None else now, now, engine,
+             json.dumps(timing, sort_keys=True) if timing is not None else None),
         )
         return int(cur.lastrowid)
 
     def reusable(self, artifact_hash: str, workload_fp: str, tier: str) -> Experiment | None:
         """A finished measurement of the same artifact on the same workload and tier, if any."""
         row = self.db.execute(
-            "SELECT * FROM experiments WHERE artifact_hash=? AND workload_fp=? AND tier=? AND verdict='measured'"
-            " ORDER BY id DESC LIMIT 1", (artifact_hash, workload_fp, tier)).fetchone()
+            f"SELECT {_EXP_COLUMNS} FROM experiments WHERE artifact_hash=? AND workload_fp=? AND tier=? AND "
+            "verdict='measured' ORDER BY id DESC LIMIT 1", (artifact_hash, workload_fp, tier)).fetchone()
         return self._exp(row) if row else None
 
     def measurements_of(self, artifact_hash: str, workload_fp: str, tier: str, limit: int = 50) -> list[Experiment]:
         """Finished measurements of one artifact on one workload and tier, newest first (the caller decides
         which of them were taken under conditions it may reuse)."""
         rows = self.db.execute(
-            "SELECT * FROM experiments WHERE artifact_hash=? AND workload_fp=? AND tier=? AND verdict='measured'"
-            " ORDER BY id DESC LIMIT ?", (artifact_hash, workload_fp, tier, limit))
+            f"SELECT {_EXP_COLUMNS} FROM experiments WHERE artifact_hash=? AND workload_fp=? AND tier=? AND "
+            "verdict='measured' ORDER BY id DESC LIMIT ?", (artifact_hash, workload_fp, tier, limit))
         return [self._exp(r) for r in rows]
 
     def experiments(self, campaign_id: int | None = None, tier: str | None = None) -> list[Experiment]:
-        q, args = "SELECT * FROM experiments WHERE 1=1", []
+        q, args = f"SELECT {_EXP_COLUMNS} FROM experiments WHERE 1=1", []
         if campaign_id is not None:
             q += " AND campaign_id=?"
             args.append(campaign_id)
@@ -246,10 +252,11 @@ class ExperimentStore:
 
     @staticmethod
     def _exp(row) -> Experiment:
-        (id_, cid, cand, plan, prop, ah, wfp, tier, obj, meas, verdict, reason, started, finished) = row[:14]
+        (id_, cid, cand, plan, prop, ah, wfp, tier, obj, meas, verdict, reason, started, finished, engine,
+         timing) = row
         return Experiment(id_, cid, cand, json.loads(plan), prop, ah, wfp, tier, obj,
-                          json.loads(meas) if meas else None, verdict, reason, started, finished,
-                          row[14] if len(row) > 14 else None)
+                          json.loads(meas) if meas else None, verdict, reason, started, finished, engine,
+                          json.loads(timing) if timing else None)
 
     # ship history --------------------------------------------------------------------------
     def record_ship(self, campaign_id: int, candidate: str, plan: list, objective: float | None, action: str,

@@ -29,7 +29,7 @@ def summary_of(store: ExperimentStore, state: CampaignState) -> dict:
             "decisions": state.decisions, "baseline_objective": base,
             "shipped": {"candidate": serving_key, "objective": serving_obj}, "gain": gain,
             "budget": state.budget, "total_budget_s": sum(float(s.get("budget_s") or 0) for s in sessions),
-            "sessions": len(sessions)}
+            "sessions": len(sessions), "throughput": state.throughput}
 
 
 def summary_text(s: dict, device: str | None = None) -> str:
@@ -69,4 +69,8 @@ def summary_text(s: dict, device: str | None = None) -> str:
     lines.append(f"serving {sh['candidate']} at objective {obj}{gtxt}")
     if s["sessions"] > 1:
         lines.append(f"{s['sessions']} sessions, total budget {s['total_budget_s']:.0f} s")
+    if s.get("throughput"):
+        from tkcc.agents.throughput import describe
+
+        lines += describe(s["throughput"])
     return "\n".join(lines)

@@ -184,7 +184,9 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
     manifest["artifact_hash"] = artifact_hash(manifest)
     files[MANIFEST] = json.dumps(manifest, indent=2, sort_keys=True).encode()
     _write_atomically(out_dir, files)
-    return Artifact.open(out_dir)
+    art = Artifact.open(out_dir)
+    art.kernel_calls = [{**c, "phase": phase} for phase, c in calls]  # this build's, not part of the artifact
+    return art
 
 
 def _with_aux(fs, name: str):
@@ -221,6 +223,22 @@ class Artifact:
 
     def __init__(self, path: Path, manifest: dict, blobs: dict[str, bytes]):
         self.path, self.manifest, self._blobs = path, manifest, blobs
+        self.kernel_calls: list[dict] = []  # set by build_artifact: each generated kernel's call, with its shapes
+
+    def launch_generated(self) -> int:
+        """Launch every generated kernel once at the shapes its call had in the captured graph, on meta tensors
+        (nothing computes; see ``tkcc.kernels.discovery``, whose ``deferring`` block turns the launches into
+        the list of compiles they need). Returns how many launches were made."""
+        launchers = self.launchers() if self.kernel_calls else {}
+        n = 0
+        for c in self.kernel_calls:
+            strides = c.get("strides") or [None] * len(c["shapes"])
+            args = [torch.empty_strided(sh, st, dtype=getattr(torch, dt.split(".")[-1]), device="meta")
+                    if st is not None else torch.empty(sh, dtype=getattr(torch, dt.split(".")[-1]), device="meta")
+                    for sh, dt, st in zip(c["shapes"], c["dtypes"], strides)]
+            launchers[c["kernel"]].launch(args)
+            n += 1
+        return n
 
     # ---- opening and verification ------------------------------------------------------
     @classmethod

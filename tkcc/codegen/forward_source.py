@@ -34,7 +34,7 @@ class ForwardSource:
     kernels: dict[str, object] = field(default_factory=dict)  # kernel name -> FusedKernel
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
-    kernel_calls: list[dict] = field(default_factory=list)  # {kernel, node, shapes, dtypes} for AOT
+    kernel_calls: list[dict] = field(default_factory=list)  # {kernel, node, shapes, dtypes, strides}: AOT, discovery
     op_calls: list[dict] = field(default_factory=list)  # {op, node, target}: calls to tkcc.kernels.ops
     aux: dict[str, "ForwardSource"] = field(default_factory=dict)  # module name -> a fallback graph's forward
     runtime: list[str] = field(default_factory=list)  # kernel-library modules the forward imports
@@ -162,7 +162,8 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
                 call = emit.call_source(n, f"{alias}.launch", names, imports)
                 out.kernel_calls.append({"kernel": t.name, "node": n.name, "origin": list(t.origin),
                                          "shapes": [[_hint(d) for d in a.meta["val"].shape] for a in n.args],
-                                         "dtypes": [str(a.meta["val"].dtype) for a in n.args]})
+                                         "dtypes": [str(a.meta["val"].dtype) for a in n.args],
+                                         "strides": [[_hint(d) for d in a.meta["val"].stride()] for a in n.args]})
             elif _decode_op(t):
                 call = emit.call_source(n, f"_ops.{_decode_op(t)}", names, imports)
                 out.op_calls.append({"op": _decode_op(t), "node": n.name, "target": n.kwargs.get("target", "triton")})

@@ -314,6 +314,11 @@ class CapturedCall:
     def _guards_hold(self) -> bool:
         return self.guard_vec.tolist() == self.expected
 
+    @property
+    def static_inputs(self) -> tuple:
+        """The positional inputs as the graph holds them (its static buffers for tensors)."""
+        return tuple(self.static_args)
+
     def run(self, *args, **kwargs) -> list[torch.Tensor]:
         """``load`` then ``replay``; the graph's own output tensors (valid until the next replay)."""
         self.load(*args, **kwargs)

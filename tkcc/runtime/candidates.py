@@ -217,8 +217,10 @@ def plan_is_exact(plan) -> bool:
     return all(getattr(get_pass(s.name), "exact", True) for s in plan.steps)
 
 
-def build_for_tier(cand: Candidate, tier: str, programs: dict, work_dir: str, max_bytes: int) -> None:
-    """Compile/load ``cand`` for ``tier`` (fills cand.forwards[tier], compile_s, info)."""
+def build_for_tier(cand: Candidate, tier: str, programs: dict, work_dir: str, max_bytes: int,
+                   list_kernels: bool = False) -> None:
+    """Compile/load ``cand`` for ``tier`` (fills cand.forwards[tier], compile_s, info). ``list_kernels``: a plan's
+    build also launches its generated kernels on meta tensors (``tkcc.pipeline.build``), for discovery."""
     program = programs[tier]
     t0 = time.perf_counter()
     kind, spec = cand.kind, cand.spec
@@ -239,7 +241,7 @@ def build_for_tier(cand: Candidate, tier: str, programs: dict, work_dir: str, ma
         fwd, info = {p: fn for p in program.phases}, {"kind": "compare", "compare": spec["compare"]}
         cand.exact = False
     elif kind == "plan":
-        fwd, info = _build_plan(spec, tier, program, work_dir, max_bytes, cand)
+        fwd, info = _build_plan(spec, tier, program, work_dir, max_bytes, cand, list_kernels)
     elif kind in ("artifact", "artifacts"):
         fwd, info = _open_artifact(spec, tier, programs, max_bytes, cand)
     else:
@@ -261,7 +263,7 @@ def build_for_tier(cand: Candidate, tier: str, programs: dict, work_dir: str, ma
     cand.info[tier] = info
 
 
-def _build_plan(spec, tier, program, work_dir, max_bytes, cand):
+def _build_plan(spec, tier, program, work_dir, max_bytes, cand, list_kernels: bool = False):
     from tkcc.passes.plan import PassPlan
     from tkcc.pipeline import build
 
@@ -278,7 +280,8 @@ def _build_plan(spec, tier, program, work_dir, max_bytes, cand):
     # reads the graphs, not FX's Python. Graph lint and the placeholder check still run after every pass.
     t0 = time.perf_counter()
     try:
-        b = build(program, plan, out_dir, check_numerics=False, log_code=False, tier=program.num_blocks)
+        b = build(program, plan, out_dir, check_numerics=False, log_code=False, tier=program.num_blocks,
+                  list_kernels=list_kernels)
     except ArtifactError as e:
         tried_s = time.perf_counter() - t0
         # A graph codegen cannot emit (a Program built outside the frontend, with module calls in it) still
@@ -295,6 +298,8 @@ def _build_plan(spec, tier, program, work_dir, max_bytes, cand):
             "passes": [_log_summary(lg) for lg in (b.logs or [])],
             "numerics": "checked by the engine's validation, not per pass", "phases_s": dict(b.seconds),
             "artifact": out_dir, "artifact_hash": art.hash}
+    if list_kernels:
+        info["meta_launches"] = b.meta_launches
     cand.exact = cand.exact and all(k.get("exact", True) for k in art.manifest.get("kernels", {}).values())
     return b.forwards, info
 

@@ -53,6 +53,18 @@ def register(subparsers) -> None:
                         "clock, the reference and the checks; inprocess: candidates run in the worker, which "
                         "audits its global state after each; auto (default): process on a CPU with one rank, "
                         "else inprocess (a CUDA context does not survive fork). See docs/engine.md")
+    p.add_argument("--kernel-cache", default=None,
+                   help="shared, checksummed Triton kernel cache folder (default $TKCC_KERNEL_CACHE_DIR or "
+                        "~/.cache/tkcc/triton): kernels compiled by any engine, tier, candidate or campaign")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="processes compiling candidates' kernels ahead (default: the machine's cores on a GPU, "
+                        "0 on a CPU engine, which compiles no Triton kernels)")
+    p.add_argument("--compile-executor", default="local", choices=["local", "ray"],
+                   help="where the compile pool runs: local processes, or Ray tasks on any node's CPUs")
+    p.add_argument("--ray-address", default=None, help="Ray cluster for --compile-executor ray (default: local)")
+    p.add_argument("--compile-target", default=None,
+                   help="on a CPU engine, list and compile plan candidates' kernels for this GPU target "
+                        "(e.g. cuda:90:32) with in-process isolation")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request accepted (1 MiB)")
     p.add_argument("--max-artifact-bytes", type=int, default=256 << 20, help="largest artifact/source loaded")
     from tkcc.serve.cli import add_http_args
@@ -155,7 +167,11 @@ def cmd_serve(args):
            "worker_max_rss_bytes": int(args.worker_max_rss * (1 << 30)), "isolation": args.isolation,
            "trial_max_bytes": int(args.trial_max_rss * (1 << 30)),
            "max_artifact_bytes": args.max_artifact_bytes, "threads": args.threads, "tp": args.tp,
-           "validation": args.validation, "tolerance_safety": args.tolerance_safety}
+           "validation": args.validation, "tolerance_safety": args.tolerance_safety,
+           "compile_workers": args.compile_workers, "compile_executor": args.compile_executor,
+           "ray_address": args.ray_address, "compile_target": args.compile_target}
+    if args.kernel_cache:
+        cfg["kernel_cache"] = os.path.abspath(args.kernel_cache)
     sup = Supervisor(cfg, Journal(args.journal or (base + ".journal.jsonl")))
     server = EngineServer(sup, secrets.token_hex(32), socket_path=sock, host=args.host, port=args.port,
                           allow_remote=args.allow_remote, max_request_bytes=args.max_request_bytes)

@@ -95,6 +95,13 @@ class EngineClient:
     def load(self, candidate: dict, tiers="both", **kw) -> dict:
         return self.call("load", candidate=with_hash(candidate), tiers=tiers, **kw)
 
+    def prepare(self, candidate: dict, tiers="both", **kw) -> dict:
+        """List the candidate's kernel compiles and queue them in the engine's compile pool (returns at once)."""
+        return self.call("prepare", candidate=with_hash(candidate), tiers=tiers, **kw)
+
+    def cancel(self, candidate: dict) -> dict:
+        return self.call("cancel", candidate=with_hash(candidate))
+
     def validate(self, candidate: str, tier: str = "slow", workload=None, **kw) -> dict:
         return self.call("validate", candidate=candidate, tier=tier, workload=_wl(workload), **kw)
 

@@ -35,7 +35,7 @@ import torch
 from tkcc.errors import EngineError
 from tkcc.kernels.graph_replay import CapturedCall, GraphCaptureError
 from tkcc.runtime import candidates as cands
-from tkcc.runtime import determinism
+from tkcc.runtime import determinism, prefetch
 from tkcc.runtime.measurement import Measurement, environment
 from tkcc.runtime.programs import (build_tiers, check_device, check_tier, fast_blocks_for, load_program,
                                    parse_dtype)
@@ -91,6 +91,7 @@ class EngineCore:
     def __init__(self, cfg: dict):
         t0 = time.perf_counter()
         self.cfg = cfg
+        self.kernel_cache = prefetch.setup(cfg)  # before anything compiles: the shared, checksummed cache
         self.device = torch.device(check_device(self._device_name(cfg)))
         self.dtype = parse_dtype(cfg.get("dtype", "float32"))
         self.work_dir = cfg.get("work_dir") or os.path.join(cfg.get("state_dir", "/tmp"), "candidates")
@@ -118,6 +119,10 @@ class EngineCore:
         self.program = self.programs["slow"]
         t3 = time.perf_counter()
         self.slots = {t: Slot() for t in self.programs}
+        from tkcc.runtime.refbank import ReferenceBank
+
+        self.refbank = ReferenceBank()  # the reference's results per tier and shape, reused (tkcc.runtime.refbank)
+        self.replays: dict = {}  # (candidate or "reference", tier) -> {phase: Replays}: graphs kept per shape
         self.ref_graphs: dict = {}  # (tier, bucket key) -> the reference's own CapturedCall (False: not capturable)
         baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
         self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
@@ -245,8 +250,11 @@ class EngineCore:
             # an inexact candidate on an exact tier, at the dtype's tolerance: the scale-aware bound
             policy = dataclasses.replace(policy, mode="tolerance", tolerance=self._scaled(tier, False))
         policy = policy if policy is not None and not exact else None
+        bank = self.refbank if tier is not None and self.tp == 1 else None
+        how = "replay" if getattr(self, "_replaying", False) else "eager"
         return validate(prog, reference, forwards, buckets, exact, atol, rtol, seed, (self.program.model, self.weights),
-                        policy=policy)
+                        policy=policy, bank=bank, tier=f"{tier}/{'exact' if exact else 'tolerance'}/{how}",
+                        candidate_id=getattr(self, "_validating", ""))
 
     def _agree(self, res: dict) -> dict:
         """A validation verdict as every rank sees it (one rank: its own)."""
@@ -374,6 +382,7 @@ class EngineCore:
             "env": self.env,
             "startup": self.startup,
             "isolation": self._isolation_status(),
+            "reference_bank": self.refbank.to_json(),
         }
 
     def _isolation_status(self) -> dict:
@@ -385,6 +394,13 @@ class EngineCore:
                        fork_s_median=sorted(forks)[len(forks) // 2] if forks else None)
         return out
 
+    def op_discover(self, spec: dict, tier: str) -> dict:
+        """The Triton compiles ``spec``'s build on ``tier`` needs, listed without compiling or launching anything
+        (``tkcc.runtime.prefetch``); a build that launched nothing is kept, so its ``load`` is free."""
+        check_tier(tier)
+        return prefetch.discover(self, spec, tier)
+
+    @prefetch.jit_counted
     def op_load(self, spec: dict, tier: str) -> dict:
         from tkcc.runtime.tp import check_layout_of, exact_at_degree_1
 
@@ -403,6 +419,7 @@ class EngineCore:
         return {"candidate": cid, "tier": tier, "compile_s": cand.compile_s.get(tier, 0.0),
                 "exact": cand.exact, "info": cand.info.get(tier, {})}
 
+    @prefetch.jit_counted
     def op_validate(self, candidate: str, tier: str, workload=None, seed: int | None = None,
                     max_shapes: int = 4) -> dict:
         check_tier(tier)
@@ -414,10 +431,13 @@ class EngineCore:
         atol, rtol = self._tolerance(cand)
         seed = secrets.randbits(62) if seed is None else int(seed)  # fresh: drawn after the candidate loaded
         buckets = pick_buckets(w, max_shapes)
-        res = self._run_validation(prog, self._reference(tier), fwd, buckets, exact, atol, rtol, seed)
+        self._validating = candidate  # the reference bank gives it only draws it has not been validated on
+        fwd, ref = self._validation_forwards(cand, tier, fwd)
+        res = self._run_validation(prog, ref, fwd, buckets, exact, atol, rtol, seed)
         if not res["ok"] and res.get("mismatch") and self._demote_on_own_failure(cand, tier, res):
             exact, note = self._mode(cand, tier)  # tolerance from here on: validate this candidate again under it
-            res = self._run_validation(prog, self._reference(tier), fwd, buckets, exact, atol, rtol, seed)
+            res = self._run_validation(prog, ref, fwd, buckets, exact, atol, rtol, seed)
+        res["replays"] = self._replay_status(cand, tier)
         if getattr(self, "before_canary", None) is not None:
             self.before_canary()  # in-process: the worker's audit puts back what a candidate changed, first
         tampered = self._canary_ok(tier)
@@ -438,6 +458,7 @@ class EngineCore:
         self.validations[(candidate, tier)] = res
         return res
 
+    @prefetch.jit_counted
     def op_swap(self, candidate: str, tier: str, workload=None, capture: bool = True, seed: int | None = None) -> dict:
         """Point the tier's forward at ``candidate`` (validated), keep the old one for revert, re-capture graphs."""
         check_tier(tier)
@@ -462,6 +483,44 @@ class EngineCore:
                 self._point(slot, prev)
                 raise
         return {"candidate": cand.id, "tier": tier, "previous": prev, "swap_s": swap_s, **cap}
+
+    def _validation_forwards(self, cand: cands.Candidate, tier: str, fwd: dict) -> tuple[dict, dict]:
+        """(candidate, reference) forwards to validate with. On a GPU (one rank): CUDA-graph replays of both,
+        captured once per input shape and kept (``tkcc.runtime.replays``): the candidate is validated the way
+        it is measured, and swap reuses its graphs. The baseline replays the reference's own graphs."""
+        self._replaying = self.device.type == "cuda" and self.tp == 1
+        if not self._replaying:
+            return fwd, self._reference(tier)
+        ref = self._replays_of("reference", tier, self._reference(tier))
+        if cand.id == "baseline":
+            return ref, ref
+        return self._replays_of(cand.id, tier, fwd), ref
+
+    def _replays_of(self, cid: str, tier: str, fwd: dict) -> dict:
+        from tkcc.runtime.replays import replays_of
+
+        key = (cid, tier)
+        if key not in self.replays:
+            def capture(fn, inputs, warmup):
+                return CapturedCall(fn, inputs, warmup=warmup, device=self.device)
+
+            self.replays[key] = replays_of(fwd, self.programs[tier].state, capture, CAPTURE_WARMUP)
+        return self.replays[key]
+
+    def _replay_status(self, cand: cands.Candidate, tier: str) -> dict | None:
+        rp = self.replays.get(("reference" if cand.id == "baseline" else cand.id, tier))
+        if rp is None:
+            return None
+        return {"graphs": sum(len(r.graphs) for r in rp.values()), "captured": sum(r.captures for r in rp.values()),
+                "eager": {p: list(r.notes.values()) for p, r in rp.items() if r.notes}}
+
+    def _validated_graph(self, cand: cands.Candidate, tier: str, phase: str, inputs: tuple):
+        """The graph validation captured and replayed for this candidate at these inputs' shape, if any."""
+        from tkcc.runtime.replays import signature
+
+        rp = self.replays.get(("reference" if cand.id == "baseline" else cand.id, tier))
+        r = rp.get(phase) if rp else None
+        return r.graphs.get(signature(inputs)) if r is not None else None
 
     def _point(self, slot: Slot, cid: str) -> None:
         if slot.history and slot.history[-1] == cid:
@@ -571,11 +630,17 @@ class EngineCore:
         scaled = self._scaled(tier, exact)
         gen = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else int(seed))
         graphs, notes, notes_exact = {}, {}, {}
+        reused = 0
         for b in w.buckets:
             key = b.key()
             if key in graphs or key in notes:
                 continue
             inputs = bucket_inputs(prog, b, gen, 1)[0]
+            kept = self._validated_graph(cand, tier, b.phase, inputs)
+            if kept is not None:  # validation captured it at this shape and replayed it against the reference
+                graphs[key] = kept
+                reused += 1
+                continue
             guard = StateGuard(prog.state)
             try:  # one warm-up call does a forward's lazy set-up (the replay is checked against the reference below)
                 g, why = CapturedCall(fwd[b.phase], inputs, warmup=CAPTURE_WARMUP, device=self.device), ""
@@ -607,7 +672,7 @@ class EngineCore:
             graphs[key] = g
         slot.graphs, slot.graph_notes, slot.graphs_for = graphs, notes, w.fingerprint()
         return {"capture_s": time.perf_counter() - t0, "graphs": len(graphs), "eager": notes,
-                "replay_notes": notes_exact}
+                "replay_notes": notes_exact, "reused": reused}
 
     def _check_replay(self, tier: str, cand: cands.Candidate, b, key: str, inputs, guard, ref: list, outs: list,
                       exact: bool, scaled, atol: float, rtol: float,
@@ -655,6 +720,7 @@ class EngineCore:
             compare(ref, outs, False, atol, rtol, what, scaled)
         return exact, scaled, note
 
+    @prefetch.jit_counted
     def op_measure(self, tier: str, workload=None, reps: int = 30, warmup: int = 5, rotations: int = 4,
                    seed: int | None = None, min_reps: int | None = MIN_REPS, ci_rel: float = CI_REL) -> dict:
         """Time the tier's current forward per bucket: ``warmup`` calls, then ``min_reps``..``reps`` recorded
@@ -813,6 +879,8 @@ class EngineCore:
         if in_use:
             return {"unloaded": False, "in_use": in_use}
         self.candidates.pop(candidate, None)
+        for key in [k for k in self.replays if k[0] == candidate]:
+            del self.replays[key]  # its graphs, and their memory pools
         if self.trials is not None:
             self.trials.discard(candidate)  # its process, and all it did, goes
         for key in [k for k in self.validated if k[0] == candidate]:

@@ -61,6 +61,7 @@ class InProcessSupervisor(Supervisor):
 
     def stop(self) -> None:
         self.stopping = True
+        self.close_pool()
         self.core = None
 
     def _kill(self) -> None:
@@ -126,6 +127,12 @@ class LocalClient:
 
     def load(self, candidate: dict, tiers="both", **kw) -> dict:
         return self.supervisor.load(candidate, tiers=tiers, **kw)
+
+    def prepare(self, candidate: dict, tiers="both", **kw) -> dict:
+        return self.supervisor.prepare(candidate, tiers=tiers, **kw)
+
+    def cancel(self, candidate: dict) -> dict:
+        return self.supervisor.cancel(candidate)
 
     def experiment(self, candidate: dict, tiers="both", workload=None, **kw) -> dict:
         from tkcc.runtime.client import _wl

@@ -29,6 +29,7 @@ Semantics (one place, so every number means the same thing):
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -127,7 +128,8 @@ class Measurement:
 
     @classmethod
     def from_json(cls, d: dict) -> "Measurement":
-        d = dict(d)
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}  # what an engine added beside it (supervisor_wall_s, jit)
         d["buckets"] = [BucketTiming(**b) for b in d.get("buckets", [])]
         return cls(**d)
 

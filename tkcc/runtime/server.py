@@ -31,6 +31,12 @@ def _methods(sup: Supervisor, server: "EngineServer") -> dict:
     def load(candidate: dict, tiers="both", timeout_s: float | None = None) -> dict:
         return sup.load(candidate, tiers, timeout_s)
 
+    def prepare(candidate: dict, tiers="both", timeout_s: float | None = None) -> dict:
+        return sup.prepare(candidate, tiers, timeout_s)
+
+    def cancel(candidate: dict) -> dict:
+        return sup.cancel(candidate)
+
     def validate(candidate: str, tier: str = "slow", workload=None, seed: int | None = None,
                  max_shapes: int = 4, timeout_s: float | None = None) -> dict:
         res = sup.call("validate", timeout_s, candidate=candidate, tier=tier, workload=workload, seed=seed,
@@ -75,8 +81,8 @@ def _methods(sup: Supervisor, server: "EngineServer") -> dict:
         threading.Thread(target=server.stop, name="tkcc-engine-stop", daemon=True).start()
         return {"stopping": True}
 
-    return {f.__name__: f for f in (ping, status, load, validate, swap, revert, measure, experiment, generate,
-                                    unload, results, shutdown)}
+    return {f.__name__: f for f in (ping, status, load, prepare, cancel, validate, swap, revert, measure, experiment,
+                                    generate, unload, results, shutdown)}
 
 
 def _call(fn, params: dict):

@@ -29,6 +29,7 @@ import uuid
 
 from tkcc.errors import EngineError, TkccError
 from tkcc.runtime import procs
+from tkcc.runtime.ahead import Ahead, configure
 from tkcc.runtime.journal import Journal
 from tkcc.runtime.programs import TIERS, check_device, check_model_name, check_tier
 
@@ -79,7 +80,7 @@ def _signal_name(code: int | None, tp: int = 1) -> str:
     return f"exit code {code}"
 
 
-class Supervisor:
+class Supervisor(Ahead):
     def __init__(self, cfg: dict, journal: Journal):
         check_model_name(cfg["model"])
         cfg["device"] = check_device(cfg["device"])
@@ -89,7 +90,8 @@ class Supervisor:
 
     def _setup(self, cfg: dict, journal: Journal) -> None:
         """The supervisor's bookkeeping, once ``cfg`` has been checked (an in-process engine shares it)."""
-        self.cfg = cfg
+        self.cfg = configure(cfg)
+        self._ahead_setup()
         self.journal = journal
         self.lock = threading.RLock()
         self.proc = None
@@ -166,6 +168,7 @@ class Supervisor:
 
     def stop(self) -> None:
         self.stopping = True
+        self.close_pool()
         with self.lock:
             if self.proc is not None and self.proc.is_alive():
                 try:
@@ -333,7 +336,8 @@ class Supervisor:
                           "uptime_s": time.time() - self.started, "restarts": self.restarts,
                           "recoveries": self.recoveries[-10:], "journal": self.journal.path,
                           "worker_pid": self.proc.pid if self.proc else None,
-                          "isolation": getattr(self, "isolation", None), "worker_max_rss_bytes": self.max_rss},
+                          "isolation": getattr(self, "isolation", None), "worker_max_rss_bytes": self.max_rss,
+                          "compile": self.ahead_status()},
                "serving": self.serving}
         if self.lock.acquire(timeout=0.5):
             try:
@@ -350,7 +354,12 @@ class Supervisor:
     def load(self, candidate: dict, tiers=TIERS, timeout_s: float | None = None) -> dict:
         res = {}
         for tier in _tiers(tiers):
+            kernels = self.kernels_for(candidate, tier, timeout_s)  # its compiles queued ahead, if any
+            if kernels is not None and not kernels["ok"]:
+                raise EngineError(f"the {tier} tier: {kernels['reason']}")
             r = self.call("load", timeout_s, spec=candidate, tier=tier)
+            if kernels is not None:
+                r["kernels"] = kernels
             self.specs[r["candidate"]] = candidate
             res[tier] = r
         return res
@@ -391,6 +400,13 @@ class Supervisor:
             step, cid, swapped = "load", None, False
             rec: dict = {"ok": False}
             try:
+                kernels = self.kernels_for(candidate, tier, timeout_s)  # waits for this candidate's compiles only
+                if kernels is not None:
+                    rec["kernels"] = kernels
+                    if not kernels["ok"]:
+                        step = "compile"
+                        rec.update(failure="compile", reason=f"during compile: {kernels['reason']}")
+                        raise _Stop
                 with self.lock:
                     r = self.call("load", timeout_s, spec=candidate, tier=tier)
                     cid = r["candidate"]

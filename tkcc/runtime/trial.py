@@ -617,6 +617,9 @@ def _child(host: TrialHost, trial: Trial, sock: socket.socket) -> None:
         for t in _tensors_on(roots, set(ptrs)):
             tw = ptrs[t.untyped_storage().data_ptr()]
             t.set_(tw.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    bank = getattr(core, "refbank", None)
+    if bank is not None:
+        bank.wipe()  # the worker's kept reference results: not for a candidate's process to find
     _send(conn, {"ok": True, "result": {"pid": os.getpid(), "private_bytes": procs.private_bytes(os.getpid())}})
     _serve(core, cid, conn)
 

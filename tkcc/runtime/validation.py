@@ -249,10 +249,9 @@ def run_candidate(fn, inputs: tuple, guard: StateGuard, prev: list[torch.Tensor]
     return outs
 
 
-def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, atol: float, rtol: float,
-           scaled, device: torch.device, what: str) -> dict:
-    """Steps 2-4 of the module docstring on one draw of inputs; the bucket's record, or ValidationFailure
-    (carrying the reference's outputs as ``.ref`` for the stability check)."""
+def _reference_run(ref_fn, inputs: tuple, guard: "StateGuard", exact: bool, device: torch.device, what: str):
+    """(outputs, state left, reproducible) of the reference on one draw of inputs: step 2 of the module
+    docstring, with, on a GPU in exact mode, a second poisoned run to see whether it reproduces its bits."""
     with torch.no_grad():
         ref = [t.clone() for t in tensors_of(ref_fn(*clone_all(inputs)))]
     _sync(device)
@@ -261,17 +260,33 @@ def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, ato
         if r.is_floating_point() and not bool(torch.isfinite(r).all()):
             raise ValidationFailure(f"{what}: the reference output {i} itself has NaN/Inf; "
                                     "cannot validate on these inputs")
-    poison_bytes = sum(r.numel() * r.element_size() for r in ref)
-    exact_b, note = exact, ""
+    reproducible = None
     if exact and device.type == "cuda":
         # Exactness is only asked where the reference itself reproduces its bits under the same poisoned
         # allocations: on a GPU, library kernels (cuBLAS, sdpa) can pick another algorithm for other pointer
         # alignments (seen on an H200: the captured olmoe-16l decode step differs from itself by 0.035 in bf16
         # at some contexts).
+        poison_bytes = sum(r.numel() * r.element_size() for r in ref)
         again = run_candidate(ref_fn, inputs, guard, [], device, poison_bytes, f"{what} reference rerun")
-        if not all(torch.equal(x, y) for x, y in zip(ref, again)):
-            exact_b, note = False, "reference not bitwise reproducible here: checked in tolerance mode"
+        reproducible = all(torch.equal(x, y) for x, y in zip(ref, again))
         guard.restore()
+    return ref, ref_state, reproducible
+
+
+def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, atol: float, rtol: float,
+           scaled, device: torch.device, what: str, cached=None) -> tuple[dict, tuple]:
+    """Steps 2-4 of the module docstring on one draw of inputs: (the bucket's record, the reference's
+    (outputs, state, reproducible)), or ValidationFailure (carrying the reference's outputs as ``.ref`` for
+    the stability check). ``cached``: the reference's result on these inputs, from the bank
+    (``tkcc.runtime.refbank``): it is not run again."""
+    if cached is not None:
+        ref, ref_state, reproducible = cached.outputs, cached.state_after(guard.saved), cached.reproducible
+    else:
+        ref, ref_state, reproducible = _reference_run(ref_fn, inputs, guard, exact, device, what)
+    poison_bytes = sum(r.numel() * r.element_size() for r in ref)
+    exact_b, note = exact, ""
+    if exact and device.type == "cuda" and reproducible is False:
+        exact_b, note = False, "reference not bitwise reproducible here: checked in tolerance mode"
     try:
         runs, prev = [], []
         err = 0.0
@@ -296,36 +311,83 @@ def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, ato
         compare(runs[0], runs[1], exact_b, atol, rtol, f"{what}: run 2 vs run 1", scaled)
     except ValidationFailure as e:
         e.ref = ref
+        e.reference = (ref, ref_state, reproducible)
         raise
-    return {"max_abs_err": err, "outputs": len(ref), "mode": "exact" if exact_b else "tolerance",
-            **({"note": note} if note else {})}
+    rec = {"max_abs_err": err, "outputs": len(ref), "mode": "exact" if exact_b else "tolerance",
+           **({"note": note} if note else {}), **({"reference": "kept"} if cached is not None else {})}
+    return rec, (ref, ref_state, reproducible)
+
+
+def _draw_inputs(program, b, seed: int) -> tuple:
+    """One draw of a bucket's inputs from ``seed``, on a zeroed state (the random context a decode bucket
+    fills in is then all the cache holds, the same whenever the seed is drawn again)."""
+    state = getattr(program, "state", None)
+    if state is not None:
+        with torch.no_grad():
+            for buf in state.buffers():
+                buf.zero_()
+    return program.inputs(b.phase, b if b.shapes or b.phase in ("prefill", "decode") else None,
+                          torch.Generator().manual_seed(seed))
+
+
+def _bank_entry(seed: int, guard: "StateGuard", reference: tuple):
+    from tkcc.runtime.refbank import Entry, state_diff
+
+    ref, ref_state, reproducible = reference
+    return Entry(seed, ref, state_diff(guard.saved, ref_state), reproducible)
 
 
 def validate(program, reference: dict, candidate: dict, buckets: list, exact: bool, atol: float, rtol: float,
-             seed: int, weights: tuple | None = None, policy=None) -> dict:
+             seed: int, weights: tuple | None = None, policy=None, bank=None, tier: str = "",
+             candidate_id: str = "") -> dict:
     """Check ``candidate`` ({phase: callable}) against ``reference`` on ``buckets``; see the module docstring.
 
     ``weights``: (whole model, its checksum at start): the candidate must leave every weight untouched.
     ``policy`` (a ``tkcc.runtime.determinism.TierPolicy`` in tolerance mode): the scale-aware bound derived
     from the reference's measured self-disagreement replaces atol/rtol, and greedy tokens are checked where
-    the reference agrees with itself (its golden-prompt sequences) instead of on one fresh prompt."""
+    the reference agrees with itself (its golden-prompt sequences) instead of on one fresh prompt.
+    ``bank`` (a ``tkcc.runtime.refbank.ReferenceBank``, with the ``tier`` and ``candidate_id``): the
+    reference's results on earlier draws, reused on draws this candidate has not seen."""
     scaled = policy.tolerance if policy is not None and not exact else None
     device = torch.device(program.meta.get("device", "cpu"))
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     shapes, greedy = [], None
     try:
+        # every bucket's first draw and the reference's result on it, before any candidate code runs here: so no
+        # candidate (in-process) can move a reference result that the bank would keep for others
+        firsts = {}
         for b in buckets:
-            what = f"bucket {b.key()}"
             if b.phase not in candidate:
-                raise ValidationFailure(f"{what}: the candidate has no forward for phase {b.phase!r}")
-            unstable = []
-            for _draw in range(MAX_DRAWS):
-                inputs = program.inputs(b.phase, b if b.shapes or b.phase in ("prefill", "decode") else None, gen)
+                raise ValidationFailure(f"bucket {b.key()}: the candidate has no forward for phase {b.phase!r}")
+            draw = int(torch.randint(0, 2**62, (1,), generator=gen))
+            entry = bank.take(tier, b.key(), candidate_id, draw) if bank is not None else None
+            if entry is None:
+                inputs = _draw_inputs(program, b, draw)
                 guard = StateGuard(program.state)
                 try:
-                    shape = _judge(reference[b.phase], candidate[b.phase], inputs, guard, exact, atol, rtol, scaled,
-                                   device, what)
+                    entry = _bank_entry(draw, guard, _reference_run(reference[b.phase], inputs, guard, exact, device,
+                                                                    f"bucket {b.key()}"))
+                finally:
+                    guard.restore()
+                if bank is not None:
+                    bank.add(tier, b.key(), candidate_id, entry)
+            firsts[b.key()] = entry
+        for b in buckets:
+            what = f"bucket {b.key()}"
+            unstable = []
+            for _draw in range(MAX_DRAWS):
+                entry = firsts[b.key()] if not _draw else None
+                inputs = _draw_inputs(program, b, entry.seed if entry is not None
+                                      else int(torch.randint(0, 2**62, (1,), generator=gen)))
+                guard = StateGuard(program.state)
+                try:
+                    shape, _ = _judge(reference[b.phase], candidate[b.phase], inputs, guard, exact, atol, rtol,
+                                      scaled, device, what, cached=entry)
+                    if entry is not None and bank is not None and entry.uses > 1:
+                        shape["reference"] = "kept from an earlier draw"
+                    else:
+                        shape.pop("reference", None)
                     break
                 except ValidationFailure as e:
                     # in tolerance mode a bound exceeded where the reference itself jumps says nothing of the

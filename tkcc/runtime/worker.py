@@ -161,7 +161,8 @@ class GroupLost(Exception):
         self.kind = kind
 
 
-AUDITED = ("load", "validate", "measure", "generate", "unload")  # ops that run candidate code (and unload's leak check)
+# ops that run candidate code (and unload's leak check)
+AUDITED = ("load", "discover", "validate", "measure", "generate", "unload")
 AUDITED_CUDA = AUDITED + ("swap", "revert")  # ... and, on a GPU, the CUDA-graph capture of a swapped-in forward
 
 
@@ -205,7 +206,7 @@ class _Single:
             return getattr(self.core, f"op_{op}")(**params)
         from tkcc.runtime import global_state
 
-        if op == "load":
+        if op in ("load", "discover"):
             from tkcc.runtime import candidates as cands
 
             try:
