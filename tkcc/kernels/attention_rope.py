@@ -83,17 +83,35 @@ class AttentionRope:
             return out
         if out is None:
             out = torch.empty(hq, D, device=qkv.device, dtype=qkv.dtype)
-        G = hq // hkv
-        qk_norm = q_norm is not None
-        mod = load("attention_rope.py.jinja", pdl=pdl)
-        mod.attn_rope_kernel[(hkv, self.splits)](
-            qkv, k_cache, v_cache, out, self.po, self.plse, self.count, pos, inv_freq,
-            q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, self.chunk,
-            k_cache.stride(0), k_cache.stride(1), S_max, self.splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
-            HALF=D // 2, BLOCK_S=block_s or self.block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
-            SINGLE=self.splits == 1, BLOCK_SP=min(16, max(2, next_pow2(self.splits))), MERGE=self.merge,
-            num_warps=num_warps or self.num_warps, **({"launch_pdl": True} if pdl else {}))
-        if self.splits > 1 and not self.merge:
-            seqlen = seqlen if seqlen is not None else pos.to(torch.int32) + 1
-            combine(self.po, self.plse, out, seqlen, self.chunk, self.splits, pdl)
-        return out
+        return launch(qkv, k_cache, v_cache, pos, inv_freq, out, self.po, self.plse, self.count, hq=hq, hkv=hkv,
+                      chunk=self.chunk, splits=self.splits, q_norm=q_norm, k_norm=k_norm, eps=eps, scale=scale,
+                      pdl=pdl, seqlen=seqlen, block_s=block_s or self.block_s,
+                      num_warps=num_warps or self.num_warps)
+
+
+def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
+           k_norm=None, eps=1e-5, scale, pdl=False, seqlen=None, block_s=64, num_warps=4, rope_scale=None):
+    """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
+    any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
+    with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
+    ``rope_scale``: cos and sin times this factor (scaled rotary), None for none."""
+    D = k_cache.shape[-1]
+    S_max = k_cache.shape[1]
+    G = hq // hkv
+    qk_norm = q_norm is not None
+    merge = splits <= MERGE_MAX_SPLITS
+    mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None)
+    mod.attn_rope_kernel[(hkv, splits)](
+        qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
+        q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
+        k_cache.stride(0), k_cache.stride(1), S_max, splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
+        HALF=D // 2, BLOCK_S=block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
+        SINGLE=splits == 1, BLOCK_SP=min(16, max(2, next_pow2(splits))), MERGE=merge,
+        num_warps=num_warps, **({"rope_scale": float(rope_scale)} if rope_scale is not None else {}),
+        **({"launch_pdl": True} if pdl else {}))
+    if splits > 1 and not merge:
+        if seqlen is None:
+            combine(po, plse, out, pos, chunk, splits, pdl, from_pos=True)
+        else:
+            combine(po, plse, out, seqlen, chunk, splits, pdl)
+    return out

@@ -1,0 +1,179 @@
+"""Projections: sibling linears packed into one (q|k|v, gate|up), then each linear as one batch-1 GEMV with
+what surrounds it fused: the RMSNorm before it (prologue), its bias, the gated activation after a packed
+gate|up (``silu(g) * u``), the residual add after it (epilogue).
+
+Packing: linears that read the same activation (a decoder layer's q, k and v; its gate and up) become one
+linear over their weights stacked row-wise, split after. The stacked weight is a view when capture already
+packed the parameters side by side (``tkcc.frontend.weight_packing``), else a copy owned by the lowered
+graph (the model's parameters are never re-pointed); codegen rebuilds it from the parameters when the
+artifact binds (``tkcc_packed_from``), so an artifact never embeds weights.
+
+GEMV patterns are generated for every combination of the fused parts (as TorchInductor generates its
+attention patterns from one parameterised function), most fused first, so the largest region wins.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from tkcc.passes.lower.norms import EPS, rms_norm
+from tkcc.passes.lower.pattern import Rewrite
+
+K_EX, N_EX = 48, 40  # example widths (distinct from every literal of the patterns)
+
+
+# ---- packing ---------------------------------------------------------------------------------------------
+
+def linears3(x, w1, w2, w3):
+    return F.linear(x, w1), F.linear(x, w2), F.linear(x, w3)
+
+
+def linears2(x, w1, w2):
+    return F.linear(x, w1), F.linear(x, w2)
+
+
+def _packed3(x, w1, w2, w3, *, packed):
+    return torch.split(F.linear(x, packed), [w1.shape[0], w2.shape[0], w3.shape[0]], -1)
+
+
+def _packed2(x, w1, w2, *, packed):
+    return torch.split(F.linear(x, packed), [w1.shape[0], w2.shape[0]], -1)
+
+
+def pack_rows(weights: list[torch.Tensor]) -> torch.Tensor:
+    from tkcc.kernels.lowered import pack_rows as rows
+
+    return rows(weights)
+
+
+def _check_pack(m) -> str | None:
+    ws = [m.tensor(i) for i in range(1, len(m.inputs))]
+    if any(w is None for w in ws):
+        return "a sibling's weight is not a parameter of the model (computed in the graph)"
+    w0 = ws[0]
+    if any(w.dim() != 2 or w.shape[1] != w0.shape[1] or w.dtype != w0.dtype or w.device != w0.device for w in ws):
+        return f"sibling weights {[tuple(w.shape) for w in ws]} {[str(w.dtype) for w in ws]} do not stack"
+    return None
+
+
+def _pack_params(m, ctx):
+    ws = [m.tensor(i) for i in range(1, len(m.inputs))]
+    packed = pack_rows(ws)
+    node = ctx.tensor("packed", packed, packed_from=m.inputs[1:], share_key=("pack", tuple(m.inputs[1:])))
+    return {"packed": node}
+
+
+def _xw(dt, n):
+    return (torch.empty(1, 1, K_EX, dtype=dt),) + tuple(torch.empty(N_EX + 8 * i, K_EX, dtype=dt) for i in range(n))
+
+
+PACK = [
+    Rewrite("pack_linears3", linears3, _packed3, lambda dt: (_xw(dt, 3), {}), region="projection",
+            check=_check_pack, params=_pack_params),
+    Rewrite("pack_linears2", linears2, _packed2, lambda dt: (_xw(dt, 2), {}), region="projection",
+            check=_check_pack, params=_pack_params),
+]
+
+
+# ---- GEMV ------------------------------------------------------------------------------------------------
+
+def _gemv_pattern(norm: bool, bias: bool, gated: bool, residual: bool):
+    """The pattern for one combination: tensors (x, weight, [bias], [norm weight], [residual])."""
+
+    def pattern(*ts, **kw):
+        it = iter(ts)
+        x, w = next(it), next(it)
+        b = next(it) if bias else None
+        nw = next(it) if norm else None
+        r = next(it) if residual else None
+        h = rms_norm(x, nw, eps=kw["eps"]) if norm else x
+        y = F.linear(h, w, b)
+        if gated:
+            n = w.shape[0] // 2
+            g, u = torch.split(y, [n, n], -1)
+            y = F.silu(g) * u
+        if residual:
+            y = r + y
+        return y
+
+    def replacement(*ts, **kw):
+        it = iter(ts)
+        x, w = next(it), next(it)
+        b = next(it) if bias else None
+        nw = next(it) if norm else None
+        r = next(it) if residual else None
+        return torch.ops.tkcc.gemv(x, w, b, nw, kw.get("eps", 1e-6), r, "silu" if gated else "", kw["config"],
+                                   kw["pdl"])
+
+    def example(dt):
+        n = 2 * N_EX if gated else N_EX
+        ts = [torch.empty(1, 1, K_EX, dtype=dt), torch.empty(n, K_EX, dtype=dt)]
+        if bias:
+            ts.append(torch.empty(n, dtype=dt))
+        if norm:
+            ts.append(torch.empty(K_EX, dtype=dt))
+        if residual:
+            ts.append(torch.empty(1, 1, N_EX, dtype=dt))
+        return tuple(ts), ({"eps": EPS} if norm else {})
+
+    def check(m):
+        x, w = m.val(0), m.val(1)
+        if w.dim() != 2:
+            return f"weight of {w.dim()} dims"
+        if w.stride(-1) != 1:
+            return (f"weight {tuple(w.shape)} is stored with strides {tuple(w.stride())}, not as rows (the GEMV "
+                    "streams each output's row)")
+        if x.numel() != x.shape[-1]:
+            return f"x {tuple(x.shape)} is more than one token (a GEMV is batch-1 decode)"
+        i = 2
+        if bias:
+            if m.val(i).dim() != 1:
+                return "bias is not a vector"
+            i += 1
+        if norm:
+            if tuple(m.val(i).shape) != (x.shape[-1],):
+                return f"norm weight {tuple(m.val(i).shape)} for width {x.shape[-1]}"
+            i += 1
+        if residual:
+            out = m.outputs[0].meta["val"]
+            r = m.val(i)
+            if tuple(r.shape) != tuple(out.shape) or r.dtype != out.dtype:
+                return f"residual {tuple(r.shape)} {r.dtype} broadcasts into {tuple(out.shape)} {out.dtype}"
+        return None
+
+    def params(m, ctx):
+        w = m.val(1)
+        key = gemv_key(w.shape[0], w.shape[1], norm, gated, residual, bias, w.dtype)
+        return {"config": ctx.options.get("gemv_configs", {}).get(key), "pdl": bool(ctx.options.get("pdl"))}
+
+    pattern.__qualname__ = f"gemv[{_tag(norm, bias, gated, residual)}]"
+    return pattern, replacement, example, check, params
+
+
+def gemv_key(N: int, K: int, norm: bool, gated: bool, residual: bool, bias: bool, dtype) -> str:
+    """How a GEMV's tuned config is named in the pass's configs (shape and hooks determine its best config)."""
+    return f"{N}x{K}" + "".join(f"+{k}" for k, v in (("norm", norm), ("gated", gated), ("residual", residual),
+                                                        ("bias", bias)) if v) + f":{str(dtype).split('.')[-1]}"
+
+
+def _tag(norm, bias, gated, residual):
+    return "+".join(k for k, v in (("norm", norm), ("bias", bias), ("gated", gated), ("residual", residual))
+                    if v) or "plain"
+
+
+def _gemvs():
+    out = []
+    # most fused first: a region matched by a larger pattern is not offered to a smaller one
+    combos = sorted(itertools.product((True, False), repeat=4), key=lambda c: -sum(c))
+    for norm, bias, gated, residual in combos:
+        if gated and residual:
+            continue  # a gated output feeds the down projection, never a residual add
+        pattern, replacement, example, check, params = _gemv_pattern(norm, bias, gated, residual)
+        out.append(Rewrite(f"gemv[{_tag(norm, bias, gated, residual)}]", pattern, replacement, example,
+                           region="projection", check=check, params=params))
+    return out
+
+
+GEMV = _gemvs()
