@@ -24,8 +24,8 @@ def _interp(args, dtype="float32", timeout=600):
     return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("dtype,families", [("float32", ["norms", "gemv", "packing", "attention"]),
-                                            ("float16", ["gemv", "attention"])])
+@pytest.mark.parametrize("dtype,families", [("float32", ["norms", "gemv", "packing", "attention", "moe"]),
+                                            ("float16", ["gemv", "attention", "moe"])])
 def test_every_rewrite_matches_its_pattern_under_the_interpreter(dtype, families):
     p = _interp(["-m", "tkcc.passes.lower.checks", *families], dtype)
     assert p.returncode in (0, 1), p.stderr[-3000:]
@@ -105,16 +105,36 @@ def test_llama_decode_lowers_to_kernel_ops_and_keeps_eager_arithmetic(captured, 
     _same_decode(prog, new)
 
 
-def test_olmoe_attention_with_qk_norm_is_fused(captured):
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_olmoe_decode_lowers_moe_and_attention_with_qk_norm(captured, dt):
     from tkcc.passes.manager import apply_plan
 
-    prog = captured["olmoe-tiny", "float32"]
+    prog = captured["olmoe-tiny", dt]
     new, logs = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance")
     ops = _ops(new.graphs["decode"])
-    assert ops["tkcc.attention_rope.default"] == prog.num_blocks
+    L = prog.num_blocks
+    assert ops["tkcc.attention_rope.default"] == L and ops["tkcc.moe.default"] == L
+    assert ops["tkcc.gemv.default"] == 2 * L + 1  # qkv (+norm), o-proj (+residual); lm_head
+    assert {k: v for k, v in ops.items() if not k.startswith("tkcc.")} == {"aten.embedding.default": 1}
     gm = new.graphs["decode"]
     fused = [n for n in gm.graph.nodes if n.target == torch.ops.tkcc.attention_rope.default]
     assert all(n.args[6] is not None and n.args[7] is not None for n in fused)  # q/k norm weights inside
+    _same_decode(prog, new)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny", "mixtral-tiny"])
+def test_other_moe_families_lower_by_the_same_patterns(name):
+    """Built for the ops, not the list: Qwen3-MoE (per-head q/k norms) and Mixtral (fp32 routing weights) are
+    lowered whole by the same rewrites, bit-exact off the kernel path."""
+    from tkcc.frontend.capture import capture_model
+    from tkcc.passes.manager import apply_plan
+
+    prog = capture_model(name, "float32", "cpu", max_cache_len=32, phases=["decode"])
+    new, logs = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance")
+    ops = _ops(new.graphs["decode"])
+    L = prog.num_blocks
+    assert ops["tkcc.attention_rope.default"] == L and ops["tkcc.moe.default"] == L, ops
+    assert {k: v for k, v in ops.items() if not k.startswith("tkcc.")} == {"aten.embedding.default": 1}, ops
     _same_decode(prog, new)
 
 

@@ -90,17 +90,19 @@ class AttentionRope:
 
 
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
-           k_norm=None, eps=1e-5, scale, pdl=False, seqlen=None, block_s=64, num_warps=4, rope_scale=None):
+           k_norm=None, eps=1e-5, scale, pdl=False, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
+           head_norm=False):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
-    ``rope_scale``: cos and sin times this factor (scaled rotary), None for none."""
+    ``rope_scale``: cos and sin times this factor (scaled rotary), None for none. ``head_norm``: the q/k norms
+    are per head (weights [D], Qwen3), not over the whole projection (OLMoE)."""
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
     G = hq // hkv
     qk_norm = q_norm is not None
     merge = splits <= MERGE_MAX_SPLITS
-    mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None)
+    mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm)
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,

@@ -131,18 +131,23 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 
 def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
                        rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
-                       scale: float, num_heads: int, window: int = 0) -> Tensor:
+                       scale: float, num_heads: int, window: int = 0, head_norm: bool = False) -> Tensor:
     """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
-    [q/k RMSNorm over the whole projection] -> heads -> rotary at ``cache_position`` -> keys and values
-    written into the static caches [B, Hkv, S, D] there -> causal attention over the cache -> [B, T, Hq D]."""
+    [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
+    rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
+    causal attention over the cache -> [B, T, Hq D]."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q, k, v = torch.split(qkv, [num_heads * D, hkv * D, hkv * D], -1)
-    if q_norm is not None:
+    if q_norm is not None and not head_norm:
         q = rms_norm_ref(q, q_norm, eps)
         k = rms_norm_ref(k, k_norm, eps)
-    q = q.view(B, T, -1, D).transpose(1, 2)
-    k = k.view(B, T, -1, D).transpose(1, 2)
+    q, k = q.view(B, T, -1, D), k.view(B, T, -1, D)
+    if q_norm is not None and head_norm:
+        q = rms_norm_ref(q, q_norm, eps)
+        k = rms_norm_ref(k, k_norm, eps)
+    q = q.transpose(1, 2)
+    k = k.transpose(1, 2)
     v = v.view(B, T, -1, D).transpose(1, 2)
     cos, sin = rotary_cos_sin_ref(inv_freq, cache_position.unsqueeze(0).expand(B, -1), rope_scale, qkv.dtype)
     q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
@@ -171,6 +176,37 @@ def pack_rows(weights: list[Tensor]) -> Tensor:
             return torch.as_strided(base, (sum(w.shape[0] for w in weights), base.shape[1]), base.stride(), 0)
     with torch.no_grad():
         return torch.cat([w.detach() for w in weights], 0)
+
+
+ROUTERS = ("softmax", "softmax_fp32")  # OLMoE / Qwen3-MoE: weights rounded to the dtype; Mixtral: kept fp32
+
+
+def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
+            top_k: int, norm_topk: bool, residual: bool, router: str = "softmax") -> Tensor:
+    """A sparse-MoE block for tokens h [B, T, H] as OLMoE / Qwen3-MoE / Mixtral write it, with transformers'
+    ``batched_mm`` experts: [RMSNorm] -> router logits -> softmax (fp32) -> top-k [-> renormalised] [->
+    rounded to the dtype (``router="softmax"``; Mixtral's ``"softmax_fp32"`` keeps them fp32)] -> each token's
+    k experts (gate_up [E, 2I, H], silu(g) * u, down [E, H, I]) weighted and summed [-> + h]."""
+    x = rms_norm_ref(h, norm_weight, eps) if norm_weight is not None else h
+    B, T, H = x.shape
+    xs = x.view(-1, H)
+    logits = F.linear(xs.reshape(-1, H), router_w)
+    probs = F.softmax(logits, dtype=torch.float, dim=-1) if router == "softmax" else F.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        w = w / w.sum(dim=-1, keepdim=True)
+    if router == "softmax":
+        w = w.to(logits.dtype)
+    sel = xs.repeat_interleave(top_k, dim=0)
+    sw = w.reshape(-1)
+    eid = ids.reshape(-1).clamp(0, gate_up.shape[0] - 1)
+    gu = torch.bmm(gate_up[eid], sel.unsqueeze(-1)).squeeze(-1)
+    g, u = gu.chunk(2, dim=-1)
+    a = F.silu(g) * u
+    y = torch.bmm(down[eid], a.unsqueeze(-1)).squeeze(-1)
+    y = (y * sw.unsqueeze(-1)).view(xs.shape[0], top_k, H).sum(dim=1).to(xs.dtype)
+    y = y.reshape(B, T, H)
+    return h + y if residual else y
 
 
 # ---- the ops ---------------------------------------------------------------------------------------------
@@ -276,7 +312,7 @@ def _(cache_position, kv_len, window=0):
 
 
 def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
-                     block_s, num_warps, count, window) -> str | None:
+                     block_s, num_warps, count, window, head_norm=False) -> str | None:
     """None when the fused attention kernel takes this call, else why not."""
     reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
     if reason is not None:
@@ -296,8 +332,9 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
         return f"qkv {tuple(qkv.shape)} is not a contiguous [q | k | v] of {num_heads}+2x{hkv} heads of {D}"
     if (q_norm is None) != (k_norm is None):
         return "only one of the q/k norms"
-    if q_norm is not None and (q_norm.numel() != num_heads * D or k_norm.numel() != hkv * D):
-        return f"q/k norm weights {tuple(q_norm.shape)}/{tuple(k_norm.shape)} are not over the whole projection"
+    want = (D, D) if head_norm else (num_heads * D, hkv * D)
+    if q_norm is not None and (q_norm.numel(), k_norm.numel()) != want:
+        return f"q/k norm weights {tuple(q_norm.shape)}/{tuple(k_norm.shape)}, expected {want} elements"
     if not inv_freq.is_floating_point() or inv_freq.numel() != D // 2 or not inv_freq.is_contiguous():
         return f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype} (needs a float vector of {D // 2})"
     if count.numel() < hkv or count.dtype != torch.int32:
@@ -318,14 +355,14 @@ def attention_layout(S: int, chunk: int) -> tuple[int, int]:
 def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
                    rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float, scale: float,
                    num_heads: int, window: int, chunk: int, block_s: int, num_warps: int, count: Tensor,
-                   pdl: bool = False) -> Tensor:
+                   pdl: bool = False, head_norm: bool = False) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split; ``block_s`` x ``num_warps``: the kernel's tile. The position is
     read on the device (no host synchronisation; a replayed graph advances with its input). A position at
     or past the cache writes and reads nothing there: the greedy loop refuses such a context first."""
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
-                              block_s, num_warps, count, window)
+                              block_s, num_warps, count, window, head_norm)
     if reason is None:
         from tkcc.kernels import attention_rope as ar
 
@@ -338,18 +375,78 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
         ar.launch(qkv.view(-1), k_cache[0], v_cache[0], cache_position, inv_freq, out, po, plse, count, hq=num_heads,
                   hkv=hkv, chunk=ch, splits=splits, q_norm=q_norm, k_norm=k_norm, eps=eps, scale=scale,
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
-                  rope_scale=None if rope_scale == 1.0 else rope_scale)
+                  rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
-                              num_heads, window)
+                              num_heads, window, head_norm)
 
 
 @attention_rope.register_fake
 def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
-      chunk, block_s, num_warps, count, pdl=False):
+      chunk, block_s, num_warps, count, pdl=False, head_norm=False):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
 
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="softmax") -> str | None:
+    """None when the routed-MoE kernels take this call, else why not."""
+    reason = fallback_reason(h, norm_weight, router_w, gate_up, down)
+    if reason is not None:
+        return reason
+    if not _one_token(h):
+        return f"h {tuple(h.shape)} is not one token"
+    if norm_weight is None:
+        return "no norm before the router (the kernels take the pre-norm activations)"
+    E, I2, H = gate_up.shape
+    if tuple(router_w.shape) != (E, H) or router_w.stride(-1) != 1 or tuple(down.shape) != (E, H, I2 // 2) \
+            or not gate_up.is_contiguous() or not down.is_contiguous() or norm_weight.numel() != H:
+        return (f"experts not contiguous [E, 2I, H] / [E, H, I] with a router [E, H]: {tuple(gate_up.shape)}, "
+                f"{tuple(down.shape)}, {tuple(router_w.shape)}")
+    if router not in ROUTERS:
+        return f"router {router!r} has no kernel (kernels: {ROUTERS})"
+    if not 1 <= top_k <= E or count.numel() < 1 or count.dtype != torch.int32:
+        return f"top-{top_k} of {E} experts, counter {tuple(count.shape)} {count.dtype}"
+    return None
+
+
+@torch.library.custom_op(f"{NS}::moe", mutates_args=("count",))
+def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
+        top_k: int, norm_topk: bool, residual: bool, count: Tensor, configs: Optional[list[int]] = None,
+        pdl: bool = False, router: str = "softmax") -> Tensor:
+    """``moe_ref`` as three launches (``tkcc.kernels.moe_routed``): the router GEMV with the norm prologue whose
+    last program picks the top-k (softmax, renormalisation) once; gate_up over the k selected experts only
+    (silu(g) * u); down weighted over them, plus the residual. ``configs``: (BLOCK_N, warps) of router,
+    gate_up and down (6 ints), None for the kernels' defaults."""
+    reason = moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router)
+    if reason is None:
+        from tkcc.kernels import moe_routed as mr
+        from tkcc.kernels.common import interpreting
+
+        E, I2, H = gate_up.shape
+        dev, dt = h.device, h.dtype
+        if configs:
+            rc, gc, dc = tuple(configs[0:2]), tuple(configs[2:4]), tuple(configs[4:6])
+        elif interpreting():
+            rc = gc = dc = mr.INTERP
+        else:
+            rc, gc, dc = mr.ROUTER_CONFIGS[0], mr.GATE_UP_CONFIGS[0], mr.DOWN_CONFIGS[0]
+        scratch = (torch.empty(E, device=dev, dtype=dt), torch.empty(top_k, device=dev, dtype=torch.int32),
+                   torch.empty(top_k, device=dev, dtype=torch.float32), torch.empty(H, device=dev, dtype=dt),
+                   torch.empty(top_k, I2 // 2, device=dev, dtype=dt), count)
+        x = h.contiguous().view(-1)
+        out = torch.empty(H, device=dev, dtype=dt)
+        mr.launch(x, router_w, gate_up, down, top_k, norm_topk, x if residual else None, norm_weight, eps, out,
+                  scratch, rc, gc, dc, pdl=pdl and _pdl_ok(dev), fp32_weights=router == "softmax_fp32")
+        return out.view(h.shape)
+    note_fallback("tkcc.moe", reason)
+    return moe_ref(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, router)
+
+
+@moe.register_fake
+def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, count, configs=None, pdl=False,
+      router="softmax"):
+    return torch.empty_like(h)

@@ -67,18 +67,24 @@ def repeat_kv(hidden_states, n_rep):
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
-def _attention_pattern(qk_norm: bool):
+def _attention_pattern(qk_norm: str):
+    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head)."""
+
     def pattern(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *norms, scale, **kw):
         B, T = qkv.shape[0], qkv.shape[1]
         hkv, D = k_cache.shape[1], k_cache.shape[3]
         hq = qkv.shape[-1] // D - 2 * hkv
         q, k, v = torch.split(qkv, [hq * D, hkv * D, hkv * D], -1)
-        if qk_norm:
+        if qk_norm == "full":
             q = rms_norm(q, norms[0], eps=kw["eps"])
             k = rms_norm(k, norms[1], eps=kw["eps"])
         hidden_shape = (B, T, -1, D)
-        q = q.view(hidden_shape).transpose(1, 2)
-        k = k.view(hidden_shape).transpose(1, 2)
+        if qk_norm == "head":
+            q = rms_norm(q.view(hidden_shape), norms[0], eps=kw["eps"]).transpose(1, 2)
+            k = rms_norm(k.view(hidden_shape), norms[1], eps=kw["eps"]).transpose(1, 2)
+        else:
+            q = q.view(hidden_shape).transpose(1, 2)
+            k = k.view(hidden_shape).transpose(1, 2)
         v = v.view(hidden_shape).transpose(1, 2)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
@@ -98,20 +104,22 @@ def _attention_pattern(qk_norm: bool):
         qn, kn = (norms[0], norms[1]) if qk_norm else (None, None)
         return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, qn, kn,
                                              kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
-                                             num_warps, count, pdl)
+                                             num_warps, count, pdl, qk_norm == "head")
 
     return pattern, replacement
 
 
-def _example(qk_norm: bool, hq: int, hkv: int):
+def _example(qk_norm: str, hq: int, hkv: int):
     D, S = 16, 40
 
     def example(dt):
         ts = [torch.empty(1, 1, (hq + 2 * hkv) * D, dtype=dt), torch.empty(1, hkv, S, D, dtype=dt),
               torch.empty(1, hkv, S, D, dtype=dt), torch.empty(1, dtype=torch.int64),
               torch.empty(1, 1, D, dtype=dt), torch.empty(1, 1, D, dtype=dt), torch.empty(1, 1, 1, S, dtype=torch.bool)]
-        if qk_norm:
+        if qk_norm == "full":
             ts += [torch.empty(hq * D, dtype=dt), torch.empty(hkv * D, dtype=dt)]
+        elif qk_norm == "head":
+            ts += [torch.empty(D, dtype=dt), torch.empty(D, dtype=dt)]
         return tuple(ts), ({"scale": SCALE, "eps": EPS} if qk_norm else {"scale": SCALE})
 
     return example
@@ -177,10 +185,10 @@ def _params(m, ctx):
 
 def _attention_rewrites():
     out = []
-    for qk_norm in (True, False):
+    for qk_norm in ("full", "head", ""):
         pattern, replacement = _attention_pattern(qk_norm)
         for kind, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
-            name = f"attention[{kind}{'+qk_norm' if qk_norm else ''}]"
+            name = f"attention[{kind}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}]"
             out.append(Rewrite(name, pattern, replacement, _example(qk_norm, hq, hkv), region="attention",
                                check=_check, params=_params))
     return out

@@ -152,14 +152,14 @@ def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16), (4, 4, 32, 64,
 
     rows = []
     for i, (hq, hkv, D, S, chunk) in enumerate(shapes):
-        for qk_norm in (False, True):
-            rope_scale = 1.0 if (i + qk_norm) % 2 == 0 else 0.75
+        for j, qk_norm in enumerate(("", "full", "head")):
+            rope_scale = 1.0 if (i + j) % 2 == 0 else 0.75
             pattern = attention._attention_pattern(qk_norm)[0]
             t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
                  "inv_freq": 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)).to(device)}
             if qk_norm:
-                t["qn"] = _rand((hq * D,), g, device, dtype, 0.5) + 1
-                t["kn"] = _rand((hkv * D,), g, device, dtype, 0.5) + 1
+                t["qn"] = _rand((D if qk_norm == "head" else hq * D,), g, device, dtype, 0.5) + 1
+                t["kn"] = _rand((D if qk_norm == "head" else hkv * D,), g, device, dtype, 0.5) + 1
 
             def fn(s, qkv, pos, pattern=pattern, qk_norm=qk_norm, S=S, D=D, rope_scale=rope_scale):
                 cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
@@ -172,14 +172,37 @@ def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16), (4, 4, 32, 64,
                 pos = torch.randint(0, S, (1,), generator=g).to(device)
                 return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype), pos
 
-            name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}{', qk_norm' if qk_norm else ''}" \
+            name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}{', ' + qk_norm + ' qk_norm' if qk_norm else ''}" \
                    f"{', rope x' + str(rope_scale) if rope_scale != 1.0 else ''}]"
             rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype,
                              _options(chunk=chunk), state=("kc", "vc"))
     return rows
 
 
-FAMILIES = {"norms": check_norms, "gemv": check_gemv, "packing": check_packing, "attention": check_attention}
+def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32, 16, 4))):
+    """Norm + router + routed experts (+ residual): softmax / renormalised / Mixtral's fp32 weights."""
+    from tkcc.passes.lower import moe
+
+    rows = []
+    variants = [("softmax", False, True), ("softmax", True, True), ("softmax_fp32", True, True),
+                ("softmax", False, False)]
+    for (E, H, I, k), (router, norm_topk, residual) in zip(shapes * 2, variants * 2):
+        pattern = moe._moe_pattern(norm_topk, residual, router)[0]
+        t = {"nw": _rand((H,), g, device, dtype, 0.5) + 1, "router": _rand((E, H), g, device, dtype, H ** -0.5),
+             "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
+             "down": _rand((E, H, I), g, device, dtype, I ** -0.5)}
+
+        def fn(s, h, pattern=pattern, k=k):
+            return pattern(h, s.nw, s.router, s.gate_up, s.down, eps=1e-5, top_k=k)
+
+        name = f"moe[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if norm_topk else ''}{'+residual' * residual}]"
+        rows += run_case(name, Region(fn, t), lambda H=H: (_rand((1, 1, H), g, device, dtype),), "tkcc.moe.default",
+                         False, dtype)
+    return rows
+
+
+FAMILIES = {"norms": check_norms, "gemv": check_gemv, "packing": check_packing, "attention": check_attention,
+            "moe": check_moe}
 
 
 def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None):
