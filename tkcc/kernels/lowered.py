@@ -272,7 +272,9 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: 
     if reason is None:
         from tkcc.kernels import gemv as gemv_mod
 
-        cfg = tuple(config) if config else None
+        from tkcc.kernels.common import interpreting
+
+        cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
         y = gemv_mod.gemv(x.contiguous().view(-1), weight, norm_w=norm_weight, eps=eps,
                           residual=None if residual is None else residual.contiguous().view(-1), gated=bool(act),
                           config=cfg, pdl=pdl and _pdl_ok(x.device), bias=bias)
@@ -450,3 +452,33 @@ def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, 
 def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, count, configs=None, pdl=False,
       router="softmax"):
     return torch.empty_like(h)
+
+
+@torch.library.custom_op(f"{NS}::gemv_gather", mutates_args=())
+def gemv_gather(table: Tensor, ids: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None, eps: float = 1e-6,
+                config: Optional[list[int]] = None, pdl: bool = False) -> tuple[Tensor, Tensor]:
+    """The step's first GEMV reading its input from the embedding table: (gemv(e), e) with
+    e = embedding(table, ids) — the token's row is gathered inside the GEMV (program 0 also writes it out:
+    the residual stream), so the step has no separate embedding launch."""
+    reason = None if ids.numel() == 1 else f"ids {tuple(ids.shape)} are not one token"
+    reason = reason or gemv_reason(table[0].view(1, 1, -1), weight, None, norm_weight, None, "")
+    if reason is None and (table.dim() != 2 or table.stride(-1) != 1 or ids.dtype != torch.int64):
+        reason = f"table {tuple(table.shape)} strides {table.stride()} / ids {ids.dtype}"
+    if reason is None:
+        from tkcc.kernels import gemv as gemv_mod
+        from tkcc.kernels.common import interpreting
+
+        cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
+        e = torch.empty(table.shape[1], device=table.device, dtype=table.dtype)
+        y = gemv_mod.gemv(table, weight, norm_w=norm_weight, eps=eps, config=cfg, pdl=pdl and _pdl_ok(table.device),
+                          gather=(ids.reshape(1), e))
+        shape = tuple(ids.shape)
+        return y.view(*shape, y.shape[-1]), e.view(*shape, e.shape[-1])
+    note_fallback("tkcc.gemv_gather", reason)
+    e = F.embedding(ids, table)
+    return gemv_ref(e, weight, None, norm_weight, eps), e
+
+
+@gemv_gather.register_fake
+def _(table, ids, weight, norm_weight=None, eps=1e-6, config=None, pdl=False):
+    return (table.new_empty(*ids.shape, weight.shape[0]), table.new_empty(*ids.shape, table.shape[1]))

@@ -21,8 +21,10 @@ phase replays from one CUDA graph through the wrapper every compiled forward get
 
 Parameters (derived from the ops' own configs, see ``space.py``): ``attn_chunk`` and ``attn_tile`` (the
 fused attention's layout), ``gemv_config`` (one config for every GEMV, or ``auto``), ``pdl``
-(programmatic dependent launch on Hopper+), ``tune`` (time each GEMV's configs on the device over all
-layers' weights and keep the fastest: the configs are written into the graph, so the artifact holds them).
+(programmatic dependent launch on Hopper+), ``tune`` (on a GPU, time each GEMV group's and the MoE
+kernels' configs over all layers' weights and keep the fastest, ``tune.py``), ``tune_context`` (also time
+the attention layouts at this many positions of context: their best moves with the context). Whatever is
+tuned is written into the graph's nodes, so the artifact's source holds it.
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ class LoweredDecode(Pass):
                    "residual-epilogue GEMVs, packed q|k|v and gate|up, one fused attention per layer, routed "
                    "MoE); unmatched regions stay in aten; replayed as one CUDA graph.")
     params = {"pdl": [True, False], "attn_chunk": list(space.ATTN_CHUNKS), "attn_tile": list(space.ATTN_TILES),
-              "gemv_config": list(space.GEMV_CONFIGS), "tune": [True, False]}
+              "gemv_config": list(space.GEMV_CONFIGS), "tune": [True, False],
+              "tune_context": [0, 128, 512, 2048, 8192, 32768]}
 
     @classmethod
     def space(cls, device=None, program=None) -> tuple[dict, dict]:
@@ -97,7 +100,8 @@ class LoweredDecode(Pass):
         params["attn_tile"] = [t for t in cls.params["attn_tile"] if t not in bad]
         return params, {f"attn_tile={t}": why for t, why in bad.items()}
 
-    def apply(self, program, pdl=True, attn_chunk=0, attn_tile="64x4", gemv_config="auto", tune=True):
+    def apply(self, program, pdl=True, attn_chunk=0, attn_tile="64x4", gemv_config="auto", tune=True,
+              tune_context=0):
         info = RewriteInfo()
         if "decode" not in program.graphs:
             info.notes.append("no decode phase; nothing to do")
@@ -106,8 +110,8 @@ class LoweredDecode(Pass):
         block_s, num_warps = space.parse_tile(attn_tile)
         device, dtype = _device(program), _dtype(program)
         limits = space.device_limits(device)
+        bad = space.pruned_tiles(limits, head_shapes(program)) if limits is not None else {}
         if limits is not None:
-            bad = space.pruned_tiles(limits, head_shapes(program))
             if attn_tile in bad:
                 raise PlanError(f"lowered_decode: attn_tile {attn_tile!r} cannot run on {device}: {bad[attn_tile]} "
                                 f"(the space for this device is {[t for t in space.ATTN_TILES if t not in bad]})")
@@ -122,12 +126,18 @@ class LoweredDecode(Pass):
         before = collections.Counter(_kind(n) for n in gm.graph.nodes if n.op == "call_function")
         lower(gm, dtype, {"pdl": use_pdl, "attention_layout": layout, "gemv_configs": {}}, info, "decode")
         if pinned is not None:
-            _set_gemv_configs(gm, lambda n: pinned)
-        elif tune and device.type == "cuda":
-            from tkcc.passes.lower.tune import tune_gemvs
+            _set_gemv_configs(gm, pinned)
+        if tune and device.type == "cuda":
+            from tkcc.kernels.graph_timing import graph_time
+            from tkcc.passes.lower import tune as tuning
 
-            chosen = tune_gemvs(gm, log=info.notes.append)
-            _set_gemv_configs(gm, lambda n: chosen.get(n.name))
+            with torch.no_grad():
+                if pinned is None:
+                    tuning.tune_gemvs(gm, graph_time, log=info.notes.append)
+                tuning.tune_moes(gm, graph_time, log=info.notes.append)
+                if tune_context:
+                    tuning.tune_attention(gm, graph_time, tune_context,
+                                          [t for t in space.ATTN_TILES if t not in bad], log=info.notes.append)
         gm.recompile()
         after = collections.Counter(_kind(n) for n in gm.graph.nodes if n.op == "call_function")
         ops = {k: v for k, v in sorted(after.items()) if k.startswith("tkcc.")}
@@ -174,12 +184,12 @@ def _drop_unused_attrs(gm) -> None:
             gm.graph.erase_node(n)
 
 
-def _set_gemv_configs(gm, pick) -> None:
-    """Write each GEMV node's config (a literal of the graph, so of the artifact's source)."""
+def _set_gemv_configs(gm, cfg) -> None:
+    """Write one config into every GEMV node (a literal of the graph, so of the artifact's source)."""
+    from tkcc.passes.lower.tune import _set
+
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target == torch.ops.tkcc.gemv.default:
-            cfg = pick(n)
-            if cfg is not None:
-                args = list(n.args) + [None] * (9 - len(n.args))
-                args[7] = [int(c) for c in cfg]
-                n.args = tuple(args)
+        if n.op == "call_function" and n.target is torch.ops.tkcc.gemv.default:
+            _set(n, 7, "config", [int(c) for c in cfg])
+        elif n.op == "call_function" and n.target is torch.ops.tkcc.gemv_gather.default:
+            _set(n, 5, "config", [int(c) for c in cfg])

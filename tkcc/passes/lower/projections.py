@@ -176,4 +176,34 @@ def _gemvs():
     return out
 
 
-GEMV = _gemvs()
+def embed_gemv(table, ids, nw, w, *, eps):
+    """The step's start: the token's embedding, normed, into the first projection (the embedding is also the
+    residual stream, so it is an output of the region too)."""
+    e = F.embedding(ids, table)
+    return F.linear(rms_norm(e, nw, eps=eps), w), e
+
+
+def _to_gemv_gather(table, ids, nw, w, *, eps, config, pdl):
+    return torch.ops.tkcc.gemv_gather(table, ids, w, nw, eps, config, pdl)
+
+
+def _check_gather(m) -> str | None:
+    table, ids, nw, w = (m.val(i) for i in range(4))
+    if ids.numel() != 1:
+        return f"ids {tuple(ids.shape)} are more than one token"
+    if table.dim() != 2 or table.stride(-1) != 1 or w.dim() != 2 or w.stride(-1) != 1:
+        return f"table {tuple(table.shape)} / weight {tuple(w.shape)} are not row-major"
+    return None
+
+
+def _gather_params(m, ctx):
+    w = m.val(3)
+    key = gemv_key(w.shape[0], w.shape[1], True, False, False, False, w.dtype) + "+gather"
+    return {"config": ctx.options.get("gemv_configs", {}).get(key), "pdl": bool(ctx.options.get("pdl"))}
+
+
+GATHER = Rewrite("gemv[gather+norm]", embed_gemv, _to_gemv_gather,
+                 lambda dt: ((torch.empty(64, K_EX, dtype=dt), torch.empty(1, 1, dtype=torch.int64),
+                              torch.empty(K_EX, dtype=dt), torch.empty(N_EX, K_EX, dtype=dt)), {"eps": EPS}),
+                 region="projection", check=_check_gather, params=_gather_params)
+GEMV = [GATHER] + _gemvs()
