@@ -91,18 +91,20 @@ class AttentionRope:
 
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=False, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
-           head_norm=False):
+           head_norm=False, window=0):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
     ``rope_scale``: cos and sin times this factor (scaled rotary), None for none. ``head_norm``: the q/k norms
-    are per head (weights [D], Qwen3), not over the whole projection (OLMoE)."""
+    are per head (weights [D], Qwen3), not over the whole projection (OLMoE). ``window``: a sliding window
+    of that many positions (the current one included), 0 for none."""
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
     G = hq // hkv
     qk_norm = q_norm is not None
     merge = splits <= MERGE_MAX_SPLITS
-    mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm)
+    mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
+               window=bool(window))
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
@@ -110,6 +112,7 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         HALF=D // 2, BLOCK_S=block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
         SINGLE=splits == 1, BLOCK_SP=min(16, max(2, next_pow2(splits))), MERGE=merge,
         num_warps=num_warps, **({"rope_scale": float(rope_scale)} if rope_scale is not None else {}),
+        **({"window": int(window)} if window else {}),
         **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not merge:
         if seqlen is None:

@@ -25,14 +25,17 @@ TUNED: dict[tuple, tuple] = {}
 INTERP_CONFIG = (64, 128, 4)
 
 
-def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None):
-    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [silu(g)*u] -> [+ residual]."""
+ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
+def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu"):
+    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u] -> [+ residual]."""
     if norm_w is not None:
         x = rms_ref(x, norm_w, eps)
     y = F.linear(x, w, bias)
     if gated:
         g, u = y.chunk(2, dim=-1)
-        y = F.silu(g) * u
+        y = ACTS[act](g) * u
     if residual is not None:
         y = residual + y
     return y
@@ -66,7 +69,7 @@ def _ends_ref(x, y, gather, argmax):
 
 
 def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=False, gather=None,
-         argmax=None, bias=None):
+         argmax=None, bias=None, act="silu"):
     """x: [K] (or [1, K]); w: [N_total, K] with unit stride along K. Returns [N] (N = N_total/2 if gated).
 
     ``pdl``: launch with programmatic dependent launch (Hopper+): the kernel starts while the previous one
@@ -92,7 +95,7 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         if gather is not None:
             x = xt.index_select(0, gather[0].reshape(-1)).reshape(-1)
         y = gemv_ref(x.reshape(1, -1), w, norm_w, eps, None if residual is None else residual.reshape(1, -1), gated,
-                     bias)
+                     bias, act)
         y = y.reshape(-1)
         if out is not None:
             out.copy_(y)
@@ -107,7 +110,7 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     bn, bk, nw = config or TUNED.get(_key(N, K, norm_w is not None, gated, residual is not None, x.dtype)) or default
     bk = min(bk, triton.next_power_of_2(K))
     mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,
-               gather=gather is not None, argmax=argmax is not None, bias=bias is not None)
+               gather=gather is not None, argmax=argmax is not None, bias=bias is not None, act=act)
     grid = (triton.cdiv(N, bn),)
     ends = [bias] if bias is not None else []
     if gather is not None:

@@ -36,7 +36,7 @@ from torch import Tensor
 from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
 
 NS = "tkcc"
-ACTS = ("", "silu")  # gated epilogues of tkcc.gemv: none, silu(g) * u
+ACTS = ("", "silu", "gelu", "gelu_tanh")  # gated epilogues of tkcc.gemv: none, act(g) * u
 
 _PDL: dict[int, bool] = {}  # device index -> programmatic dependent launch available (a property of the device)
 
@@ -79,7 +79,7 @@ def gemv_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weig
     if act:
         n = y.shape[-1] // 2
         g, u = torch.split(y, [n, n], -1)
-        y = F.silu(g) * u
+        y = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")) * u
     if residual is not None:
         y = residual + y
     return y
@@ -277,7 +277,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: 
         cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
         y = gemv_mod.gemv(x.contiguous().view(-1), weight, norm_w=norm_weight, eps=eps,
                           residual=None if residual is None else residual.contiguous().view(-1), gated=bool(act),
-                          config=cfg, pdl=pdl and _pdl_ok(x.device), bias=bias)
+                          config=cfg, pdl=pdl and _pdl_ok(x.device), bias=bias, act=act or "silu")
         return y.view(*x.shape[:-1], y.shape[-1])
     note_fallback("tkcc.gemv", reason)
     return gemv_ref(x, weight, bias, norm_weight, eps, residual, act)
@@ -323,8 +323,6 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     if B != 1 or T != 1 or cache_position.numel() != 1:
         return f"qkv {tuple(qkv.shape)} is not one token of one sequence"
-    if window:
-        return f"sliding window {window} has no fused kernel"
     if num_heads % hkv or D != next_pow2(D) or D < 16:
         return f"heads {num_heads}/{hkv} x {D} (needs a multiple of the kv heads, a power-of-two head dim >= 16)"
     if tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.stride() != v_cache.stride() \
@@ -377,7 +375,7 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
         ar.launch(qkv.view(-1), k_cache[0], v_cache[0], cache_position, inv_freq, out, po, plse, count, hq=num_heads,
                   hkv=hkv, chunk=ch, splits=splits, q_norm=q_norm, k_norm=k_norm, eps=eps, scale=scale,
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
-                  rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm)
+                  rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,

@@ -40,14 +40,46 @@ def causal_mask(cache_position, *, kv_len):
     return (kv_idx <= q_idx).expand(1, -1, cache_position.shape[0], kv_len)
 
 
+def sliding_mask(cache_position, *, kv_len, window):
+    """``sdpa_mask(mask_function=sliding_window_causal_mask_function(window))``: ``and_masks`` of the window
+    overlay (``kv_idx > q_idx - window``) and the causal mask."""
+    dev = cache_position.device
+    q_offset = cache_position[0].to(dev)
+    q_arange = torch.arange(cache_position.shape[0], device=dev) + q_offset
+    kv_arange = torch.arange(kv_len, device=dev) + 0
+    q_idx = q_arange[None, None, :, None]
+    kv_idx = kv_arange[None, None, None, :]
+    result = q_idx.new_ones((), dtype=torch.bool)
+    result = result & (kv_idx > q_idx - window).to(result.device)
+    result = result & (kv_idx <= q_idx).to(result.device)
+    return result.expand(1, -1, cache_position.shape[0], kv_len)
+
+
 def _to_mask(cache_position, *, kv_len):
     return torch.ops.tkcc.causal_mask(cache_position, kv_len, 0)
 
 
+def _to_sliding(cache_position, *, kv_len, window):
+    return torch.ops.tkcc.causal_mask(cache_position, kv_len, window)
+
+
+WINDOW = 5  # sentinel
+
+
+def _mask_check(m):
+    if m.val(0).dim() != 1:
+        return f"positions of shape {tuple(m.val(0).shape)}"
+    if m.scalars.get("window", 1) < 1:
+        return f"sliding window {m.scalars['window']}"
+    return None
+
+
 MASKS = [
+    Rewrite("sliding_window_mask", sliding_mask, _to_sliding,
+            lambda dt: ((torch.empty(1, dtype=torch.int64),), {"kv_len": KV_LEN, "window": WINDOW}),
+            region="attention", exact=True, check=_mask_check),
     Rewrite("causal_mask", causal_mask, _to_mask, lambda dt: ((torch.empty(1, dtype=torch.int64),), {"kv_len": KV_LEN}),
-            region="attention", exact=True,
-            check=lambda m: None if m.val(0).dim() == 1 else f"positions of shape {tuple(m.val(0).shape)}"),
+            region="attention", exact=True, check=_mask_check),
 ]
 
 

@@ -107,8 +107,8 @@ def check_gemv(device, dtype, g, shapes=((40, 48), (96, 200), (256, 64))):
             [s for s in shapes for _ in range(4)],
             [(True, False, False, False), (False, True, False, True), (True, False, True, False),
              (True, True, True, False), (False, False, False, True), (True, True, False, False),
-             (False, False, True, False), (False, False, False, False), (True, False, False, True),
-             (False, True, True, False), (True, True, False, True), (False, True, False, False)]):
+             (False, False, "gelu_tanh", False), (False, False, False, False), (True, False, False, True),
+             (False, True, "gelu", False), (True, True, False, True), (False, True, False, False)]):
         pattern = projections._gemv_pattern(norm, bias, gated, residual)[0]
         n_out = 2 * N if gated else N
         t = {"w": _rand((n_out, K), g, device, dtype, K ** -0.5)}
@@ -124,8 +124,7 @@ def check_gemv(device, dtype, g, shapes=((40, 48), (96, 200), (256, 64))):
         def make(residual=residual, K=K, N=N):
             return (_rand((1, 1, K), g, device, dtype),) + ((_rand((1, 1, N), g, device, dtype),) if residual else ())
 
-        tag = "+".join(k for k, v in (("norm", norm), ("bias", bias), ("gated", gated), ("residual", residual))
-                       if v) or "plain"
+        tag = projections._tag(norm, bias, gated, residual)
         rows += run_case(f"gemv[{tag}][{N}x{K}]", Region(fn, t), make, "tkcc.gemv.default", False, dtype)
     return rows
 
@@ -144,14 +143,15 @@ def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
     return rows
 
 
-def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16), (4, 4, 32, 64, 64), (8, 1, 16, 100, 16),
-                                              (4, 2, 16, 300, 16))):
-    """Cache write + attention (+ rotary, + q/k norm), GQA/MHA/MQA, one and several splits (the last shape:
-    more splits than the in-kernel merge takes, so the combine launch runs), plain and scaled rotary."""
+def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 0), (8, 1, 16, 100, 16, 24),
+                                              (4, 2, 16, 300, 16, 0), (4, 2, 16, 64, 16, 10))):
+    """Cache write + attention (+ rotary, + q/k norm), GQA/MHA/MQA, one and several splits (the fourth shape:
+    more splits than the in-kernel merge takes, so the combine launch runs), plain and scaled rotary, causal
+    and sliding-window masks."""
     from tkcc.passes.lower import attention, rotary
 
     rows = []
-    for i, (hq, hkv, D, S, chunk) in enumerate(shapes):
+    for i, (hq, hkv, D, S, chunk, window) in enumerate(shapes):
         for j, qk_norm in enumerate(("", "full", "head")):
             rope_scale = 1.0 if (i + j) % 2 == 0 else 0.75
             pattern = attention._attention_pattern(qk_norm)[0]
@@ -161,9 +161,10 @@ def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16), (4, 4, 32, 64,
                 t["qn"] = _rand((D if qk_norm == "head" else hq * D,), g, device, dtype, 0.5) + 1
                 t["kn"] = _rand((D if qk_norm == "head" else hkv * D,), g, device, dtype, 0.5) + 1
 
-            def fn(s, qkv, pos, pattern=pattern, qk_norm=qk_norm, S=S, D=D, rope_scale=rope_scale):
+            def fn(s, qkv, pos, pattern=pattern, qk_norm=qk_norm, S=S, D=D, rope_scale=rope_scale, window=window):
                 cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
-                mask = attention.causal_mask(pos, kv_len=S)
+                mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
+                    attention.causal_mask(pos, kv_len=S)
                 norms = (s.qn, s.kn) if qk_norm else ()
                 kw = {"eps": 1e-5} if qk_norm else {}
                 return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, *norms, scale=D ** -0.5, **kw)
@@ -173,7 +174,7 @@ def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16), (4, 4, 32, 64,
                 return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype), pos
 
             name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}{', ' + qk_norm + ' qk_norm' if qk_norm else ''}" \
-                   f"{', rope x' + str(rope_scale) if rope_scale != 1.0 else ''}]"
+                   f"{', rope x' + str(rope_scale) if rope_scale != 1.0 else ''}{f', window {window}' if window else ''}]"
             rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype,
                              _options(chunk=chunk), state=("kc", "vc"))
     return rows

@@ -1,6 +1,6 @@
 """Projections: sibling linears packed into one (q|k|v, gate|up), then each linear as one batch-1 GEMV with
 what surrounds it fused: the RMSNorm before it (prologue), its bias, the gated activation after a packed
-gate|up (``silu(g) * u``), the residual add after it (epilogue).
+gate|up (``act(g) * u``: SiLU, GELU, tanh-GELU), the residual add after it (epilogue).
 
 Packing: linears that read the same activation (a decoder layer's q, k and v; its gate and up) become one
 linear over their weights stacked row-wise, split after. The stacked weight is a view when capture already
@@ -79,8 +79,13 @@ PACK = [
 
 # ---- GEMV ------------------------------------------------------------------------------------------------
 
-def _gemv_pattern(norm: bool, bias: bool, gated: bool, residual: bool):
-    """The pattern for one combination: tensors (x, weight, [bias], [norm weight], [residual])."""
+ACT_FNS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
+def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool):
+    """The pattern for one combination: tensors (x, weight, [bias], [norm weight], [residual]). ``gated``:
+    False, or the gated activation (``ACT_FNS``; True is "silu") over the two halves of the output."""
+    act = ("silu" if gated is True else gated) if gated else ""
 
     def pattern(*ts, **kw):
         it = iter(ts)
@@ -93,7 +98,7 @@ def _gemv_pattern(norm: bool, bias: bool, gated: bool, residual: bool):
         if gated:
             n = w.shape[0] // 2
             g, u = torch.split(y, [n, n], -1)
-            y = F.silu(g) * u
+            y = ACT_FNS[act](g) * u
         if residual:
             y = r + y
         return y
@@ -104,8 +109,7 @@ def _gemv_pattern(norm: bool, bias: bool, gated: bool, residual: bool):
         b = next(it) if bias else None
         nw = next(it) if norm else None
         r = next(it) if residual else None
-        return torch.ops.tkcc.gemv(x, w, b, nw, kw.get("eps", 1e-6), r, "silu" if gated else "", kw["config"],
-                                   kw["pdl"])
+        return torch.ops.tkcc.gemv(x, w, b, nw, kw.get("eps", 1e-6), r, act, kw["config"], kw["pdl"])
 
     def example(dt):
         n = 2 * N_EX if gated else N_EX
@@ -145,33 +149,39 @@ def _gemv_pattern(norm: bool, bias: bool, gated: bool, residual: bool):
 
     def params(m, ctx):
         w = m.val(1)
-        key = gemv_key(w.shape[0], w.shape[1], norm, gated, residual, bias, w.dtype)
+        key = gemv_key(w.shape[0], w.shape[1], norm, act, residual, bias, w.dtype)
         return {"config": ctx.options.get("gemv_configs", {}).get(key), "pdl": bool(ctx.options.get("pdl"))}
 
-    pattern.__qualname__ = f"gemv[{_tag(norm, bias, gated, residual)}]"
+    pattern.__qualname__ = f"gemv[{_tag(norm, bias, act, residual)}]"
     return pattern, replacement, example, check, params
 
 
-def gemv_key(N: int, K: int, norm: bool, gated: bool, residual: bool, bias: bool, dtype) -> str:
-    """How a GEMV's tuned config is named in the pass's configs (shape and hooks determine its best config)."""
-    return f"{N}x{K}" + "".join(f"+{k}" for k, v in (("norm", norm), ("gated", gated), ("residual", residual),
-                                                        ("bias", bias)) if v) + f":{str(dtype).split('.')[-1]}"
+def gemv_key(N: int, K: int, norm: bool, act, residual: bool, bias: bool, dtype) -> str:
+    """How a GEMV's tuned config is named (shape and hooks determine its best config); ``act``: the gated
+    activation or ''."""
+    act = ("silu" if act is True else act) or ""
+    return f"{N}x{K}" + "".join(f"+{k}" for k, v in (("norm", norm), (act and f"gated-{act}", act),
+                                                        ("residual", residual), ("bias", bias)) if v) \
+        + f":{str(dtype).split('.')[-1]}"
 
 
-def _tag(norm, bias, gated, residual):
-    return "+".join(k for k, v in (("norm", norm), ("bias", bias), ("gated", gated), ("residual", residual))
-                    if v) or "plain"
+def _tag(norm, bias, act, residual):
+    act = ("silu" if act is True else act) or ""
+    gated = "gated" if act == "silu" else f"gated-{act}"
+    return "+".join(k for k, v in (("norm", norm), ("bias", bias), (gated, act), ("residual", residual)) if v) \
+        or "plain"
 
 
 def _gemvs():
     out = []
     # most fused first: a region matched by a larger pattern is not offered to a smaller one
-    combos = sorted(itertools.product((True, False), repeat=4), key=lambda c: -sum(c))
-    for norm, bias, gated, residual in combos:
-        if gated and residual:
+    combos = sorted(itertools.product((True, False), ("silu", "gelu_tanh", "gelu", ""), (True, False),
+                                      (True, False)), key=lambda c: -(c[0] + bool(c[1]) + c[2] + c[3]))
+    for norm, act, bias, residual in combos:
+        if act and residual:
             continue  # a gated output feeds the down projection, never a residual add
-        pattern, replacement, example, check, params = _gemv_pattern(norm, bias, gated, residual)
-        out.append(Rewrite(f"gemv[{_tag(norm, bias, gated, residual)}]", pattern, replacement, example,
+        pattern, replacement, example, check, params = _gemv_pattern(norm, bias, act, residual)
+        out.append(Rewrite(f"gemv[{_tag(norm, bias, act, residual)}]", pattern, replacement, example,
                            region="projection", check=check, params=params))
     return out
 

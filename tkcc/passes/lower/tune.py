@@ -107,7 +107,7 @@ def tune_gemvs(gm, timer, log=None) -> dict:
         if n.target is torch.ops.tkcc.gemv.default:
             x, w, b, nw, _eps, r, act, *_ = _all_args(n)
             wv = w.meta["val"]
-            groups[(n.target, gemv_key(wv.shape[0], wv.shape[1], nw is not None, bool(act), r is not None,
+            groups[(n.target, gemv_key(wv.shape[0], wv.shape[1], nw is not None, act, r is not None,
                                        b is not None, wv.dtype))].append(n)
         elif n.target is torch.ops.tkcc.gemv_gather.default:
             _t, _ids, w, nw, *_ = _all_args(n)
