@@ -24,8 +24,8 @@ def _interp(args, dtype="float32", timeout=600):
     return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("dtype,families", [("float32", ["norms", "gemv", "packing", "attention", "moe"]),
-                                            ("float16", ["gemv", "attention", "moe"])])
+@pytest.mark.parametrize("dtype,families", [("float32", ["norms", "gemv", "gather", "packing", "attention", "moe"]),
+                                            ("float16", ["gemv", "gather", "attention", "moe"])])
 def test_every_rewrite_matches_its_pattern_under_the_interpreter(dtype, families):
     p = _interp(["-m", "tkcc.passes.lower.checks", *families], dtype)
     assert p.returncode in (0, 1), p.stderr[-3000:]
@@ -136,6 +136,41 @@ def test_other_moe_families_lower_by_the_same_patterns(name):
     L = prog.num_blocks
     assert ops["tkcc.attention_rope.default"] == L and ops["tkcc.moe.default"] == L, ops
     assert not {k: v for k, v in ops.items() if not k.startswith("tkcc.") and k != "<built-in function getitem>"}, ops
+    _same_decode(prog, new)
+
+
+def test_shared_expert_moe_lowers_per_region():
+    """Qwen2-MoE (a config built here): q/k/v with biases packed into one biased GEMV and fused attention; the
+    routed experts on the routed kernels (their input normed already: the norm also feeds the shared expert);
+    the shared expert's gate|up as a gated GEMV; what is left (its sigmoid gate, the sums) stays in aten in the
+    same step; bit-exact off the kernel path."""
+    import transformers
+
+    from tkcc.frontend.capture import capture
+    from tkcc.passes.manager import apply_plan
+
+    cfg = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, vocab_size=256,
+                                      max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+                                      pad_token_id=None, norm_topk_prob=False)
+    cfg._attn_implementation, cfg._experts_implementation = "sdpa", "batched_mm"
+    torch.manual_seed(0)
+    m = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    for layer in m.model.layers:  # non-zero q/k/v biases, so that a dropped bias shows
+        for p in layer.self_attn.parameters():
+            if p.dim() == 1:
+                p.data.normal_()
+    prog = capture(m, phases=["decode"], max_cache_len=32)
+    new, logs = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance")
+    ops = _ops(new.graphs["decode"])
+    assert ops["tkcc.attention_rope.default"] == 2 and ops["tkcc.moe.default"] == 2 and ops["tkcc.gemv_gather.default"] == 1
+    gated = [n for n in new.graphs["decode"].graph.nodes if n.target is torch.ops.tkcc.gemv.default
+             and len(n.args) > 6 and n.args[6] == "silu"]
+    assert len(gated) == 2
+    left = {k for k in ops if not k.startswith("tkcc.") and k != "<built-in function getitem>"}
+    assert left <= {"aten.sigmoid.default", "aten.mul.Tensor", "aten.add.Tensor", "aten.view.default",
+                    "aten.reshape.default"}, left
     _same_decode(prog, new)
 
 
@@ -284,7 +319,7 @@ def test_tile_shared_memory_from_the_compiled_kernel():
 
 
 
-@pytest.mark.parametrize("family", ["norms", "gemv", "packing", "attention"])
+@pytest.mark.parametrize("family", ["norms", "gemv", "gather", "packing", "attention", "moe"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_rewrite_matches_its_pattern_gpu_bf16(family):

@@ -166,6 +166,9 @@ def pack_rows(weights: list[Tensor]) -> Tensor:
     parameters are never re-pointed. A lowered graph calls this when it is built and an artifact when it
     binds, so neither embeds weights."""
     base = weights[0]
+    if base.dim() == 1:  # biases: small, copied
+        with torch.no_grad():
+            return torch.cat([w.detach() for w in weights], 0)
     if base.dim() == 2 and base.storage_offset() == 0 and all(w.is_contiguous() for w in weights):
         ptr, off = base.untyped_storage().data_ptr(), 0
         for w in weights:
@@ -188,7 +191,7 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
     rounded to the dtype (``router="softmax"``; Mixtral's ``"softmax_fp32"`` keeps them fp32)] -> each token's
     k experts (gate_up [E, 2I, H], silu(g) * u, down [E, H, I]) weighted and summed [-> + h]."""
     x = rms_norm_ref(h, norm_weight, eps) if norm_weight is not None else h
-    B, T, H = x.shape
+    H = x.shape[-1]
     xs = x.view(-1, H)
     logits = F.linear(xs.reshape(-1, H), router_w)
     probs = F.softmax(logits, dtype=torch.float, dim=-1) if router == "softmax" else F.softmax(logits.float(), dim=-1)
@@ -205,7 +208,7 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
     a = F.silu(g) * u
     y = torch.bmm(down[eid], a.unsqueeze(-1)).squeeze(-1)
     y = (y * sw.unsqueeze(-1)).view(xs.shape[0], top_k, H).sum(dim=1).to(xs.dtype)
-    y = y.reshape(B, T, H)
+    y = y.reshape(x.shape)
     return h + y if residual else y
 
 
@@ -399,11 +402,10 @@ def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="so
         return reason
     if not _one_token(h):
         return f"h {tuple(h.shape)} is not one token"
-    if norm_weight is None:
-        return "no norm before the router (the kernels take the pre-norm activations)"
     E, I2, H = gate_up.shape
     if tuple(router_w.shape) != (E, H) or router_w.stride(-1) != 1 or tuple(down.shape) != (E, H, I2 // 2) \
-            or not gate_up.is_contiguous() or not down.is_contiguous() or norm_weight.numel() != H:
+            or not gate_up.is_contiguous() or not down.is_contiguous() \
+            or (norm_weight is not None and norm_weight.numel() != H):
         return (f"experts not contiguous [E, 2I, H] / [E, H, I] with a router [E, H]: {tuple(gate_up.shape)}, "
                 f"{tuple(down.shape)}, {tuple(router_w.shape)}")
     if router not in ROUTERS:
@@ -454,12 +456,13 @@ def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, 
 
 @torch.library.custom_op(f"{NS}::gemv_gather", mutates_args=())
 def gemv_gather(table: Tensor, ids: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None, eps: float = 1e-6,
-                config: Optional[list[int]] = None, pdl: bool = False) -> tuple[Tensor, Tensor]:
+                config: Optional[list[int]] = None, pdl: bool = False,
+                bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The step's first GEMV reading its input from the embedding table: (gemv(e), e) with
     e = embedding(table, ids) — the token's row is gathered inside the GEMV (program 0 also writes it out:
     the residual stream), so the step has no separate embedding launch."""
     reason = None if ids.numel() == 1 else f"ids {tuple(ids.shape)} are not one token"
-    reason = reason or gemv_reason(table[0].view(1, 1, -1), weight, None, norm_weight, None, "")
+    reason = reason or gemv_reason(table[0].view(1, 1, -1), weight, bias, norm_weight, None, "")
     if reason is None and (table.dim() != 2 or table.stride(-1) != 1 or ids.dtype != torch.int64):
         reason = f"table {tuple(table.shape)} strides {table.stride()} / ids {ids.dtype}"
     if reason is None:
@@ -469,14 +472,14 @@ def gemv_gather(table: Tensor, ids: Tensor, weight: Tensor, norm_weight: Optiona
         cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
         e = torch.empty(table.shape[1], device=table.device, dtype=table.dtype)
         y = gemv_mod.gemv(table, weight, norm_w=norm_weight, eps=eps, config=cfg, pdl=pdl and _pdl_ok(table.device),
-                          gather=(ids.reshape(1), e))
+                          gather=(ids.reshape(1), e), bias=bias)
         shape = tuple(ids.shape)
         return y.view(*shape, y.shape[-1]), e.view(*shape, e.shape[-1])
     note_fallback("tkcc.gemv_gather", reason)
     e = F.embedding(ids, table)
-    return gemv_ref(e, weight, None, norm_weight, eps), e
+    return gemv_ref(e, weight, bias, norm_weight, eps), e
 
 
 @gemv_gather.register_fake
-def _(table, ids, weight, norm_weight=None, eps=1e-6, config=None, pdl=False):
+def _(table, ids, weight, norm_weight=None, eps=1e-6, config=None, pdl=False, bias=None):
     return (table.new_empty(*ids.shape, weight.shape[0]), table.new_empty(*ids.shape, table.shape[1]))

@@ -99,18 +99,18 @@ def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps,
     """The three launches on caller-owned scratch ``(logits [E], ids [k] int32, wts [k] fp32, xn [H], act [k, I],
     count [1] int32)``: all but ``count`` may hold anything (each is written before it is read); ``count``
     starts at zero and is left at zero. ``rc``/``gc``/``dc``: (BLOCK_N, warps) of router, gate_up, down.
-    ``fp32_weights``: the routing weights are not rounded to the activations' dtype (Mixtral's router), and
+    ``norm_w`` None: ``x`` is normed already. ``fp32_weights``: the routing weights are not rounded to the activations' dtype (Mixtral's router), and
     the weighted sum over the experts is taken in fp32."""
     logits, ids, wts, xn, act, count = scratch
     E, I2, H = gate_up.shape
     I = I2 // 2
-    mod = load("moe_routed.py.jinja", pdl=pdl, fp32_weights=fp32_weights)
+    mod = load("moe_routed.py.jinja", pdl=pdl, fp32_weights=fp32_weights, norm=norm_w is not None)
     launch_kw = {"launch_pdl": True} if pdl else {}
     K_PAD = max(2, next_pow2(k))
     bn, nw = rc
     bk = _block_k(bn, H)
     mod.router_topk_kernel[(triton.cdiv(E, bn),)](
-        x, norm_w, router_w, logits, forced_ids if forced_ids is not None else ids, ids, wts,
+        x, norm_w if norm_w is not None else x, router_w, logits, forced_ids if forced_ids is not None else ids, ids, wts,
         xn, count, E, H, router_w.stride(0), eps, BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD,
         E_PAD=max(16, next_pow2(E)), NORM_TOPK=bool(norm_topk_prob), FORCED=forced_ids is not None,
         FULL_K=bk >= H, num_warps=nw, **launch_kw)

@@ -129,6 +129,29 @@ def check_gemv(device, dtype, g, shapes=((40, 48), (96, 200), (256, 64))):
     return rows
 
 
+def check_gather(device, dtype, g, shapes=((40, 48, 100), (96, 64, 300))):
+    """The first GEMV reading the token's embedding row itself (and writing it out as the residual stream)."""
+    from tkcc.passes.lower import projections
+
+    rows = []
+    for N, K, V in shapes:
+        for bias in (False, True):
+            t = {"table": _rand((V, K), g, device, dtype), "nw": _rand((K,), g, device, dtype, 0.5) + 1,
+                 "w": _rand((N, K), g, device, dtype, K ** -0.5)}
+            if bias:
+                t["b"] = _rand((N,), g, device, dtype, 0.1)
+
+            def fn(s, ids, bias=bias):
+                if bias:
+                    return projections.embed_gemv_bias(s.table, ids, s.nw, s.w, s.b, eps=1e-5)
+                return projections.embed_gemv(s.table, ids, s.nw, s.w, eps=1e-5)
+
+            rows += run_case(f"gemv_gather[{N}x{K}, {V} rows{', bias' if bias else ''}]", Region(fn, t),
+                             lambda V=V: (torch.randint(0, V, (1, 1), generator=g).to(device),),
+                             "tkcc.gemv_gather.default", False, dtype)
+    return rows
+
+
 def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
     """q|k|v and gate|up siblings packed into one GEMV, split after."""
     from tkcc.passes.lower import projections
@@ -199,11 +222,18 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
         name = f"moe[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if norm_topk else ''}{'+residual' * residual}]"
         rows += run_case(name, Region(fn, t), lambda H=H: (_rand((1, 1, H), g, device, dtype),), "tkcc.moe.default",
                          False, dtype)
+    for E, H, I, k in shapes[:2]:  # the routed experts of a normed input (a block with a shared expert)
+        t = {"router": _rand((E, H), g, device, dtype, H ** -0.5),
+             "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
+             "down": _rand((E, H, I), g, device, dtype, I ** -0.5)}
+        rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, routed experts of a normed input]",
+                         Region(lambda s, xs, k=k: moe.routed(xs, s.router, s.gate_up, s.down, top_k=k), t),
+                         lambda H=H: (_rand((1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
     return rows
 
 
-FAMILIES = {"norms": check_norms, "gemv": check_gemv, "packing": check_packing, "attention": check_attention,
-            "moe": check_moe}
+FAMILIES = {"norms": check_norms, "gemv": check_gemv, "gather": check_gather, "packing": check_packing,
+            "attention": check_attention, "moe": check_moe}
 
 
 def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None):

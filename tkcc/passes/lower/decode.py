@@ -5,8 +5,9 @@ its rewrites (largest pattern first) until none matches:
 
 1. ``canonicalize``: casts to what a tensor already is, aliases (bit-exact);
 2. what every layer shares: the step's causal mask, its rotary cos/sin table (bit-exact, named ops);
-3. projections that read one activation packed into one (q|k|v, gate|up);
-4. MoE blocks: router, top-k, routed experts (and shared experts), with the norm before them;
+3. MoE blocks: router, top-k, routed experts, with the norm before them when nothing else reads it (before
+   packing: the router is a linear that could be packed with a shared expert's);
+4. projections that read one activation packed into one (gate|up of a gated MLP first, then q|k|v);
 5. GEMVs with what surrounds them: norm prologue, bias, gated epilogue, residual epilogue;
 6. attention blocks: q/k norm, rotary, cache write, attention, as one fused launch per layer;
 7. whatever norms nothing absorbed;
@@ -48,7 +49,7 @@ def stages():
     import tkcc.kernels.lowered  # noqa: F401 - registers torch.ops.tkcc (no triton needed until a kernel runs)
     from tkcc.passes.lower import attention, moe, norms, projections, rotary
 
-    return [("shared", attention.MASKS + rotary.REWRITES), ("packing", projections.PACK), ("moe", moe.REWRITES),
+    return [("shared", attention.MASKS + rotary.REWRITES), ("moe", moe.REWRITES), ("packing", projections.PACK),
             ("gemv", projections.GEMV), ("attention", attention.ATTENTION), ("norms", norms.REWRITES)]
 
 

@@ -59,6 +59,43 @@ def _moe_pattern(norm_topk: bool, residual: bool, router: str):
     return pattern, replacement
 
 
+def routed(xs, router_w, gate_up, down, *, top_k):
+    """The routed experts alone, on the block's flattened input [T, H] (already normed: the norm also feeds a
+    shared expert, as in Qwen2-MoE), to their [T, H] output (the shared expert and its gate are added after)."""
+    hidden_dim = xs.shape[-1]
+    router_logits = F.linear(xs.reshape(-1, hidden_dim), router_w)
+    router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
+    router_top_value = router_top_value.to(router_logits.dtype)
+    selected_hidden_states = xs.repeat_interleave(top_k, dim=0)
+    sample_weights = router_top_value.reshape(-1)
+    expert_ids = router_indices.reshape(-1)
+    expert_ids = expert_ids.clamp(0, gate_up.shape[0] - 1)
+    proj_out = torch.bmm(gate_up[expert_ids], selected_hidden_states.unsqueeze(-1)).squeeze(-1)
+    gate, up = proj_out.chunk(2, dim=-1)
+    proj_out = F.silu(gate) * up
+    proj_out = torch.bmm(down[expert_ids], proj_out.unsqueeze(-1)).squeeze(-1)
+    weighted_out = proj_out * sample_weights.unsqueeze(-1)
+    final = weighted_out.view(xs.shape[0], top_k, hidden_dim).sum(dim=1)
+    return final.to(xs.dtype)
+
+
+def _routed_replacement(xs, router_w, gate_up, down, *, top_k, count, configs, pdl):
+    return torch.ops.tkcc.moe(xs, None, 1e-6, router_w, gate_up, down, top_k, False, False, count, configs, pdl)
+
+
+def _routed_check(m) -> str | None:
+    xs, r, gu, dn = (m.val(i) for i in range(4))
+    E, I2, H = gu.shape
+    if xs.dim() != 2 or xs.shape[0] != 1:
+        return f"xs {tuple(xs.shape)} is not one token"
+    if tuple(r.shape) != (E, H) or tuple(dn.shape) != (E, H, I2 // 2):
+        return f"router {tuple(r.shape)} / experts {tuple(gu.shape)}, {tuple(dn.shape)} are not one MoE layout"
+    if not (gu.is_contiguous() and dn.is_contiguous() and r.stride(-1) == 1):
+        return "expert weights are not contiguous [E, 2I, H] / [E, H, I]"
+    return None
+
+
 def _example(dt):
     E, H, I = 12, 48, 20
     return ((torch.empty(1, 1, H, dtype=dt), torch.empty(H, dtype=dt), torch.empty(E, H, dtype=dt),
@@ -95,4 +132,12 @@ def _rewrites():
     return out
 
 
-REWRITES = _rewrites()
+def _routed_example(dt):
+    E, H, I = 12, 48, 20
+    return ((torch.empty(1, H, dtype=dt), torch.empty(E, H, dtype=dt), torch.empty(E, 2 * I, H, dtype=dt),
+             torch.empty(E, H, I, dtype=dt)), {"top_k": TOP_K})
+
+
+REWRITES = _rewrites() + [
+    Rewrite("moe[routed experts of a normed input]", routed, _routed_replacement, _routed_example, region="moe",
+            check=_routed_check, params=_params)]

@@ -22,6 +22,7 @@ from tkcc.passes.lower.norms import EPS, rms_norm
 from tkcc.passes.lower.pattern import Rewrite
 
 K_EX, N_EX = 48, 40  # example widths (distinct from every literal of the patterns)
+ACT_FNS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
 # ---- packing ---------------------------------------------------------------------------------------------
@@ -48,8 +49,11 @@ def pack_rows(weights: list[torch.Tensor]) -> torch.Tensor:
     return rows(weights)
 
 
-def _check_pack(m) -> str | None:
-    ws = [m.tensor(i) for i in range(1, len(m.inputs))]
+def _check_pack(m, weights=None) -> str | None:
+    idx = list(weights if weights is not None else range(1, len(m.inputs)))
+    if any(m.inputs[i].meta.get("tkcc_packed_from") for i in idx):
+        return "a sibling is packed already (a gated MLP's gate|up: its gated GEMV takes it whole)"
+    ws = [m.tensor(i) for i in idx]
     if any(w is None for w in ws):
         return "a sibling's weight is not a parameter of the model (computed in the graph)"
     w0 = ws[0]
@@ -58,10 +62,10 @@ def _check_pack(m) -> str | None:
     return None
 
 
-def _pack_params(m, ctx):
-    ws = [m.tensor(i) for i in range(1, len(m.inputs))]
-    packed = pack_rows(ws)
-    node = ctx.tensor("packed", packed, packed_from=m.inputs[1:], share_key=("pack", tuple(m.inputs[1:])))
+def _pack_params(m, ctx, weights=None):
+    nodes = list(weights if weights is not None else m.inputs[1:])
+    packed = pack_rows([m.tensor(m.inputs.index(n)) for n in nodes])
+    node = ctx.tensor("packed", packed, packed_from=nodes, share_key=("pack", tuple(nodes)))
     return {"packed": node}
 
 
@@ -69,7 +73,59 @@ def _xw(dt, n):
     return (torch.empty(1, 1, K_EX, dtype=dt),) + tuple(torch.empty(N_EX + 8 * i, K_EX, dtype=dt) for i in range(n))
 
 
-PACK = [
+def linears3_bias(x, w1, w2, w3, b1, b2, b3):
+    return F.linear(x, w1, b1), F.linear(x, w2, b2), F.linear(x, w3, b3)
+
+
+def _packed3_bias(x, w1, w2, w3, b1, b2, b3, *, packed, packed_bias):
+    return torch.split(F.linear(x, packed, packed_bias), [w1.shape[0], w2.shape[0], w3.shape[0]], -1)
+
+
+def _pack_bias_params(m, ctx):
+    out = _pack_params(m, ctx, weights=m.inputs[1:4])
+    bs = [m.tensor(i) for i in range(4, 7)]
+    out["packed_bias"] = ctx.tensor("packed_bias", pack_rows(bs), packed_from=m.inputs[4:7],
+                                    share_key=("pack", tuple(m.inputs[4:7])))
+    return out
+
+
+def _check_pack_bias(m) -> str | None:
+    why = _check_pack(m, weights=range(1, 4))
+    if why:
+        return why
+    bs = [m.tensor(i) for i in range(4, 7)]
+    if any(b is None or b.dim() != 1 for b in bs):
+        return "a sibling's bias is not a parameter vector of the model"
+    return None
+
+
+def _gated_pair(act):
+    """``act(x W_g^T) * (x W_u^T)`` (a gated MLP's gate and up): packed so that the gated GEMV can match."""
+    fn = ACT_FNS[act]
+
+    def pattern(x, wg, wu):
+        return fn(F.linear(x, wg)) * F.linear(x, wu)
+
+    def replacement(x, wg, wu, *, packed):
+        g, u = torch.split(F.linear(x, packed), [wg.shape[0], wu.shape[0]], -1)
+        return fn(g) * u
+
+    def check(m):
+        why = _check_pack(m)
+        if why is None and m.val(1).shape != m.val(2).shape:
+            return f"gate {tuple(m.val(1).shape)} and up {tuple(m.val(2).shape)} differ"
+        return why
+
+    return Rewrite(f"pack_gated_mlp[{act}]", pattern, replacement,
+                   lambda dt: ((torch.empty(1, 1, K_EX, dtype=dt), torch.empty(N_EX, K_EX, dtype=dt),
+                                torch.empty(N_EX, K_EX, dtype=dt)), {}),
+                   region="projection", check=check, params=_pack_params)
+
+
+PACK = [_gated_pair(a) for a in ("silu", "gelu_tanh", "gelu")] + [
+    Rewrite("pack_linears3[bias]", linears3_bias, _packed3_bias,
+            lambda dt: (_xw(dt, 3) + tuple(torch.empty(N_EX + 8 * i, dtype=dt) for i in range(3)), {}),
+            region="projection", check=_check_pack_bias, params=_pack_bias_params),
     Rewrite("pack_linears3", linears3, _packed3, lambda dt: (_xw(dt, 3), {}), region="projection",
             check=_check_pack, params=_pack_params),
     Rewrite("pack_linears2", linears2, _packed2, lambda dt: (_xw(dt, 2), {}), region="projection",
@@ -78,9 +134,6 @@ PACK = [
 
 
 # ---- GEMV ------------------------------------------------------------------------------------------------
-
-ACT_FNS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
-
 
 def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool):
     """The pattern for one combination: tensors (x, weight, [bias], [norm weight], [residual]). ``gated``:
@@ -193,8 +246,13 @@ def embed_gemv(table, ids, nw, w, *, eps):
     return F.linear(rms_norm(e, nw, eps=eps), w), e
 
 
-def _to_gemv_gather(table, ids, nw, w, *, eps, config, pdl):
-    return torch.ops.tkcc.gemv_gather(table, ids, w, nw, eps, config, pdl)
+def embed_gemv_bias(table, ids, nw, w, b, *, eps):
+    e = F.embedding(ids, table)
+    return F.linear(rms_norm(e, nw, eps=eps), w, b), e
+
+
+def _to_gemv_gather(table, ids, nw, w, *b, eps, config, pdl):
+    return torch.ops.tkcc.gemv_gather(table, ids, w, nw, eps, config, pdl, b[0] if b else None)
 
 
 def _check_gather(m) -> str | None:
@@ -208,12 +266,20 @@ def _check_gather(m) -> str | None:
 
 def _gather_params(m, ctx):
     w = m.val(3)
-    key = gemv_key(w.shape[0], w.shape[1], True, False, False, False, w.dtype) + "+gather"
+    key = gemv_key(w.shape[0], w.shape[1], True, False, False, len(m.inputs) > 4, w.dtype) + "+gather"
     return {"config": ctx.options.get("gemv_configs", {}).get(key), "pdl": bool(ctx.options.get("pdl"))}
 
 
-GATHER = Rewrite("gemv[gather+norm]", embed_gemv, _to_gemv_gather,
-                 lambda dt: ((torch.empty(64, K_EX, dtype=dt), torch.empty(1, 1, dtype=torch.int64),
-                              torch.empty(K_EX, dtype=dt), torch.empty(N_EX, K_EX, dtype=dt)), {"eps": EPS}),
-                 region="projection", check=_check_gather, params=_gather_params)
-GEMV = [GATHER] + _gemvs()
+def _gather_example(bias):
+    def example(dt):
+        ts = (torch.empty(64, K_EX, dtype=dt), torch.empty(1, 1, dtype=torch.int64), torch.empty(K_EX, dtype=dt),
+              torch.empty(N_EX, K_EX, dtype=dt)) + ((torch.empty(N_EX, dtype=dt),) if bias else ())
+        return ts, {"eps": EPS}
+    return example
+
+
+GATHER = [Rewrite("gemv[gather+norm+bias]", embed_gemv_bias, _to_gemv_gather, _gather_example(True),
+                  region="projection", check=_check_gather, params=_gather_params),
+          Rewrite("gemv[gather+norm]", embed_gemv, _to_gemv_gather, _gather_example(False),
+                  region="projection", check=_check_gather, params=_gather_params)]
+GEMV = GATHER + _gemvs()

@@ -110,9 +110,9 @@ def tune_gemvs(gm, timer, log=None) -> dict:
             groups[(n.target, gemv_key(wv.shape[0], wv.shape[1], nw is not None, act, r is not None,
                                        b is not None, wv.dtype))].append(n)
         elif n.target is torch.ops.tkcc.gemv_gather.default:
-            _t, _ids, w, nw, *_ = _all_args(n)
+            _t, _ids, w, nw, _eps, _cfg, _pdl, b = _all_args(n)
             wv = w.meta["val"]
-            groups[(n.target, gemv_key(wv.shape[0], wv.shape[1], nw is not None, False, False, False, wv.dtype)
+            groups[(n.target, gemv_key(wv.shape[0], wv.shape[1], nw is not None, False, False, b is not None, wv.dtype)
                     + "+gather")].append(n)
     ins = _Inputs(gm)
     out = {}
