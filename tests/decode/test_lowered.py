@@ -399,3 +399,26 @@ def test_tuning_picks_the_fastest_config_and_writes_it_into_the_graph(captured):
     assert all(tuple(n.args[12:15]) == (layouts[1][0], bs, nw) for n in fused)
     gm.recompile()
     _same_decode(prog, new)
+
+
+def test_exact_declared_rewrites_are_bit_exact(captured):
+    """Every rewrite declared exact, applied alone to the captured graph (after the bit-exact canonical form),
+    changes no bit of the logits or the cache; the regions it replaced are gone."""
+    from tkcc.passes.graph_pass import clone_graph_module
+    from tkcc.passes.lower import pattern
+    from tkcc.passes.lower.decode import stages
+
+    exact = [rw for _stage, rws in stages() for rw in rws if rw.exact]
+    assert {rw.name for rw in exact} >= {"causal_mask", "sliding_window_mask", "rotary_cos_sin", "layer_norm",
+                                         "rms_norm_offset"}
+    for dt in ("float32", "bfloat16"):
+        prog = captured["llama-tiny", dt]
+        gm = clone_graph_module(prog.graphs["decode"])
+        pattern.canonicalize(gm.graph)
+        done = 0
+        for rw in exact:
+            done += pattern.apply(rw, gm, getattr(torch, dt)).replaced
+        assert done >= 2  # the mask and the rotary table at least
+        gm.graph.lint()
+        gm.recompile()
+        _same_decode(prog, prog.with_graphs({"decode": gm}))
