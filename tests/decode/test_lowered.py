@@ -422,3 +422,29 @@ def test_exact_declared_rewrites_are_bit_exact(captured):
         gm.graph.lint()
         gm.recompile()
         _same_decode(prog, prog.with_graphs({"decode": gm}))
+
+
+def test_a_context_past_the_cache_is_a_clear_error(captured):
+    from tkcc.errors import TkccError
+    from tkcc.passes.manager import apply_plan
+
+    prog = captured["llama-tiny", "float32"]
+    new, _ = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance", check_numerics=False)
+    S = prog.meta["max_cache_len"]
+    with pytest.raises(TkccError, match=rf"longer than the static cache \({S} positions\)"):
+        new.graphs["decode"](torch.tensor([[3]]), torch.tensor([S]))
+
+
+def test_fused_nodes_sit_in_the_module_that_holds_their_whole_region(captured):
+    """A norm folded into the projection after it is in their decoder layer, not in the norm's module: passes
+    that find regions by module (decode_fusion's norms) never take a fused node for a norm."""
+    from tkcc.passes.manager import apply_plan
+
+    prog = captured["olmoe-tiny", "float32"]
+    new, _ = apply_plan(prog, [{"name": "lowered_decode"}, {"name": "decode_fusion"}], mode="tolerance")
+    gm = new.graphs["decode"]
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and str(n.target).startswith("tkcc."):
+            paths = [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()]
+            assert not any(p.endswith("norm") for p in paths), (n.name, paths)
+    _same_decode(prog, new)

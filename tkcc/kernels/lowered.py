@@ -347,6 +347,16 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
     return None
 
 
+def _check_context(cache_position: Tensor, S: int) -> None:
+    """A position at or past the static cache is bad input: a clear error (the kernel would write nothing)."""
+    from tkcc.errors import TkccError
+
+    last = int(cache_position.max())
+    if last >= S or int(cache_position.min()) < 0:
+        raise TkccError(f"decode attention: cache position {last} needs a context of {last + 1}, longer than the "
+                        f"static cache ({S} positions); capture with a larger max_cache_len")
+
+
 def attention_layout(S: int, chunk: int) -> tuple[int, int]:
     """(chunk, splits) covering a cache of S positions: one split over the whole cache when it fits."""
     chunk = min(chunk, S)
@@ -367,6 +377,8 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                               block_s, num_warps, count, window, head_norm)
     if reason is None:
+        if cache_position.device.type == "cpu":  # free to check on the host (on a GPU: the greedy loop's check)
+            _check_context(cache_position, k_cache.shape[2])
         from tkcc.kernels import attention_rope as ar
 
         hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -381,6 +393,7 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                   rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
+    _check_context(cache_position, k_cache.shape[2])
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
                               num_heads, window, head_norm)
 

@@ -484,6 +484,7 @@ def _replace(match: Match, ctx: Context) -> list[torch.fx.Node]:
     first = min(match.nodes, key=lambda n: order[n])
     where = first if order[first] > order[anchor] else anchor.next
     new_nodes = []
+    stack = _common_stack(match.nodes)
     mode = _fake_mode(graph)
     outs = None
     with graph.inserting_before(where):
@@ -501,7 +502,6 @@ def _replace(match: Match, ctx: Context) -> list[torch.fx.Node]:
             nn.meta["val"] = _fake_run(mode, rn.target, args, kwargs) if mode is not None else rn.meta.get("val")
             origin(nn, *match.nodes)
             nn.meta["tkcc_rewrite"] = rw.name
-            stack = next((n.meta.get("nn_module_stack") for n in match.nodes if n.meta.get("nn_module_stack")), None)
             if stack:
                 nn.meta["nn_module_stack"] = dict(stack)
             env[rn] = nn
@@ -533,6 +533,21 @@ def _replacement_fn(rw: Rewrite, n: int, extra_names: tuple):
         fn.__qualname__ = f"{rw.name}.replacement"
         _REPLACEMENTS[key] = fn
     return fn
+
+
+def _common_stack(nodes) -> dict:
+    """The module stack every node of the region shares (the innermost module holding all of it: a norm and the
+    projection after it are in their decoder layer, not in the norm), so that passes that find regions by
+    module never take a fused node for a piece of one module."""
+    stacks = [list((n.meta.get("nn_module_stack") or {}).items()) for n in nodes if n.meta.get("nn_module_stack")]
+    if not stacks:
+        return {}
+    common = []
+    for items in zip(*stacks):
+        if any(it != items[0] for it in items[1:]):
+            break
+        common.append(items[0])
+    return dict(common)
 
 
 def _fake_run(mode, target, args, kwargs):
