@@ -381,6 +381,10 @@ def test_tuning_picks_the_fastest_config_and_writes_it_into_the_graph(captured):
 
     got = tune.tune_gemvs(gm, clock)
     assert len(got) == 6 and len(calls) == 6 * len(gemv_mod.CONFIGS)
+    # then in the whole step: the top-ranked configs of each group again; a clock that favours none keeps them
+    steps = []
+    kept = tune.refine_in_step(gm, lambda fn: (fn(), steps.append(1), 1.0)[2], got, 20)
+    assert len(kept) == 6 and len(steps) == 6 * 3 and all(v[0] == list(gemv_mod.CONFIGS[5]) for v in kept.values())
     want = list(gemv_mod.CONFIGS[5])
     for n in gm.graph.nodes:
         if n.target is torch.ops.tkcc.gemv.default:

@@ -133,12 +133,12 @@ class LoweredDecode(Pass):
             from tkcc.passes.lower import tune as tuning
 
             with torch.no_grad():
-                if pinned is None:
-                    tuning.tune_gemvs(gm, graph_time, log=info.notes.append)
+                tuned = tuning.tune_gemvs(gm, graph_time, log=info.notes.append) if pinned is None else {}
                 tuning.tune_moes(gm, graph_time, log=info.notes.append)
                 if tune_context:
                     tuning.tune_attention(gm, graph_time, tune_context,
                                           [t for t in space.ATTN_TILES if t not in bad], log=info.notes.append)
+                tuning.refine_in_step(gm, graph_time, tuned, tune_context or 128, log=info.notes.append)
         gm.recompile()
         after = collections.Counter(_kind(n) for n in gm.graph.nodes if n.op == "call_function")
         ops = {k: v for k, v in sorted(after.items()) if k.startswith("tkcc.")}

@@ -8,6 +8,8 @@
   (coordinate descent), timed over every layer the same way.
 - Attention: the (chunk, tile) layout at a context, over every layer's real cache (only the position the
   timing writes is saved and put back), from the chunks below the cache and the tiles the device runs.
+- Then each GEMV group's three fastest configs again inside the whole step (``refine_in_step``): PDL
+  overlap with the neighbouring kernels and the L2 state are the step's, which a group timed alone misses.
 
 What is picked lives in the graph (so in the artifact's source), never in a process-global table.
 ``timer(fn) -> µs`` is ``tkcc.kernels.graph_timing.graph_time`` on a GPU; tests give a fake one.
@@ -75,10 +77,12 @@ def _set(n, index, name, value):
     n.args, n.kwargs = tuple(args), kwargs
 
 
-def _pick(nodes, ins, index, name, candidates, timer):
-    """The fastest candidate for argument ``index`` over all ``nodes`` (each with its own inputs), or None."""
+def _pick(nodes, ins, index, name, candidates, timer, ranked: list | None = None):
+    """The fastest candidate for argument ``index`` over all ``nodes`` (each with its own inputs), or None;
+    ``ranked`` gets every candidate that ran, fastest first."""
     calls = [(n, *ins.args(n)) for n in nodes]
     best = None
+    times = []
     for cand in candidates:
         def fn(cand=cand):
             for n, args, kwargs in calls:
@@ -88,13 +92,17 @@ def _pick(nodes, ins, index, name, candidates, timer):
             t = timer(fn)
         except Exception:  # noqa: BLE001 - a config that does not compile or launch here is not a candidate
             continue
+        times.append((t, len(times), cand))
         if best is None or t < best[1]:
             best = (cand, t)
+    if ranked is not None:
+        ranked[:] = [c for _t, _i, c in sorted(times)]
     return best
 
 
 def tune_gemvs(gm, timer, log=None) -> dict:
-    """Pick each GEMV group's config (see the module docstring); returns {group key: (config, µs)}."""
+    """Pick each GEMV group's config (see the module docstring); returns {group key: (config, µs each, nodes,
+    argument index, configs fastest first)}."""
     from tkcc.kernels import gemv as gemv_mod
     from tkcc.passes.lower.projections import gemv_key
 
@@ -118,15 +126,60 @@ def tune_gemvs(gm, timer, log=None) -> dict:
     out = {}
     for key, nodes in groups.items():
         index = 7 if key[0] is torch.ops.tkcc.gemv.default else 5
-        best = _pick(nodes, ins, index, "config", [list(c) for c in gemv_mod.CONFIGS], timer)
+        ranked = []
+        best = _pick(nodes, ins, index, "config", [list(c) for c in gemv_mod.CONFIGS], timer, ranked)
         if best is None:
             continue
         for n in nodes:
             _set(n, index, "config", best[0])
-        out[key[1]] = (best[0], round(best[1] / len(nodes), 2))
+        out[key[1]] = (best[0], round(best[1] / len(nodes), 2), nodes, index, ranked)
         if log:
             log(f"decode: tuned GEMV {key[1]} x{len(nodes)}: {'x'.join(map(str, best[0]))} "
                 f"({best[1] / len(nodes):.2f} us each)")
+    return out
+
+
+def refine_in_step(gm, timer, tuned: dict, context: int, top: int = 3, log=None) -> dict:
+    """Each GEMV group's ``top`` fastest configs timed again inside the whole step (its neighbours' PDL overlap
+    and the L2 as the step leaves it), one group at a time from the configs ``tune_gemvs`` picked: the one
+    that makes the step fastest stays. The step writes one cache position (``context``); it is put back."""
+    attn = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.attention_rope.default]
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not tuned or not attn or [p.target for p in ph] != ["input_ids", "cache_position"]:
+        return {}
+    S = attn[0].args[1].meta["val"].shape[2]
+    pos = max(0, min(int(context), S - 1))
+    ins = _Inputs(gm, position=pos)
+    inputs = [ins.value(p) for p in ph]
+    caches = [ins.value(a) for n in attn for a in (n.args[1], n.args[2])]
+    saved = [c[:, :, pos].clone() for c in caches]
+    out = {}
+    try:
+        for key, (cfg, _us, nodes, index, ranked) in tuned.items():
+            best = None
+            for cand in [cfg] + [c for c in ranked[:top] if c != cfg]:
+                for n in nodes:
+                    _set(n, index, "config", cand)
+                gm.recompile()
+                try:
+                    t = timer(lambda: gm(*inputs))
+                except Exception:  # noqa: BLE001 - not a candidate here
+                    continue
+                if best is None or t < best[1]:
+                    best = (cand, t)
+            if best is None:
+                best = (cfg, None)
+            for n in nodes:
+                _set(n, index, "config", best[0])
+            gm.recompile()
+            out[key] = best
+            if log and best[0] != cfg:
+                log(f"decode: in the whole step GEMV {key} runs fastest with {'x'.join(map(str, best[0]))} "
+                    f"({best[1]:.1f} us per step)")
+    finally:
+        with torch.no_grad():
+            for c, v in zip(caches, saved):
+                c[:, :, pos].copy_(v)
     return out
 
 
