@@ -452,3 +452,14 @@ def test_fused_nodes_sit_in_the_module_that_holds_their_whole_region(captured):
             paths = [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()]
             assert not any(p.endswith("norm") for p in paths), (n.name, paths)
     _same_decode(prog, new)
+
+
+@pytest.mark.slow
+def test_lowered_kernel_hooks_compile_for_sm90():
+    """The Triton interpreter is lenient about types; the real compiler is not: every hook only the lowered step
+    launches compiles for sm_90 (no GPU needed), the weight streams with 16-byte loads."""
+    from tkcc.kernels.aot import compile_all, lowered_variants
+
+    rows = compile_all(90, which=lowered_variants())
+    assert len(rows) == len(lowered_variants())
+    assert all(r["wide_loads"] > 0 for r in rows if r["kernel"] in ("gemv_kernel", "attn_rope_kernel")), rows
