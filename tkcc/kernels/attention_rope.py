@@ -120,3 +120,52 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         else:
             combine(po, plse, out, seqlen, chunk, splits, pdl)
     return out
+
+
+_SMEM: dict[tuple, int] = {}  # compile facts: (arch, G, D, qk_norm, block_s, warps, pdl) -> bytes (deterministic)
+
+
+def shared_memory(arch: int, G: int, D: int, qk_norm: bool, block_s: int, num_warps: int, pdl: bool = True) -> int:
+    """Shared memory (bytes) one program of the kernel needs at this tile and head shape, compiled for
+    ``sm_<arch>`` ahead of time (no GPU needed) with the JIT's specialisation (pointers and strides
+    16-divisible): software pipelining of the cache loads is what makes large tiles large (256x8 at head
+    dim 128: 274,432 B, more than an H200 gives a block)."""
+    key = (arch, G, D, qk_norm, block_s, num_warps, pdl)
+    if key in _SMEM:
+        return _SMEM[key]
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = load("attention_rope.py.jinja", pdl=pdl).attn_rope_kernel
+    P = "*bf16"
+    sig = {"qkv_ptr": P, "k_ptr": P, "v_ptr": P, "out_ptr": P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
+           "count_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "qn_ptr": P, "kn_ptr": P, "eps": "fp32",
+           "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "S_MAX": "i32",
+           "SPLITS": "i32", "HQ": "i32", "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr",
+           "HALF": "constexpr", "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr",
+           "SINGLE": "constexpr", "BLOCK_SP": "constexpr", "MERGE": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n in ("stride_kh", "stride_ks", "chunk")}
+    consts = dict(G=G, G_PAD=max(16, next_pow2(G)), D=D, HALF=D // 2, BLOCK_S=block_s, BLOCK_Q=2048,
+                  QK_NORM=qk_norm, SINGLE=False, BLOCK_SP=16, MERGE=True)
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    _SMEM[key] = int(k.metadata.shared)
+    return _SMEM[key]
+
+
+def device_limits(device) -> tuple[int, int] | None:
+    """(architecture, shared memory per block) of a CUDA device, None off CUDA (the interpreter has no limit)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    p = torch.cuda.get_device_properties(dev)
+    major, minor = torch.cuda.get_device_capability(dev)
+    return major * 10 + minor, int(getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block)
+
+
+def tile_fits(device, G: int, D: int, qk_norm: bool, block_s: int, num_warps: int) -> bool:
+    """Whether ``device`` can run the kernel at this tile (always off CUDA)."""
+    limits = device_limits(device)
+    return limits is None or shared_memory(limits[0], G, D, qk_norm, block_s, num_warps) <= limits[1]

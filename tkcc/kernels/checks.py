@@ -256,12 +256,16 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
     attention's combine launch: shapes with 4, 20, 5, 1 and 33 splits) against rope_ref then attention_ref.
     Cache positions from pos on are NaN before the launch (pos must be written, never read; later ones
     never touched); two launches in a row (the self-resetting per-head counters)."""
-    from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref
+    from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref, tile_fits
 
     rows = []
     for j, (hq, hkv, D, S, pos, chunk) in enumerate(shapes):
         for norm in (False, True):
             bs, nw = _attn_tile(2 * j + norm)
+            i = 2 * j + norm
+            while not tile_fits(device, hq // hkv, D, norm, bs, nw):  # a tile the device cannot run: the next
+                i += 1
+                bs, nw = _attn_tile(i)
             qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
             inv_freq = _inv_freq(D, device)
             qn = _rand(hq * D, device=device, dtype=dtype, g=g) if norm else None

@@ -28,8 +28,6 @@ GEMV_CONFIGS = ["auto", "4x512x4", "8x512x4", "16x256x4", "2x1024x4", "4x1024x8"
 # reference models' (llama-1b-16l: 4 x 64; olmoe-16l: 1 x 128 with norms) and 8 x 128 (GQA-8 models)
 DEVICE_SHAPES = ((4, 64, False), (1, 128, True), (8, 128, False))
 
-_SMEM: dict[tuple, int] = {}  # compile facts: (arch, G, D, qk_norm, tile, pdl) -> bytes (deterministic)
-
 
 def parse_tile(tile: str) -> tuple[int, int]:
     from tkcc.errors import PlanError
@@ -52,47 +50,18 @@ def parse_gemv(cfg: str) -> tuple[int, int, int] | None:
 
 
 def attention_smem(arch: int, G: int, D: int, qk_norm: bool, tile: str, pdl: bool = True) -> int:
-    """Shared memory (bytes) of the fused attention kernel at this tile and head shape, compiled for
-    ``sm_<arch>`` with the JIT's specialisation (pointers and strides 16-divisible)."""
-    key = (arch, G, D, qk_norm, tile, pdl)
-    if key in _SMEM:
-        return _SMEM[key]
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from tkcc.kernels.render import load
-    from tkcc.kernels.common import next_pow2
+    """Shared memory (bytes) of the fused attention at this tile and head shape on ``sm_<arch>``."""
+    from tkcc.kernels.attention_rope import shared_memory
 
     bs, nw = parse_tile(tile)
-    fn = load("attention_rope.py.jinja", pdl=pdl).attn_rope_kernel
-    P = "*bf16"
-    sig = {"qkv_ptr": P, "k_ptr": P, "v_ptr": P, "out_ptr": P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
-           "count_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "qn_ptr": P, "kn_ptr": P, "eps": "fp32",
-           "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "S_MAX": "i32",
-           "SPLITS": "i32", "HQ": "i32", "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr",
-           "HALF": "constexpr", "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr",
-           "SINGLE": "constexpr", "BLOCK_SP": "constexpr", "MERGE": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-             if sig[n].startswith("*") or n in ("stride_kh", "stride_ks", "chunk")}
-    consts = dict(G=G, G_PAD=max(16, next_pow2(G)), D=D, HALF=D // 2, BLOCK_S=bs, BLOCK_Q=2048, QK_NORM=qk_norm,
-                  SINGLE=False, BLOCK_SP=16, MERGE=True)
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", arch, 32), options={"num_warps": nw})
-    _SMEM[key] = int(k.metadata.shared)
-    return _SMEM[key]
+    return shared_memory(arch, G, D, qk_norm, bs, nw, pdl)
 
 
 def device_limits(device) -> tuple[int, int] | None:
     """(architecture, shared memory per block) of a CUDA device, None off CUDA (the interpreter has no limit)."""
-    import torch
+    from tkcc.kernels.attention_rope import device_limits as limits
 
-    dev = torch.device(device)
-    if dev.type != "cuda" or not torch.cuda.is_available():
-        return None
-    p = torch.cuda.get_device_properties(dev)
-    major, minor = torch.cuda.get_device_capability(dev)
-    return major * 10 + minor, int(getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block)
+    return limits(device)
 
 
 def pruned_tiles(limits: tuple[int, int] | None, shapes) -> dict[str, str]:
