@@ -174,6 +174,27 @@ def test_shared_expert_moe_lowers_per_region():
     _same_decode(prog, new)
 
 
+def test_deepseek_v3_moe_block_lowers():
+    """Hugging Face's own DeepSeek-V3 MoE block (its attention, MLA, is not captured yet): the sigmoid router
+    with bias-corrected grouped top-k and the routed experts become one tkcc.moe, the shared experts a gated
+    GEMV and a down GEMV whose residual epilogue adds the routed output; bit-exact off the kernel path."""
+    from tkcc.passes.lower.checks import _capture, deepseek_moe_block
+    from tkcc.passes.lower.decode import lower
+
+    g = torch.Generator().manual_seed(0)
+    m = deepseek_moe_block(g=g)
+    gm = _capture(m, (torch.randn(1, 1, 64),))
+    lower(gm, torch.float32, {"pdl": False, "attention_layout": None, "gemv_configs": {}})
+    ops = _ops(gm)
+    assert ops["tkcc.moe.default"] == 1 and ops["tkcc.gemv.default"] == 2, ops
+    assert not {k for k in ops if not k.startswith("tkcc.") and k not in ("aten.view.default",
+                                                                           "<built-in function getitem>")}, ops
+    for _ in range(3):
+        x = torch.randn(1, 1, 64, generator=g)
+        with torch.no_grad():
+            assert torch.equal(m(x), gm(x))
+
+
 def test_sliding_window_attention_is_fused():
     """Mistral with a sliding window (a config built here: no registry model has one): the sliding mask is
     recognised and the window goes into the fused attention; bit-exact off the kernel path."""

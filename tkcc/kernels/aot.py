@@ -155,6 +155,10 @@ def lowered_variants():
         if x[2] == "router_topk_kernel" and not x[4]["FORCED"] and x[4]["FULL_K"]:
             out.append((x[0], dict(pdl=True, norm=False), x[2], x[3], x[4]))
             out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
+            out.append((x[0], dict(pdl=True, norm=False, grouped=True), x[2],
+                        {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "scaling": "fp32", "NG": "constexpr",
+                         "NG_PAD": "constexpr", "TOPK_GROUP": "constexpr"},
+                        dict(x[4], NG=8, NG_PAD=8, TOPK_GROUP=4, NORM_TOPK=True)))
         if x[2] == "moe_down_routed_kernel" and x[4]["FULL_K"]:
             out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
             break

@@ -181,11 +181,14 @@ def pack_rows(weights: list[Tensor]) -> Tensor:
         return torch.cat([w.detach() for w in weights], 0)
 
 
-ROUTERS = ("softmax", "softmax_fp32")  # OLMoE / Qwen3-MoE: weights rounded to the dtype; Mixtral: kept fp32
+# OLMoE / Qwen3-MoE: softmax, weights rounded to the dtype; Mixtral: kept fp32; DeepSeek-V3: sigmoid scores,
+# bias-corrected grouped top-k, scaled fp32 weights
+ROUTERS = ("softmax", "softmax_fp32", "sigmoid_grouped")
 
 
 def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
-            top_k: int, norm_topk: bool, residual: bool, router: str = "softmax") -> Tensor:
+            top_k: int, norm_topk: bool, residual: bool, router: str = "softmax", router_bias: Optional[Tensor] = None,
+            n_group: int = 1, topk_group: int = 1, scaling: float = 1.0) -> Tensor:
     """A sparse-MoE block for tokens h [B, T, H] as OLMoE / Qwen3-MoE / Mixtral write it, with transformers'
     ``batched_mm`` experts: [RMSNorm] -> router logits -> softmax (fp32) -> top-k [-> renormalised] [->
     rounded to the dtype (``router="softmax"``; Mixtral's ``"softmax_fp32"`` keeps them fp32)] -> each token's
@@ -193,13 +196,17 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
     x = rms_norm_ref(h, norm_weight, eps) if norm_weight is not None else h
     H = x.shape[-1]
     xs = x.view(-1, H)
-    logits = F.linear(xs.reshape(-1, H), router_w)
-    probs = F.softmax(logits, dtype=torch.float, dim=-1) if router == "softmax" else F.softmax(logits.float(), dim=-1)
-    w, ids = torch.topk(probs, top_k, dim=-1)
-    if norm_topk:
-        w = w / w.sum(dim=-1, keepdim=True)
-    if router == "softmax":
-        w = w.to(logits.dtype)
+    if router == "sigmoid_grouped":
+        w, ids = _grouped_router(xs, router_w, router_bias, top_k, n_group, topk_group, norm_topk, scaling)
+    else:
+        logits = F.linear(xs.reshape(-1, H), router_w)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1) if router == "softmax" else \
+            F.softmax(logits.float(), dim=-1)
+        w, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        if router == "softmax":
+            w = w.to(logits.dtype)
     sel = xs.repeat_interleave(top_k, dim=0)
     sw = w.reshape(-1)
     eid = ids.reshape(-1).clamp(0, gate_up.shape[0] - 1)
@@ -408,7 +415,28 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="softmax") -> str | None:
+def _grouped_router(xs, router_w, bias, top_k, n_group, topk_group, norm_topk, scaling):
+    """DeepSeek-V3's ``DeepseekV3TopkRouter``: fp32 logits, sigmoid, the choice on scores + bias within the best
+    ``topk_group`` of ``n_group`` groups (by the sum of their two best), weights from the scores."""
+    E = router_w.shape[0]
+    logits = F.linear(xs.type(torch.float32), router_w.type(torch.float32))
+    scores = logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    if norm_topk:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling, ids
+
+
+def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="softmax", router_bias=None,
+               n_group=1, topk_group=1) -> str | None:
     """None when the routed-MoE kernels take this call, else why not."""
     reason = fallback_reason(h, norm_weight, router_w, gate_up, down)
     if reason is not None:
@@ -423,6 +451,9 @@ def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="so
                 f"{tuple(down.shape)}, {tuple(router_w.shape)}")
     if router not in ROUTERS:
         return f"router {router!r} has no kernel (kernels: {ROUTERS})"
+    if router == "sigmoid_grouped" and (router_bias is None or router_bias.numel() != E or n_group < 1
+                                        or E % n_group or E // n_group < 2 or not 1 <= topk_group <= n_group):
+        return f"grouped router over {E} experts in {n_group} groups (top {topk_group}) with bias {router_bias is not None}"
     if not 1 <= top_k <= E or count.numel() < 1 or count.dtype != torch.int32:
         return f"top-{top_k} of {E} experts, counter {tuple(count.shape)} {count.dtype}"
     return None
@@ -431,12 +462,14 @@ def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="so
 @torch.library.custom_op(f"{NS}::moe", mutates_args=("count",))
 def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
         top_k: int, norm_topk: bool, residual: bool, count: Tensor, configs: Optional[list[int]] = None,
-        pdl: bool = False, router: str = "softmax") -> Tensor:
+        pdl: bool = False, router: str = "softmax", router_bias: Optional[Tensor] = None, n_group: int = 1,
+        topk_group: int = 1, scaling: float = 1.0) -> Tensor:
     """``moe_ref`` as three launches (``tkcc.kernels.moe_routed``): the router GEMV with the norm prologue whose
     last program picks the top-k (softmax, renormalisation) once; gate_up over the k selected experts only
     (silu(g) * u); down weighted over them, plus the residual. ``configs``: (BLOCK_N, warps) of router,
     gate_up and down (6 ints), None for the kernels' defaults."""
-    reason = moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router)
+    reason = moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router, router_bias, n_group,
+                        topk_group)
     if reason is None:
         from tkcc.kernels import moe_routed as mr
         from tkcc.kernels.common import interpreting
@@ -449,21 +482,25 @@ def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, 
             rc = gc = dc = mr.INTERP
         else:
             rc, gc, dc = mr.ROUTER_CONFIGS[0], mr.GATE_UP_CONFIGS[0], mr.DOWN_CONFIGS[0]
-        scratch = (torch.empty(E, device=dev, dtype=dt), torch.empty(top_k, device=dev, dtype=torch.int32),
+        grouped = (router_bias, n_group, topk_group, scaling) if router == "sigmoid_grouped" else None
+        logits_dt = torch.float32 if grouped else dt  # DeepSeek's logits are fp32 throughout
+        scratch = (torch.empty(E, device=dev, dtype=logits_dt), torch.empty(top_k, device=dev, dtype=torch.int32),
                    torch.empty(top_k, device=dev, dtype=torch.float32), torch.empty(H, device=dev, dtype=dt),
                    torch.empty(top_k, I2 // 2, device=dev, dtype=dt), count)
         x = h.contiguous().view(-1)
         out = torch.empty(H, device=dev, dtype=dt)
         mr.launch(x, router_w, gate_up, down, top_k, norm_topk, x if residual else None, norm_weight, eps, out,
-                  scratch, rc, gc, dc, pdl=pdl and _pdl_ok(dev), fp32_weights=router == "softmax_fp32")
+                  scratch, rc, gc, dc, pdl=pdl and _pdl_ok(dev), fp32_weights=router == "softmax_fp32",
+                  grouped=grouped)
         return out.view(h.shape)
     note_fallback("tkcc.moe", reason)
-    return moe_ref(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, router)
+    return moe_ref(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, router, router_bias,
+                   n_group, topk_group, scaling)
 
 
 @moe.register_fake
 def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, count, configs=None, pdl=False,
-      router="softmax"):
+      router="softmax", router_bias=None, n_group=1, topk_group=1, scaling=1.0):
     return torch.empty_like(h)
 
 

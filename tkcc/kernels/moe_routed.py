@@ -95,16 +95,24 @@ class RoutedMoE:
 
 
 def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, out, scratch, rc, gc, dc,
-           pdl=False, forced_ids=None, fp32_weights=False):
+           pdl=False, forced_ids=None, fp32_weights=False, grouped=None):
     """The three launches on caller-owned scratch ``(logits [E], ids [k] int32, wts [k] fp32, xn [H], act [k, I],
     count [1] int32)``: all but ``count`` may hold anything (each is written before it is read); ``count``
     starts at zero and is left at zero. ``rc``/``gc``/``dc``: (BLOCK_N, warps) of router, gate_up, down.
     ``norm_w`` None: ``x`` is normed already. ``fp32_weights``: the routing weights are not rounded to the activations' dtype (Mixtral's router), and
-    the weighted sum over the experts is taken in fp32."""
+    the weighted sum over the experts is taken in fp32. ``grouped=(bias, n_group, topk_group, scaling)``:
+    DeepSeek-V3's router (sigmoid scores, bias-corrected grouped top-k, scaled fp32 weights; the logits
+    scratch must then be fp32)."""
     logits, ids, wts, xn, act, count = scratch
     E, I2, H = gate_up.shape
     I = I2 // 2
-    mod = load("moe_routed.py.jinja", pdl=pdl, fp32_weights=fp32_weights, norm=norm_w is not None)
+    mod = load("moe_routed.py.jinja", pdl=pdl, fp32_weights=fp32_weights, norm=norm_w is not None,
+               grouped=grouped is not None)
+    extra = {}
+    if grouped is not None:
+        bias, n_group, topk_group, scaling = grouped
+        extra = dict(bias_ptr=bias, scaling=float(scaling), NG=int(n_group), NG_PAD=max(2, next_pow2(n_group)),
+                     TOPK_GROUP=int(topk_group))
     launch_kw = {"launch_pdl": True} if pdl else {}
     K_PAD = max(2, next_pow2(k))
     bn, nw = rc
@@ -113,7 +121,7 @@ def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps,
         x, norm_w if norm_w is not None else x, router_w, logits, forced_ids if forced_ids is not None else ids, ids, wts,
         xn, count, E, H, router_w.stride(0), eps, BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD,
         E_PAD=max(16, next_pow2(E)), NORM_TOPK=bool(norm_topk_prob), FORCED=forced_ids is not None,
-        FULL_K=bk >= H, num_warps=nw, **launch_kw)
+        FULL_K=bk >= H, num_warps=nw, **extra, **launch_kw)
     bn, nw = gc
     bk = _block_k(2 * bn, H)
     mod.moe_gate_up_routed_kernel[(triton.cdiv(I, bn), k)](

@@ -222,6 +222,7 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
         name = f"moe[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if norm_topk else ''}{'+residual' * residual}]"
         rows += run_case(name, Region(fn, t), lambda H=H: (_rand((1, 1, H), g, device, dtype),), "tkcc.moe.default",
                          False, dtype)
+    rows += check_deepseek_moe(device, dtype, g)
     for E, H, I, k in shapes[:2]:  # the routed experts of a normed input (a block with a shared expert)
         t = {"router": _rand((E, H), g, device, dtype, H ** -0.5),
              "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
@@ -229,6 +230,34 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
         rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, routed experts of a normed input]",
                          Region(lambda s, xs, k=k: moe.routed(xs, s.router, s.gate_up, s.down, top_k=k), t),
                          lambda H=H: (_rand((1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
+    return rows
+
+
+def deepseek_moe_block(E=16, H=64, I=32, k=4, n_group=4, topk_group=2, norm_topk=True, dtype=torch.float32,
+                       device="cpu", g=None):
+    """Hugging Face's own DeepSeek-V3 MoE block (sigmoid router with bias-corrected grouped top-k, routed and
+    shared experts), random weights and correction bias."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = transformers.DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
+                                        num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+                                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=norm_topk)
+    cfg._experts_implementation = "batched_mm"
+    m = DeepseekV3MoE(cfg).eval()
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * prm.shape[-1] ** -0.5)
+        m.gate.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
+    return m.to(device=device, dtype=dtype)
+
+
+def check_deepseek_moe(device, dtype, g, shapes=((16, 64, 32, 4, 4, 2), (32, 48, 16, 6, 8, 3))):
+    rows = []
+    for (E, H, I, k, ng, tg), renorm in zip(shapes, (True, False)):
+        m = deepseek_moe_block(E, H, I, k, ng, tg, renorm, dtype, device, g)
+        rows += run_case(f"moe[DeepSeek-V3 block: E={E} top-{k} of {tg}/{ng} groups{', renorm' if renorm else ''}]", m,
+                         lambda H=H: (_rand((1, 1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
     return rows
 
 

@@ -6,7 +6,9 @@ the residual add after it. It becomes ``tkcc.moe``: the router GEMV whose last p
 once, then gate_up and down over the k selected experts only (every other expert's bytes stay unread),
 with the residual in the down kernel's epilogue. Variants: renormalised top-k or not; routing weights
 rounded to the model's dtype (OLMoE, Qwen3-MoE) or kept fp32 (Mixtral); the residual add in the region or
-after it (a block whose output meets a shared expert first).
+after it; the routed experts of an input normed already, whose norm also feeds a shared expert (Qwen2-MoE's
+softmax router; DeepSeek-V3's sigmoid router with bias-corrected grouped top-k and scaled weights). The
+shared experts themselves are ordinary gated MLPs, lowered by the projection rewrites.
 """
 from __future__ import annotations
 
@@ -132,6 +134,77 @@ def _rewrites():
     return out
 
 
+def _experts(xs, router_top_value, router_indices, gate_up, down, top_k):
+    """transformers' ``batched_mm_experts_forward`` (shared by the patterns)."""
+    hidden_dim = xs.shape[-1]
+    selected_hidden_states = xs.repeat_interleave(top_k, dim=0)
+    sample_weights = router_top_value.reshape(-1)
+    expert_ids = router_indices.reshape(-1)
+    expert_ids = expert_ids.clamp(0, gate_up.shape[0] - 1)
+    proj_out = torch.bmm(gate_up[expert_ids], selected_hidden_states.unsqueeze(-1)).squeeze(-1)
+    gate, up = proj_out.chunk(2, dim=-1)
+    proj_out = F.silu(gate) * up
+    proj_out = torch.bmm(down[expert_ids], proj_out.unsqueeze(-1)).squeeze(-1)
+    weighted_out = proj_out * sample_weights.unsqueeze(-1)
+    final = weighted_out.view(xs.shape[0], top_k, hidden_dim).sum(dim=1)
+    return final.to(xs.dtype)
+
+
+def _grouped_pattern(norm_topk: bool):
+    """DeepSeek-V3's routed experts (``DeepseekV3TopkRouter`` + the experts), on the normed input that its
+    shared experts also read: sigmoid scores of fp32 logits, the choice on scores plus the correction bias
+    within the best groups, weights from the scores [renormalised], times the routed scaling factor."""
+
+    def pattern(h, router_w, bias, gate_up, down, *, top_k, n_group, topk_group, scaling):
+        hidden_dim = h.shape[-1]
+        num_experts = router_w.shape[0]
+        hidden_states = h.view(-1, hidden_dim)
+        router_logits = F.linear(hidden_states.type(torch.float32), router_w.type(torch.float32))
+        scores = router_logits.sigmoid()
+        scores_for_choice = scores + bias
+        group_scores = (scores_for_choice.view(-1, n_group, num_experts // n_group).topk(2, dim=-1)[0]
+                        .sum(dim=-1))
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group)
+                      .reshape(-1, num_experts))
+        scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+        topk_indices = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_indices)
+        if norm_topk:
+            denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+            topk_weights /= denominator
+        topk_weights = topk_weights * scaling
+        xs = h.view(-1, hidden_dim)
+        return _experts(xs, topk_weights, topk_indices, gate_up, down, top_k).view(*h.shape)
+
+    def replacement(h, router_w, bias, gate_up, down, *, top_k, n_group, topk_group, scaling, count, configs, pdl):
+        return torch.ops.tkcc.moe(h, None, 1e-6, router_w, gate_up, down, top_k, norm_topk, False, count, configs,
+                                  pdl, "sigmoid_grouped", bias, n_group, topk_group, scaling)
+
+    return pattern, replacement
+
+
+def _grouped_example(dt):
+    E, H, I = 24, 48, 20  # 6 groups of 4
+    return ((torch.empty(1, 1, H, dtype=dt), torch.empty(E, H, dtype=dt), torch.empty(E, dtype=torch.float32),
+             torch.empty(E, 2 * I, H, dtype=dt), torch.empty(E, H, I, dtype=dt)),
+            {"top_k": TOP_K, "n_group": 6, "topk_group": 5, "scaling": 2.375})
+
+
+def _grouped_check(m) -> str | None:
+    h, r, b, gu, dn = (m.val(i) for i in range(5))
+    E, I2, H = gu.shape
+    if h.numel() != h.shape[-1]:
+        return f"h {tuple(h.shape)} is more than one token"
+    if tuple(r.shape) != (E, H) or tuple(dn.shape) != (E, H, I2 // 2) or tuple(b.shape) != (E,):
+        return f"router {tuple(r.shape)} / bias {tuple(b.shape)} / experts {tuple(gu.shape)} are not one MoE layout"
+    if not (gu.is_contiguous() and dn.is_contiguous() and r.stride(-1) == 1):
+        return "expert weights are not contiguous [E, 2I, H] / [E, H, I]"
+    return None
+
+
 def _routed_example(dt):
     E, H, I = 12, 48, 20
     return ((torch.empty(1, H, dtype=dt), torch.empty(E, H, dtype=dt), torch.empty(E, 2 * I, H, dtype=dt),
@@ -139,5 +212,8 @@ def _routed_example(dt):
 
 
 REWRITES = _rewrites() + [
+    Rewrite(f"moe[sigmoid grouped top-k{'+renorm' if renorm else ''}, routed experts of a normed input]",
+            *_grouped_pattern(renorm), _grouped_example, region="moe", check=_grouped_check, params=_params)
+    for renorm in (True, False)] + [
     Rewrite("moe[routed experts of a normed input]", routed, _routed_replacement, _routed_example, region="moe",
             check=_routed_check, params=_params)]
