@@ -550,6 +550,20 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
     return rows, notes
 
 
+def lowered_vs_fused(rows) -> list[dict]:
+    """Per model and context: the graph-lowered step's ms/token over each FusedDecoder variant's measured in
+    the same run (< 1.02 meets the goal of being within 2% of the path it replaces)."""
+    out = []
+    by = {(r["model"], r["variant"], r["routing"], r["context"]): r["ms_per_token"] for r in rows}
+    for (m, v, routing, c), ms in sorted(by.items()):
+        if v != "lowered":
+            continue
+        ratios = {f: round(ms / by[(m, f, routing, c)], 4) for f in ("tkcc_frontdoor", "tkcc_v3", "tkcc_v4", "tkcc")
+                  if (m, f, routing, c) in by}
+        out.append(dict(model=m, context=c, routing=routing, lowered_ms=ms, ratio_vs=ratios))
+    return out
+
+
 def objective_rows(rows, model_names):
     """P90 per-user decode tokens/s on two real traces from each variant's measured ms/token curve."""
     from tkcc.traffic.loaders import bundled_trace, load_trace
@@ -664,7 +678,7 @@ def merged_objective(main_files: list[str], compile_files: list[str]) -> dict:
             mine = [o for o in obj if o["model"] == m and o["trace"] == trace and o["p90_decode_tokens_per_s"]]
             comp = [o for o in mine if o["variant"].startswith("hf_compile")]
             for routing in ("router", "real"):
-                tk = [o for o in mine if o["variant"].startswith("tkcc") and o["routing"] == routing]
+                tk = [o for o in mine if o["variant"].startswith(("tkcc", "lowered")) and o["routing"] == routing]
                 if comp and tk:
                     best = max(tk, key=lambda o: o["p90_decode_tokens_per_s"])
                     c = comp[0]["p90_decode_tokens_per_s"]
@@ -832,6 +846,10 @@ def main(argv=None):
         save()
         models[name] = model
         peak_reset()
+    result["lowered_vs_fused"] = lowered_vs_fused(result["rows"])
+    for r in result["lowered_vs_fused"]:
+        log(f"{r['model']} ctx={r['context']}: lowered {r['lowered_ms']:.3f} ms/token, ratio vs " +
+            ", ".join(f"{k} {v:.3f}" for k, v in r["ratio_vs"].items()))
     objective()
     # phase 2: HF static cache + torch.compile, last (minutes of compiling), within the deadline if one is set
     if a.compile:
