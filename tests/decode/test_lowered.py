@@ -355,15 +355,19 @@ def test_every_rewrite_matches_its_pattern_gpu_bf16(family):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["llama-tiny", "olmoe-tiny"])
 def test_lowered_decode_greedy_on_gpu_bf16(name, tmp_path):
-    """Through the front door: the lowered step (tuned, PDL, replayed from the decode CUDA graph) keeps the
-    captured graph's greedy tokens over 32 steps."""
+    """Through the front door: the lowered step (PDL, replayed from the decode CUDA graph; llama-tiny's configs
+    tuned on the device) keeps the captured graph's greedy tokens over 32 steps."""
     import tkcc
     from tkcc.frontend.generate import greedy
     from tkcc.frontend.models import build_model
 
     m = build_model(name, torch.bfloat16, "cuda", seed=4)
-    compiled = tkcc.compile(m, plan=[{"name": "lowered_decode"}], mode="tolerance", measure=False, max_cache_len=256,
-                            out_dir=tmp_path, progress=False)
+    plan = [{"name": "lowered_decode", "params": {"tune": name == "llama-tiny", "tune_context": 128}}]
+    compiled = tkcc.compile(m, plan=plan, mode="tolerance", measure=False, max_cache_len=256, out_dir=tmp_path,
+                            progress=False)
+    if name == "llama-tiny":  # tuned on the device: the picks are literals of the artifact's source
+        notes = [n for log in compiled.logs for n in log.notes]
+        assert any("tuned GEMV" in n for n in notes) and any("tuned attention" in n for n in notes), notes
     assert compiled.serves == "artifact"
     src = compiled.artifact.source("decode")
     assert "torch.ops.tkcc.attention_rope.default(" in src and "aten.scaled_dot_product_attention" not in src
