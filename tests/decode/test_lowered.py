@@ -490,3 +490,14 @@ def test_lowered_kernel_hooks_compile_for_sm90():
     rows = compile_all(90, which=lowered_variants())
     assert len(rows) == len(lowered_variants())
     assert all(r["wide_loads"] > 0 for r in rows if r["kernel"] in ("gemv_kernel", "attn_rope_kernel")), rows
+
+
+def test_the_space_is_the_ops_own_config_lists():
+    """The pass's values are spelled in its module (the registry loads without triton) but are the kernels' own."""
+    from tkcc.kernels import gemv
+    from tkcc.passes.lower import space
+    from tkcc.passes.lower.decode import LoweredDecode
+
+    assert LoweredDecode.params["gemv_config"] == ["auto"] + ["x".join(map(str, c)) for c in gemv.CONFIGS]
+    assert all(space.parse_tile(t) for t in LoweredDecode.params["attn_tile"])
+    assert [space.parse_gemv(c) for c in space.GEMV_CONFIGS[1:]] == [tuple(c) for c in gemv.CONFIGS]
