@@ -1,4 +1,5 @@
-"""Batch-1 decode on one GPU: HF eager, HF + torch.compile (optional), tkcc's fused path, and the floor.
+"""Batch-1 decode on one GPU: HF eager, HF + torch.compile (optional), tkcc's fused path, the graph-lowered step
+(variant ``lowered``: the lowered_decode pass through tkcc.compile), and the floor.
 
 For each model and context: ms/token (CUDA events, median of several runs of
 ``--tokens`` steps; the tkcc path replays one CUDA graph per step), the floor
@@ -449,6 +450,114 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
     return rows, notes
 
 
+# The front door's decode step (tkcc.compile with a plan, its forward replayed from the decode CUDA graph the
+# compiled model wraps it in), side by side with the FusedDecoder variants above: the graph-lowered step
+# (``lowered``: the lowered_decode pass, GEMV/MoE configs tuned and the attention layout tuned at the row's
+# context) and the FusedDecoder step as the decode_fused_step pass ships it (``tkcc_frontdoor``), both timed by
+# the same loop: the greedy loop's per-token work (argmax on the device, the decode forward, position + 1).
+FRONT_DOOR = {"lowered": lambda c: [{"name": "lowered_decode", "params": {"tune": True, "tune_context": _tune_at(c)}}],
+              "tkcc_frontdoor": lambda c: [{"name": "decode_fused_step"}]}
+
+
+def _tune_at(context: int) -> int:
+    from tkcc.passes.lower.decode import LoweredDecode
+
+    allowed = [v for v in LoweredDecode.params["tune_context"] if v]
+    return min(allowed, key=lambda v: abs(v - context))
+
+
+def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=None, on_rows=None):
+    """Rows of the front-door variants (``FRONT_DOOR``) at every context: the model's decode phase captured with
+    a cache of that context (as the FusedDecoder rows size theirs), each plan built by ``tkcc.compile``
+    (``measure=False``: this script does the timing), the cache filled with random K/V up to the context. A
+    variant whose first step's logits are off the captured graph's (rel. err. >= VARIANT_TOL), or that fails,
+    is dropped with its reason in notes["variant_fallbacks"]; the rows taken stand."""
+    import tempfile
+
+    import tkcc
+    from tkcc.frontend.capture import capture
+
+    want = [v for v in FRONT_DOOR if variants is None or v in variants]
+    rows, notes, failed = [], {}, {}
+    if not want:
+        return rows, notes
+    dev = next(model.parameters()).device
+    for c in contexts:
+        prog = capture(model, phases=["decode"], max_cache_len=c + tokens + 8)
+        prog.state.fill_random(c, torch.Generator(device=dev).manual_seed(c))
+        start_tok = torch.tensor([[11]], device=dev)
+        start_pos = torch.tensor([c], device=dev)
+        with torch.no_grad():
+            saved = [b[:, :, c].clone() for b in prog.state.buffers()]
+            ref = prog.graphs["decode"](start_tok, start_pos).float()
+            for b, v in zip(prog.state.buffers(), saved):
+                b[:, :, c].copy_(v)
+        for variant in want:
+            if variant in failed:
+                continue
+            before = peak_reset()
+            t0 = time.time()
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    compiled = tkcc.compile(model, program=prog, plan=FRONT_DOOR[variant](c), mode="tolerance",
+                                            measure=False, check=False, progress=False, out_dir=Path(tmp) / "c")
+                    build_s = time.time() - t0
+                    fwd = compiled.forwards["decode"]
+                    with torch.no_grad():
+                        got = fwd(start_tok, start_pos).float()
+                    for b, v in zip(prog.state.buffers(), saved):
+                        b[:, :, c].copy_(v)
+                    err = float((got - ref).norm() / ref.norm())
+                    notes.setdefault("first_step_logits_rel_err_vs_captured_graph", {})[f"{variant} ctx {c}"] = err
+                    if not (err < VARIANT_TOL):
+                        raise RuntimeError(f"first-step logits differ from the captured graph's (rel err {err:.3g})")
+
+                    def run(n, fwd=fwd):
+                        with torch.no_grad():
+                            tok, pos = start_tok, start_pos
+                            for _ in range(n):
+                                logits = fwd(tok, pos)
+                                tok = logits[:, -1].argmax(-1)[:, None]
+                                pos = pos + 1
+                    run(2)
+                    ms = time_steps(run, tokens, reps)
+                    logs = [log.summary() for log in compiled.logs] if compiled.logs else []
+                    plan_notes = [n for log in compiled.logs for n in getattr(log, "notes", [])]
+            except Exception as e:
+                failed[variant] = f"ctx {c}: {type(e).__name__}: {e}"
+                log(f"{name} {variant}: FAILED ({type(e).__name__}: {e}); dropped from this run")
+                peak_reset()
+                continue
+            rows.append(dict(model=name, context=c, routing="router", variant=variant, ms_per_token=ms,
+                             peak_mem_bytes=peak(model, before), peak_mem_bytes_raw=peak(), family=family,
+                             build_s=round(build_s, 1), plan=FRONT_DOOR[variant](c)))
+            notes.setdefault("front_door_pass_notes", {})[f"{variant} ctx {c}"] = plan_notes[-12:]
+            notes.setdefault("front_door_pass_logs", {})[f"{variant} ctx {c}"] = logs
+            log(f"{name} {variant} ctx={c}: {ms:.3f} ms/token (build {build_s:.0f}s)")
+            del compiled, fwd, run
+            if on_rows is not None:
+                on_rows(rows, notes)
+        del prog
+        peak_reset()
+    if failed:
+        notes["variant_fallbacks"] = failed
+    return rows, notes
+
+
+def lowered_vs_fused(rows) -> list[dict]:
+    """Per model and context: the graph-lowered step's ms/token over each FusedDecoder variant's measured in
+    the same run (< 1.02 meets the goal of being within 2% of the path it replaces)."""
+    out = []
+    by = {(r["model"], r["variant"], r["routing"], r["context"]): r["ms_per_token"] for r in rows}
+    for (m, v, routing, c), ms in sorted(by.items()):
+        if v != "lowered":
+            continue
+        ratios = {f: round(ms / by[(m, f, routing, c)], 4) for f in ("tkcc_frontdoor", "tkcc_v3", "tkcc_v4", "tkcc")
+                  if (m, f, routing, c) in by}
+        out.append(dict(model=m, context=c, routing=routing, lowered_ms=ms, ratio_vs=ratios))
+    return out
+
+
 def objective_rows(rows, model_names):
     """P90 per-user decode tokens/s on two real traces from each variant's measured ms/token curve."""
     from tkcc.traffic.loaders import bundled_trace, load_trace
@@ -563,7 +672,7 @@ def merged_objective(main_files: list[str], compile_files: list[str]) -> dict:
             mine = [o for o in obj if o["model"] == m and o["trace"] == trace and o["p90_decode_tokens_per_s"]]
             comp = [o for o in mine if o["variant"].startswith("hf_compile")]
             for routing in ("router", "real"):
-                tk = [o for o in mine if o["variant"].startswith("tkcc") and o["routing"] == routing]
+                tk = [o for o in mine if o["variant"].startswith(("tkcc", "lowered")) and o["routing"] == routing]
                 if comp and tk:
                     best = max(tk, key=lambda o: o["p90_decode_tokens_per_s"])
                     c = comp[0]["p90_decode_tokens_per_s"]
@@ -594,7 +703,8 @@ def main(argv=None):
                     help="whole run: torch.compile (run last) shares what is left of this many seconds between "
                          "the models, and is skipped past it (0: no deadline)")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="tkcc variants to run (default: all of " + ", ".join(v for v, _ in VARIANTS) + ")")
+                    help="tkcc variants to run (default: all of " + ", ".join([v for v, _ in VARIANTS] + list(FRONT_DOOR))
+                         + ")")
     ap.add_argument("--no-step-tune", action="store_true", help="skip FusedDecoder.tune_step (whole-step tuning)")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel-kind breakdown")
@@ -672,7 +782,7 @@ def main(argv=None):
     def finish(rows, name):
         for r in rows:
             r["floor_ms_per_token"] = floors[name].get(r["context"])
-            r.update(device=meta["device"], dtype=meta["dtype"], batch=1, phase="decode")
+            r.update(device=meta["device"], dtype=meta["dtype"], batch=1, phase="decode", family=get_spec(name).family)
 
     def objective():
         try:
@@ -717,8 +827,11 @@ def main(argv=None):
 
         r2, notes = tkcc_rows(model, name, contexts, tokens, a.reps, spec.is_moe, tune=CUDA, profile=not a.no_profile,
                               variants=a.variants, step_tune=not a.no_step_tune, on_rows=partial)
+        r3, fd_notes = frontdoor_rows(model, name, contexts, tokens, a.reps, a.variants, spec.family,
+                                      on_rows=lambda r, n, r2=r2: partial(r2 + r, notes))
+        notes["front_door"] = fd_notes
         result.pop("partial_rows", None)
-        rows += r2
+        rows += r2 + r3
         result["notes"][name] = notes
         rows.sort(key=lambda r: (r["variant"], r["routing"], r["context"]))
         rows += floor_rows(model, name, contexts, floors[name], wb)
@@ -727,6 +840,10 @@ def main(argv=None):
         save()
         models[name] = model
         peak_reset()
+    result["lowered_vs_fused"] = lowered_vs_fused(result["rows"])
+    for r in result["lowered_vs_fused"]:
+        log(f"{r['model']} ctx={r['context']}: lowered {r['lowered_ms']:.3f} ms/token, ratio vs " +
+            ", ".join(f"{k} {v:.3f}" for k, v in r["ratio_vs"].items()))
     objective()
     # phase 2: HF static cache + torch.compile, last (minutes of compiling), within the deadline if one is set
     if a.compile:

@@ -23,6 +23,11 @@ def test_decode_benchmark_smoke(tmp_path):
     assert rows and all(r["ms_per_token"] > 0 and r["context"] == 4 for r in rows)
     for key in ("model", "context", "routing", "variant", "ms_per_token", "floor_ms_per_token", "peak_mem_bytes"):
         assert all(key in r for r in res["rows"])
+    low = [r for r in res["rows"] if r["variant"] == "lowered"]  # the graph-lowered step, through tkcc.compile
+    assert low and all(r["ms_per_token"] > 0 and r["family"] == "llama" for r in low)
+    assert all(r.get("family") for r in res["rows"])
+    errs = res["notes"]["llama-tiny"]["front_door"]["first_step_logits_rel_err_vs_captured_graph"]
+    assert errs and all(v < 1e-4 for v in errs.values())
     g = res["greedy"]["llama-tiny"][0]["tkcc_vs_hf"]
     assert g["identical"] and g["logits_rel_err"] < 1e-4
     assert res["meta"]["torch"] and res["meta"]["command"]

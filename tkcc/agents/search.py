@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,9 +51,19 @@ class SearchSpace:
         if device is not None and not str(device).startswith("cuda"):
             space.params_override = {p.name: {"target": [v for v in p.params["target"] if v != "cuda"]}
                                      for p in chosen if "target" in p.params}
+        if device is not None:  # values a pass's kernels cannot run on this device, pruned (reason logged)
+            over = dict(space.params_override or {})
+            for p in chosen:
+                params, pruned = p.space(device)
+                if pruned:
+                    over[p.name] = {**over.get(p.name, {}), **{k: v for k, v in params.items()
+                                                               if v != p.params[k]}}
+                    space.pruned[p.name] = pruned
+            space.params_override = over or None
         return space
 
     params_override: dict = None  # pass name -> {param: allowed values}, narrowing a pass's own space
+    pruned: dict = field(default_factory=dict)  # pass name -> {"param=value": why the device cannot run it}
 
     def space_of(self, p: type[Pass]) -> dict:
         over = (self.params_override or {}).get(p.name, {})

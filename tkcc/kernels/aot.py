@@ -124,13 +124,54 @@ def _routed_variants(pdl):
     return v
 
 
-def compile_all(arch: int = 90, warp_size: int = 32, templates=None):
+def lowered_variants():
+    """The hooks only the lowered decode step (``tkcc.kernels.lowered``) launches: GEMV bias and GELU epilogues,
+    scaled rotary / per-head q/k norm / sliding window in the fused attention, the combine reading the position,
+    the routed MoE on an input normed already and with fp32 routing weights."""
+    out = []
+    base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
+            "stride_wn": "i32", "eps": "fp32"}
+    blocks = {"BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "FULL_K": "constexpr"}
+    for act, bias, pdl in (("silu", True, True), ("gelu", False, True), ("gelu_tanh", True, False)):
+        sig = {**base, **({"b_ptr": _P} if bias else {}), **blocks}
+        out.append(("gemv.py.jinja", dict(norm=True, gated=True, residual=False, pdl=pdl, gather=False, argmax=False,
+                                          bias=bias, act=act), "gemv_kernel", sig,
+                    dict(BLOCK_N=4, BLOCK_K=2048 if pdl else 512, EVEN_K=True, FULL_K=pdl)))
+    sig = {**base, "b_ptr": _P, "idx_ptr": "*i64", "xout_ptr": _P, "stride_x": "i32", **blocks}
+    out.append(("gemv.py.jinja", dict(norm=True, gated=False, residual=False, pdl=True, gather=True, argmax=False,
+                                      bias=True), "gemv_kernel", sig, dict(BLOCK_N=2, BLOCK_K=2048, EVEN_K=True,
+                                                                           FULL_K=True)))
+    rope = [x for x in _routed_variants(True) if x[2] == "attn_rope_kernel"][0]
+    for hooks, extra in ((dict(rope_scale=True), {"rope_scale": "fp32"}), (dict(head_norm=True), {}),
+                         (dict(window=True), {"window": "i32"})):
+        sig = {**rope[3], "pos_ptr": "*i64", **extra}
+        out.append(("attention_rope.py.jinja", dict(pdl=True, **hooks), "attn_rope_kernel", sig,
+                    dict(rope[4], QK_NORM="head_norm" in hooks, G=4, D=64, HALF=32)))
+    sig = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": _P, "seqlen_ptr": "*i64", "chunk": "i32",
+           "SPLITS": "i32", "D": "constexpr", "BLOCK_SP": "constexpr"}
+    out.append(("attention.py.jinja", dict(pdl=True, from_pos=True), "attn_combine_kernel", sig,
+                dict(D=128, BLOCK_SP=64)))
+    for x in _routed_variants(True):
+        if x[2] == "router_topk_kernel" and not x[4]["FORCED"] and x[4]["FULL_K"]:
+            out.append((x[0], dict(pdl=True, norm=False), x[2], x[3], x[4]))
+            out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
+            out.append((x[0], dict(pdl=True, norm=False, grouped=True), x[2],
+                        {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "scaling": "fp32", "NG": "constexpr",
+                         "NG_PAD": "constexpr", "TOPK_GROUP": "constexpr"},
+                        dict(x[4], NG=8, NG_PAD=8, TOPK_GROUP=4, NORM_TOPK=True)))
+        if x[2] == "moe_down_routed_kernel" and x[4]["FULL_K"]:
+            out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
+            break
+    return out
+
+
+def compile_all(arch: int = 90, warp_size: int = 32, templates=None, which=None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     rows = []
-    for tpl, hooks, kname, sig, consts in variants():
+    for tpl, hooks, kname, sig, consts in (which if which is not None else variants()):
         if templates and tpl not in templates:
             continue
         fn = getattr(load(tpl, **hooks), kname)

@@ -93,13 +93,15 @@ def attention(q, k_cache, v_cache, seqlen, scale=None, splits=None, chunk=None, 
     return out
 
 
-def combine(po, plse, out, seqlen, chunk: int, splits: int, pdl: bool | None = None):
+def combine(po, plse, out, seqlen, chunk: int, splits: int, pdl: bool | None = None, from_pos: bool = False):
     """Merge the split partials (po [Hq, splits, D] fp32, plse [Hq, splits]) into out [Hq, D], one program
     per head. All splits of a head in one tile (up to 256): the merge's loads are a few round trips to L2
-    rather than two per 16 splits, which at 32k context (128-256 splits) cost more than the partials."""
+    rather than two per 16 splits, which at 32k context (128-256 splits) cost more than the partials.
+    ``from_pos``: ``seqlen`` holds the position just written (the context is one more), as a decode graph's
+    ``cache_position`` does, so no launch computes the length."""
     Hq, D = out.shape
     pdl = launch_pdl(pdl)
     bsp = min(256, max(2, next_pow2(splits)))
-    load("attention.py.jinja", pdl=pdl).attn_combine_kernel[(Hq,)](
+    load("attention.py.jinja", pdl=pdl, from_pos=from_pos).attn_combine_kernel[(Hq,)](
         po, plse, out, seqlen, chunk, splits, D=D, BLOCK_SP=bsp, num_warps=8 if bsp * D >= 8192 else 4,
         **({"launch_pdl": True} if pdl else {}))

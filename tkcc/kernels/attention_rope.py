@@ -88,18 +88,90 @@ class AttentionRope:
             return out
         if out is None:
             out = torch.empty(hq, D, device=qkv.device, dtype=qkv.dtype)
-        G = hq // hkv
-        qk_norm = q_norm is not None
-        pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
-        mod = load("attention_rope.py.jinja", pdl=pdl)
-        mod.attn_rope_kernel[(hkv, self.splits)](
-            qkv, k_cache, v_cache, out, self.po, self.plse, self.count, pos, inv_freq,
-            q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, self.chunk,
-            k_cache.stride(0), k_cache.stride(1), S_max, self.splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
-            HALF=D // 2, BLOCK_S=block_s or self.block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
-            SINGLE=self.splits == 1, BLOCK_SP=min(16, max(2, next_pow2(self.splits))), MERGE=self.merge,
-            num_warps=num_warps or self.num_warps, **({"launch_pdl": True} if pdl else {}))
-        if self.splits > 1 and not self.merge:
-            seqlen = seqlen if seqlen is not None else pos.to(torch.int32) + 1
-            combine(self.po, self.plse, out, seqlen, self.chunk, self.splits, pdl)
-        return out
+        return launch(qkv, k_cache, v_cache, pos, inv_freq, out, self.po, self.plse, self.count, hq=hq, hkv=hkv,
+                      chunk=self.chunk, splits=self.splits, q_norm=q_norm, k_norm=k_norm, eps=eps, scale=scale,
+                      pdl=pdl, seqlen=seqlen, block_s=block_s or self.block_s,
+                      num_warps=num_warps or self.num_warps)
+
+
+def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
+           k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
+           head_norm=False, window=0):
+    """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
+    any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
+    with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
+    ``rope_scale``: cos and sin times this factor (scaled rotary), None for none. ``head_norm``: the q/k norms
+    are per head (weights [D], Qwen3), not over the whole projection (OLMoE). ``window``: a sliding window
+    of that many positions (the current one included), 0 for none."""
+    pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
+    D = k_cache.shape[-1]
+    S_max = k_cache.shape[1]
+    G = hq // hkv
+    qk_norm = q_norm is not None
+    merge = splits <= MERGE_MAX_SPLITS
+    mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
+               window=bool(window))
+    mod.attn_rope_kernel[(hkv, splits)](
+        qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
+        q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
+        k_cache.stride(0), k_cache.stride(1), S_max, splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
+        HALF=D // 2, BLOCK_S=block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
+        SINGLE=splits == 1, BLOCK_SP=min(16, max(2, next_pow2(splits))), MERGE=merge,
+        num_warps=num_warps, **({"rope_scale": float(rope_scale)} if rope_scale is not None else {}),
+        **({"window": int(window)} if window else {}),
+        **({"launch_pdl": True} if pdl else {}))
+    if splits > 1 and not merge:
+        if seqlen is None:
+            combine(po, plse, out, pos, chunk, splits, pdl, from_pos=True)
+        else:
+            combine(po, plse, out, seqlen, chunk, splits, pdl)
+    return out
+
+
+_SMEM: dict[tuple, int] = {}  # compile facts: (arch, G, D, qk_norm, block_s, warps, pdl) -> bytes (deterministic)
+
+
+def shared_memory(arch: int, G: int, D: int, qk_norm: bool, block_s: int, num_warps: int, pdl: bool = True) -> int:
+    """Shared memory (bytes) one program of the kernel needs at this tile and head shape, compiled for
+    ``sm_<arch>`` ahead of time (no GPU needed) with the JIT's specialisation (pointers and strides
+    16-divisible): software pipelining of the cache loads is what makes large tiles large (256x8 at head
+    dim 128: 274,432 B, more than an H200 gives a block)."""
+    key = (arch, G, D, qk_norm, block_s, num_warps, pdl)
+    if key in _SMEM:
+        return _SMEM[key]
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = load("attention_rope.py.jinja", pdl=pdl).attn_rope_kernel
+    P = "*bf16"
+    sig = {"qkv_ptr": P, "k_ptr": P, "v_ptr": P, "out_ptr": P, "po_ptr": "*fp32", "plse_ptr": "*fp32",
+           "count_ptr": "*i32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "qn_ptr": P, "kn_ptr": P, "eps": "fp32",
+           "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "S_MAX": "i32",
+           "SPLITS": "i32", "HQ": "i32", "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr",
+           "HALF": "constexpr", "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr",
+           "SINGLE": "constexpr", "BLOCK_SP": "constexpr", "MERGE": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n in ("stride_kh", "stride_ks", "chunk")}
+    consts = dict(G=G, G_PAD=max(16, next_pow2(G)), D=D, HALF=D // 2, BLOCK_S=block_s, BLOCK_Q=2048,
+                  QK_NORM=qk_norm, SINGLE=False, BLOCK_SP=16, MERGE=True)
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    _SMEM[key] = int(k.metadata.shared)
+    return _SMEM[key]
+
+
+def device_limits(device) -> tuple[int, int] | None:
+    """(architecture, shared memory per block) of a CUDA device, None off CUDA (the interpreter has no limit)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    p = torch.cuda.get_device_properties(dev)
+    major, minor = torch.cuda.get_device_capability(dev)
+    return major * 10 + minor, int(getattr(p, "shared_memory_per_block_optin", 0) or p.shared_memory_per_block)
+
+
+def tile_fits(device, G: int, D: int, qk_norm: bool, block_s: int, num_warps: int) -> bool:
+    """Whether ``device`` can run the kernel at this tile (always off CUDA)."""
+    limits = device_limits(device)
+    return limits is None or shared_memory(limits[0], G, D, qk_norm, block_s, num_warps) <= limits[1]

@@ -261,12 +261,16 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
     never touched); two launches in a row (the self-resetting per-head counters). A 7th number is the span
     the layout is built for, shorter than the context: its last split takes the positions past the grid
     (2 splits over 250 positions, 3 over 599 with the in-kernel merge, one split of a 64-position span)."""
-    from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref
+    from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref, tile_fits
 
     rows = []
     for j, (hq, hkv, D, S, pos, chunk, *span) in enumerate(shapes):
         for norm in (False, True):
             bs, nw = _attn_tile(2 * j + norm)
+            i = 2 * j + norm
+            while not tile_fits(device, hq // hkv, D, norm, bs, nw):  # a tile the device cannot run: the next
+                i += 1
+                bs, nw = _attn_tile(i)
             qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
             inv_freq = _inv_freq(D, device)
             qn = _rand(hq * D, device=device, dtype=dtype, g=g) if norm else None

@@ -1,7 +1,7 @@
 """Batch-1 linear layers (GEMV): y = W x, reading each weight byte once.
 
 Variants (jinja hooks of ``gemv.py.jinja``): RMSNorm prologue (the norm before
-a projection costs no extra launch), gated epilogue (``silu(g) * u`` from a
+a projection costs no extra launch), bias, gated epilogue (``silu(g) * u`` from a
 fused [gate; up] weight), residual epilogue (``r + W x``); for the decode step's
 two ends, a gather prologue (x is a row of a table: the token's embedding) and
 an argmax epilogue (next token, position + 1). The reference beside it is the
@@ -26,14 +26,17 @@ TUNED: dict[tuple, tuple] = {}
 INTERP_CONFIG = (64, 128, 4)
 
 
-def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False):
-    """Plain PyTorch: [rmsnorm] -> linear -> [silu(g)*u] -> [+ residual]."""
+ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
+def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu"):
+    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u] -> [+ residual]."""
     if norm_w is not None:
         x = rms_ref(x, norm_w, eps)
-    y = F.linear(x, w)
+    y = F.linear(x, w, bias)
     if gated:
         g, u = y.chunk(2, dim=-1)
-        y = F.silu(g) * u
+        y = ACTS[act](g) * u
     if residual is not None:
         y = residual + y
     return y
@@ -67,7 +70,7 @@ def _ends_ref(x, y, gather, argmax):
 
 
 def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=None, gather=None,
-         argmax=None):
+         argmax=None, bias=None, act="silu"):
     """x: [K] (or [1, K]); w: [N_total, K] with unit stride along K. Returns [N] (N = N_total/2 if gated).
 
     ``pdl``: launch with programmatic dependent launch (Hopper+): the kernel starts while the previous one
@@ -81,7 +84,9 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         if x.dim() != 2:
             raise TkccError(f"gemv(gather=...): x must be a [rows, K] table, got shape {tuple(x.shape)}")
         x = x[0]  # a row's shape, for the checks below; the kernel reads row idx[0]
-    reason = fallback_reason(xt, w, norm_w, residual)
+    reason = fallback_reason(xt, w, norm_w, residual, bias)
+    if reason is None and bias is not None and (bias.numel() != w.shape[0] or not bias.is_contiguous()):
+        reason = f"bias of shape {tuple(bias.shape)} for a weight of {w.shape[0]} rows"
     if reason is None and (x.numel() != w.shape[-1] or w.stride(-1) != 1 or not x.is_contiguous()
                            or (gather is not None and xt.stride(-1) != 1)):
         reason = f"shape/stride x {tuple(xt.shape)} w {tuple(w.shape)} stride {w.stride()} is not a batch-1 GEMV"
@@ -91,7 +96,8 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         note_fallback("gemv", reason)
         if gather is not None:
             x = xt.index_select(0, gather[0].reshape(-1)).reshape(-1)
-        y = gemv_ref(x.reshape(1, -1), w, norm_w, eps, None if residual is None else residual.reshape(1, -1), gated)
+        y = gemv_ref(x.reshape(1, -1), w, norm_w, eps, None if residual is None else residual.reshape(1, -1), gated,
+                     bias, act)
         y = y.reshape(-1)
         if out is not None:
             out.copy_(y)
@@ -107,9 +113,9 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     bk = min(bk, triton.next_power_of_2(K))
     pdl = launch_pdl(pdl)
     mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,
-               gather=gather is not None, argmax=argmax is not None)
+               gather=gather is not None, argmax=argmax is not None, bias=bias is not None, act=act)
     grid = (triton.cdiv(N, bn),)
-    ends = []
+    ends = [bias] if bias is not None else []
     if gather is not None:
         ends += [gather[0], gather[1], xt.stride(0)]
     if argmax is not None:

@@ -90,30 +90,52 @@ class RoutedMoE:
         if out is None:
             out = torch.empty(H, device=x.device, dtype=x.dtype)
         rc, gc, dc = self.configs(x.dtype)
-        rc, gc, dc = router_config or rc, gate_up_config or gc, down_config or dc
-        pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
-        mod = load("moe_routed.py.jinja", pdl=pdl)
-        launch = {"launch_pdl": True} if pdl else {}
-        K_PAD = max(2, next_pow2(k))
-        bn, nw = rc
-        bk = _block_k(bn, H)
-        mod.router_topk_kernel[(triton.cdiv(E, bn),)](
-            x, norm_w, router_w, self.logits, forced_ids if forced_ids is not None else self.ids, self.ids, self.wts,
-            self.xn, self.count, E, H, router_w.stride(0), eps, BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD,
-            E_PAD=max(16, next_pow2(E)), NORM_TOPK=bool(norm_topk_prob), FORCED=forced_ids is not None,
-            FULL_K=bk >= H, num_warps=nw, **launch)
-        bn, nw = gc
-        bk = _block_k(2 * bn, H)
-        mod.moe_gate_up_routed_kernel[(triton.cdiv(I, bn), k)](
-            self.xn, self.ids, gate_up, self.act, I, H, gate_up.stride(0), gate_up.stride(1), BLOCK_N=bn, BLOCK_K=bk,
-            FULL_K=bk >= H, num_warps=nw, **launch)
-        bn, nw = dc
-        bk = _block_k(K_PAD * bn, I)
-        mod.moe_down_routed_kernel[(triton.cdiv(H, bn),)](
-            self.act, self.ids, self.wts, down, residual if residual is not None else x, out, I, H, down.stride(0),
-            down.stride(1), BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD, RESIDUAL=residual is not None,
-            FULL_K=bk >= I, num_warps=nw, **launch)
-        return out
+        return launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, out,
+                      (self.logits, self.ids, self.wts, self.xn, self.act, self.count), router_config or rc,
+                      gate_up_config or gc, down_config or dc, pdl=pdl, forced_ids=forced_ids)
+
+
+def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, out, scratch, rc, gc, dc,
+           pdl=None, forced_ids=None, fp32_weights=False, grouped=None):
+    """The three launches on caller-owned scratch ``(logits [E], ids [k] int32, wts [k] fp32, xn [H], act [k, I],
+    count [1] int32)``: all but ``count`` may hold anything (each is written before it is read); ``count``
+    starts at zero and is left at zero. ``rc``/``gc``/``dc``: (BLOCK_N, warps) of router, gate_up, down.
+    ``norm_w`` None: ``x`` is normed already. ``fp32_weights``: the routing weights are not rounded to the activations' dtype (Mixtral's router), and
+    the weighted sum over the experts is taken in fp32. ``grouped=(bias, n_group, topk_group, scaling)``:
+    DeepSeek-V3's router (sigmoid scores, bias-corrected grouped top-k, scaled fp32 weights; the logits
+    scratch must then be fp32)."""
+    pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
+    logits, ids, wts, xn, act, count = scratch
+    E, I2, H = gate_up.shape
+    I = I2 // 2
+    mod = load("moe_routed.py.jinja", pdl=pdl, fp32_weights=fp32_weights, norm=norm_w is not None,
+               grouped=grouped is not None)
+    extra = {}
+    if grouped is not None:
+        bias, n_group, topk_group, scaling = grouped
+        extra = dict(bias_ptr=bias, scaling=float(scaling), NG=int(n_group), NG_PAD=max(2, next_pow2(n_group)),
+                     TOPK_GROUP=int(topk_group))
+    launch_kw = {"launch_pdl": True} if pdl else {}
+    K_PAD = max(2, next_pow2(k))
+    bn, nw = rc
+    bk = _block_k(bn, H)
+    mod.router_topk_kernel[(triton.cdiv(E, bn),)](
+        x, norm_w if norm_w is not None else x, router_w, logits, forced_ids if forced_ids is not None else ids, ids, wts,
+        xn, count, E, H, router_w.stride(0), eps, BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD,
+        E_PAD=max(16, next_pow2(E)), NORM_TOPK=bool(norm_topk_prob), FORCED=forced_ids is not None,
+        FULL_K=bk >= H, num_warps=nw, **extra, **launch_kw)
+    bn, nw = gc
+    bk = _block_k(2 * bn, H)
+    mod.moe_gate_up_routed_kernel[(triton.cdiv(I, bn), k)](
+        xn, ids, gate_up, act, I, H, gate_up.stride(0), gate_up.stride(1), BLOCK_N=bn, BLOCK_K=bk,
+        FULL_K=bk >= H, num_warps=nw, **launch_kw)
+    bn, nw = dc
+    bk = _block_k(K_PAD * bn, I)
+    mod.moe_down_routed_kernel[(triton.cdiv(H, bn),)](
+        act, ids, wts, down, residual if residual is not None else x, out, I, H, down.stride(0),
+        down.stride(1), BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD, RESIDUAL=residual is not None,
+        FULL_K=bk >= I, num_warps=nw, **launch_kw)
+    return out
 
 
 def moe_routed(x, router_w, gate_up, down, top_k, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,

@@ -46,6 +46,12 @@ class Pass:
         raise NotImplementedError
 
     @classmethod
+    def space(cls, device=None, program=None) -> tuple[dict[str, list[Any]], dict[str, str]]:
+        """(params, pruned): the parameter space less the values ``device`` cannot run (a kernel config
+        that needs more shared memory than it has), and why each was pruned. By default nothing is."""
+        return dict(cls.params), {}
+
+    @classmethod
     def defaults(cls) -> dict[str, Any]:
         return {k: v[0] for k, v in cls.params.items()}
 

@@ -1,0 +1,535 @@
+"""The ops of the lowered decode step: ``torch.ops.tkcc.*``, each a fused kernel beside its plain reference.
+
+``tkcc.passes.lower`` rewrites the captured aten decode graph region by region into these ops. They are
+PyTorch custom ops, so that
+
+- a rewritten graph holds each as one node, and a later rewrite's pattern can name it (a GEMV's gated
+  epilogue is a pattern over ``tkcc.gemv`` and ``aten.split_with_sizes``), as TorchInductor's patterns name
+  aten ops;
+- ``torch.export`` traces a pattern or a replacement that calls one without entering it (the fake
+  implementations give shapes), and a CUDA-graph capture records the kernels it launches;
+- codegen writes each as ``torch.ops.tkcc.<op>.default(...)``, and an artifact registers them by importing
+  this module (it needs torch and triton; never the compiler).
+
+Every op takes exactly what its region computed from (activations, the model's own weights, the static
+cache, scalars read off the graph) plus its kernel configs, which the artifact's source holds as literals
+(never a process-global table). Each runs its kernel when the call is one decode token of one sequence on
+a device the kernel supports (CUDA, or CPU under ``TRITON_INTERPRET=1`` in fp32/fp16); anything else runs
+the reference, which is the region's eager arithmetic op for op, so off the kernel path a lowered graph
+computes what the captured graph computed, bit for bit. A kernel that cannot take a call (a shape, a
+stride, a dtype) says why once (``tkcc.kernels.common.fallbacks``) and the reference runs: never a wrong
+result.
+
+Scratch: buffers a kernel only writes before it reads (split-KV partials, router logits) are allocated per
+call (from the CUDA graph's pool when the step is captured); arrival counters, which must start at zero
+and which each kernel leaves at zero, are tensors of the graph (``count``) that the op mutates.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
+
+NS = "tkcc"
+ACTS = ("", "silu", "gelu", "gelu_tanh")  # gated epilogues of tkcc.gemv: none, act(g) * u
+
+_PDL: dict[int, bool] = {}  # device index -> programmatic dependent launch available (a property of the device)
+
+
+def _pdl_ok(device: torch.device) -> bool:
+    """PDL needs Hopper or later; a config asking for it on an older GPU (or the interpreter) launches without."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL:
+        _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL[idx]
+
+
+def _one_token(x: Tensor) -> bool:
+    return x.dim() >= 1 and x.numel() == x.shape[-1]
+
+
+# ---- references: the eager arithmetic of each region, as Hugging Face writes it ---------------------------
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True) -> Tensor:
+    """RMSNorm with its fp32 statistic. ``cast_first`` (Llama, OLMoE, Qwen): the normalised x is rounded to
+    x's dtype, then times ``weight`` (+ ``offset``); else (Gemma's ``1 + w``): times ``offset + weight`` in
+    fp32, rounded once."""
+    dt = x.dtype
+    xf = x.to(torch.float32)
+    var = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(var + eps)
+    if cast_first:
+        w = weight if offset == 0.0 else offset + weight
+        return w * xf.to(dt)
+    return (xf * (offset + weight.float())).to(dt)
+
+
+def gemv_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
+             eps: float = 1e-6, residual: Optional[Tensor] = None, act: str = "") -> Tensor:
+    """[RMSNorm] -> linear [+ bias] -> [act(g) * u over the two halves] -> [residual +]."""
+    h = rms_norm_ref(x, norm_weight, eps) if norm_weight is not None else x
+    y = F.linear(h, weight, bias)
+    if act:
+        n = y.shape[-1] // 2
+        g, u = torch.split(y, [n, n], -1)
+        y = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")) * u
+    if residual is not None:
+        y = residual + y
+    return y
+
+
+def rotary_cos_sin_ref(inv_freq: Tensor, position_ids: Tensor, scale: float, dtype: torch.dtype):
+    """cos and sin of the rotary angles [B, T, D] (``LlamaRotaryEmbedding.forward``): inv_freq (in whatever
+    dtype the model holds it) times the positions in fp32, both halves, times ``scale``
+    (``attention_scaling``), then rounded to ``dtype``."""
+    inv = inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).to(dtype=torch.float,
+                                                                         device=position_ids.device)
+    pos = position_ids[:, None, :].float()
+    freqs = (inv @ pos).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D] rotated by cos/sin [B, T, D] (``apply_rotary_pos_emb``, ``unsqueeze_dim=1``)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def causal_mask_ref(cache_position: Tensor, kv_len: int, window: int = 0) -> Tensor:
+    """[1, 1, T, kv_len] bool: query i (at ``cache_position[0] + i``) sees cache positions <= its own, and with
+    ``window`` only the last ``window`` of them (``transformers.masking_utils.sdpa_mask``, no padding)."""
+    dev = cache_position.device
+    q = torch.arange(cache_position.shape[0], device=dev) + cache_position[0]
+    kv = torch.arange(kv_len, device=dev)
+    q, kv = q[None, None, :, None], kv[None, None, None, :]
+    mask = kv <= q
+    if window:
+        mask = (kv > q - window) & mask
+    return mask.expand(1, -1, cache_position.shape[0], kv_len)
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv * n_rep, S, D] (transformers' ``repeat_kv``)."""
+    if n_rep == 1:
+        return x
+    B, H, S, D = x.shape
+    return x[:, :, None, :, :].expand(B, H, n_rep, S, D).reshape(B, H * n_rep, S, D)
+
+
+def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
+                       rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
+                       scale: float, num_heads: int, window: int = 0, head_norm: bool = False) -> Tensor:
+    """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
+    [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
+    rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
+    causal attention over the cache -> [B, T, Hq D]."""
+    B, T = qkv.shape[0], qkv.shape[1]
+    hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    q, k, v = torch.split(qkv, [num_heads * D, hkv * D, hkv * D], -1)
+    if q_norm is not None and not head_norm:
+        q = rms_norm_ref(q, q_norm, eps)
+        k = rms_norm_ref(k, k_norm, eps)
+    q, k = q.view(B, T, -1, D), k.view(B, T, -1, D)
+    if q_norm is not None and head_norm:
+        q = rms_norm_ref(q, q_norm, eps)
+        k = rms_norm_ref(k, k_norm, eps)
+    q = q.transpose(1, 2)
+    k = k.transpose(1, 2)
+    v = v.view(B, T, -1, D).transpose(1, 2)
+    cos, sin = rotary_cos_sin_ref(inv_freq, cache_position.unsqueeze(0).expand(B, -1), rope_scale, qkv.dtype)
+    q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    k_cache.index_copy_(2, cache_position, k)
+    v_cache.index_copy_(2, cache_position, v)
+    n_rep = num_heads // hkv
+    mask = causal_mask_ref(cache_position, S, window)
+    o = F.scaled_dot_product_attention(q, repeat_kv(k_cache, n_rep), repeat_kv(v_cache, n_rep), attn_mask=mask,
+                                       scale=scale)
+    return o.transpose(1, 2).reshape(B, T, -1)
+
+
+def pack_rows(weights: list[Tensor]) -> Tensor:
+    """``weights`` (2-D, same width) stacked row-wise: a view when they already are consecutive rows of one
+    buffer (capture packs q|k|v and gate|up so: ``tkcc.frontend.weight_packing``), else a copy. The model's
+    parameters are never re-pointed. A lowered graph calls this when it is built and an artifact when it
+    binds, so neither embeds weights."""
+    base = weights[0]
+    if base.dim() == 1:  # biases: small, copied
+        with torch.no_grad():
+            return torch.cat([w.detach() for w in weights], 0)
+    if base.dim() == 2 and base.storage_offset() == 0 and all(w.is_contiguous() for w in weights):
+        ptr, off = base.untyped_storage().data_ptr(), 0
+        for w in weights:
+            if w.untyped_storage().data_ptr() != ptr or w.storage_offset() != off or w.shape[1] != base.shape[1]:
+                break
+            off += w.numel()
+        else:
+            return torch.as_strided(base, (sum(w.shape[0] for w in weights), base.shape[1]), base.stride(), 0)
+    with torch.no_grad():
+        return torch.cat([w.detach() for w in weights], 0)
+
+
+# OLMoE / Qwen3-MoE: softmax, weights rounded to the dtype; Mixtral: kept fp32; DeepSeek-V3: sigmoid scores,
+# bias-corrected grouped top-k, scaled fp32 weights
+ROUTERS = ("softmax", "softmax_fp32", "sigmoid_grouped")
+
+
+def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
+            top_k: int, norm_topk: bool, residual: bool, router: str = "softmax", router_bias: Optional[Tensor] = None,
+            n_group: int = 1, topk_group: int = 1, scaling: float = 1.0) -> Tensor:
+    """A sparse-MoE block for tokens h [B, T, H] as OLMoE / Qwen3-MoE / Mixtral write it, with transformers'
+    ``batched_mm`` experts: [RMSNorm] -> router logits -> softmax (fp32) -> top-k [-> renormalised] [->
+    rounded to the dtype (``router="softmax"``; Mixtral's ``"softmax_fp32"`` keeps them fp32)] -> each token's
+    k experts (gate_up [E, 2I, H], silu(g) * u, down [E, H, I]) weighted and summed [-> + h]."""
+    x = rms_norm_ref(h, norm_weight, eps) if norm_weight is not None else h
+    H = x.shape[-1]
+    xs = x.view(-1, H)
+    if router == "sigmoid_grouped":
+        w, ids = _grouped_router(xs, router_w, router_bias, top_k, n_group, topk_group, norm_topk, scaling)
+    else:
+        logits = F.linear(xs.reshape(-1, H), router_w)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1) if router == "softmax" else \
+            F.softmax(logits.float(), dim=-1)
+        w, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk:
+            w = w / w.sum(dim=-1, keepdim=True)
+        if router == "softmax":
+            w = w.to(logits.dtype)
+    sel = xs.repeat_interleave(top_k, dim=0)
+    sw = w.reshape(-1)
+    eid = ids.reshape(-1).clamp(0, gate_up.shape[0] - 1)
+    gu = torch.bmm(gate_up[eid], sel.unsqueeze(-1)).squeeze(-1)
+    g, u = gu.chunk(2, dim=-1)
+    a = F.silu(g) * u
+    y = torch.bmm(down[eid], a.unsqueeze(-1)).squeeze(-1)
+    y = (y * sw.unsqueeze(-1)).view(xs.shape[0], top_k, H).sum(dim=1).to(xs.dtype)
+    y = y.reshape(x.shape)
+    return h + y if residual else y
+
+
+# ---- the ops ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NS}::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True) -> Tensor:
+    """RMSNorm over the last dim (``rms_norm_ref``); the Triton row kernel for the Llama form."""
+    if offset == 0.0 and cast_first:
+        reason = fallback_reason(x, weight)
+        if reason is None and not (x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]):
+            reason = f"non-contiguous or mismatched x {tuple(x.shape)} weight {tuple(weight.shape)}"
+        if reason is None:
+            from tkcc.kernels.rmsnorm import rmsnorm
+
+            return rmsnorm(x, weight, eps)
+        note_fallback("tkcc.rms_norm", reason)
+    return rms_norm_ref(x, weight, eps, offset, cast_first)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, offset=0.0, cast_first=True):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{NS}::layer_norm", mutates_args=())
+def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
+    """LayerNorm over the last dim (``F.layer_norm``: its own fused kernel on every device)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+@layer_norm.register_fake
+def _(x, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+def gemv_reason(x: Tensor, weight: Tensor, bias, norm_weight, residual, act: str) -> str | None:
+    """None when the GEMV kernel takes this call, else why not."""
+    reason = fallback_reason(x, weight, bias, norm_weight, residual)
+    if reason is not None:
+        return reason
+    K = weight.shape[-1]
+    if not _one_token(x) or x.shape[-1] != K:
+        return f"x {tuple(x.shape)} is not one token of width {K}"
+    if weight.dim() != 2 or weight.stride(-1) != 1:
+        return f"weight {tuple(weight.shape)} strides {weight.stride()} are not [N, K] rows"
+    if act not in ACTS:
+        return f"gated epilogue {act!r} has no kernel (kernels: {ACTS})"
+    if norm_weight is not None and (norm_weight.numel() != K or not norm_weight.is_contiguous()):
+        return f"norm weight {tuple(norm_weight.shape)} for width {K}"
+    if residual is not None and residual.numel() != (weight.shape[0] // (2 if act else 1)):
+        return f"residual {tuple(residual.shape)} for {weight.shape[0]} rows"
+    return None
+
+
+@torch.library.custom_op(f"{NS}::gemv", mutates_args=())
+def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
+         eps: float = 1e-6, residual: Optional[Tensor] = None, act: str = "", config: Optional[list[int]] = None,
+         pdl: bool = False) -> Tensor:
+    """``gemv_ref`` as one batch-1 GEMV kernel: RMSNorm prologue, bias, gated epilogue (``act``: the weight is
+    [gate; up]) and residual epilogue in the same launch. ``config``: (BLOCK_N, BLOCK_K, warps), empty for
+    the kernel's default; ``pdl``: programmatic dependent launch where the device has it."""
+    reason = gemv_reason(x, weight, bias, norm_weight, residual, act)
+    if reason is None:
+        from tkcc.kernels import gemv as gemv_mod
+
+        from tkcc.kernels.common import interpreting
+
+        cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
+        y = gemv_mod.gemv(x.contiguous().view(-1), weight, norm_w=norm_weight, eps=eps,
+                          residual=None if residual is None else residual.contiguous().view(-1), gated=bool(act),
+                          config=cfg, pdl=pdl and _pdl_ok(x.device), bias=bias, act=act or "silu")
+        return y.view(*x.shape[:-1], y.shape[-1])
+    note_fallback("tkcc.gemv", reason)
+    return gemv_ref(x, weight, bias, norm_weight, eps, residual, act)
+
+
+@gemv.register_fake
+def _(x, weight, bias=None, norm_weight=None, eps=1e-6, residual=None, act="", config=None, pdl=False):
+    n = weight.shape[0] // (2 if act else 1)
+    return x.new_empty(*x.shape[:-1], n)
+
+
+@torch.library.custom_op(f"{NS}::rotary_cos_sin", mutates_args=())
+def rotary_cos_sin(inv_freq: Tensor, position_ids: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``rotary_cos_sin_ref``: computed once per step and shared by every layer (the fused attention
+    computes its own from ``inv_freq`` and the position, so once every layer is fused this op is dead)."""
+    return rotary_cos_sin_ref(inv_freq, position_ids, scale, dtype)
+
+
+@rotary_cos_sin.register_fake
+def _(inv_freq, position_ids, scale, dtype):
+    shape = (position_ids.shape[0], position_ids.shape[1], 2 * inv_freq.shape[0])
+    return (position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype))
+
+
+@torch.library.custom_op(f"{NS}::causal_mask", mutates_args=())
+def causal_mask(cache_position: Tensor, kv_len: int, window: int = 0) -> Tensor:
+    """``causal_mask_ref`` (shared by every layer; dead once every attention is fused)."""
+    return causal_mask_ref(cache_position, kv_len, window)
+
+
+@causal_mask.register_fake
+def _(cache_position, kv_len, window=0):
+    return cache_position.new_empty((1, 1, cache_position.shape[0], kv_len), dtype=torch.bool)
+
+
+def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
+                     block_s, num_warps, count, window, head_norm=False) -> str | None:
+    """None when the fused attention kernel takes this call, else why not."""
+    reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
+    if reason is not None:
+        return reason
+    B, T = qkv.shape[0], qkv.shape[1]
+    hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if B != 1 or T != 1 or cache_position.numel() != 1:
+        return f"qkv {tuple(qkv.shape)} is not one token of one sequence"
+    if num_heads % hkv or D != next_pow2(D) or D < 16:
+        return f"heads {num_heads}/{hkv} x {D} (needs a multiple of the kv heads, a power-of-two head dim >= 16)"
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.stride() != v_cache.stride() \
+            or k_cache.stride(-1) != 1:
+        return f"caches {tuple(k_cache.shape)} {k_cache.stride()} / {tuple(v_cache.shape)} {v_cache.stride()}"
+    if not qkv.is_contiguous() or qkv.shape[-1] != (num_heads + 2 * hkv) * D:
+        return f"qkv {tuple(qkv.shape)} is not a contiguous [q | k | v] of {num_heads}+2x{hkv} heads of {D}"
+    if (q_norm is None) != (k_norm is None):
+        return "only one of the q/k norms"
+    want = (D, D) if head_norm else (num_heads * D, hkv * D)
+    if q_norm is not None and (q_norm.numel(), k_norm.numel()) != want:
+        return f"q/k norm weights {tuple(q_norm.shape)}/{tuple(k_norm.shape)}, expected {want} elements"
+    if not inv_freq.is_floating_point() or inv_freq.numel() != D // 2 or not inv_freq.is_contiguous():
+        return f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype} (needs a float vector of {D // 2})"
+    if count.numel() < hkv or count.dtype != torch.int32:
+        return f"arrival counters {tuple(count.shape)} {count.dtype} for {hkv} kv heads"
+    if chunk < 16 or block_s < 16 or block_s & (block_s - 1) or num_warps not in (1, 2, 4, 8, 16):
+        return f"layout chunk={chunk} tile={block_s}x{num_warps}"
+    return None
+
+
+def _check_context(cache_position: Tensor, S: int) -> None:
+    """A position at or past the static cache is bad input: a clear error (the kernel would write nothing)."""
+    from tkcc.errors import TkccError
+
+    last = int(cache_position.max())
+    if last >= S or int(cache_position.min()) < 0:
+        raise TkccError(f"decode attention: cache position {last} needs a context of {last + 1}, longer than the "
+                        f"static cache ({S} positions); capture with a larger max_cache_len")
+
+
+def attention_layout(S: int, chunk: int) -> tuple[int, int]:
+    """(chunk, splits) covering a cache of S positions: one split over the whole cache when it fits."""
+    chunk = min(chunk, S)
+    splits = -(-S // chunk)
+    return (S, 1) if splits == 1 else (chunk, splits)
+
+
+@torch.library.custom_op(f"{NS}::attention_rope", mutates_args=("k_cache", "v_cache", "count"))
+def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
+                   rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float, scale: float,
+                   num_heads: int, window: int, chunk: int, block_s: int, num_warps: int, count: Tensor,
+                   pdl: bool = False, head_norm: bool = False) -> Tensor:
+    """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
+    the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
+    splits. ``chunk``: positions per split; ``block_s`` x ``num_warps``: the kernel's tile. The position is
+    read on the device (no host synchronisation; a replayed graph advances with its input). A position at
+    or past the cache writes and reads nothing there: the greedy loop refuses such a context first."""
+    reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
+                              block_s, num_warps, count, window, head_norm)
+    if reason is None:
+        if cache_position.device.type == "cpu":  # free to check on the host (on a GPU: the greedy loop's check)
+            _check_context(cache_position, k_cache.shape[2])
+        from tkcc.kernels import attention_rope as ar
+
+        hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        ch, splits = attention_layout(S, chunk)
+        dev = qkv.device
+        out = torch.empty(num_heads, D, device=dev, dtype=qkv.dtype)
+        po = torch.empty(num_heads, splits, D, device=dev, dtype=torch.float32)
+        plse = torch.empty(num_heads, splits, device=dev, dtype=torch.float32)
+        ar.launch(qkv.view(-1), k_cache[0], v_cache[0], cache_position, inv_freq, out, po, plse, count, hq=num_heads,
+                  hkv=hkv, chunk=ch, splits=splits, q_norm=q_norm, k_norm=k_norm, eps=eps, scale=scale,
+                  pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
+                  rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window)
+        return out.view(1, 1, num_heads * D)
+    note_fallback("tkcc.attention_rope", reason)
+    _check_context(cache_position, k_cache.shape[2])
+    return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
+                              num_heads, window, head_norm)
+
+
+@attention_rope.register_fake
+def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
+      chunk, block_s, num_warps, count, pdl=False, head_norm=False):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _grouped_router(xs, router_w, bias, top_k, n_group, topk_group, norm_topk, scaling):
+    """DeepSeek-V3's ``DeepseekV3TopkRouter``: fp32 logits, sigmoid, the choice on scores + bias within the best
+    ``topk_group`` of ``n_group`` groups (by the sum of their two best), weights from the scores."""
+    E = router_w.shape[0]
+    logits = F.linear(xs.type(torch.float32), router_w.type(torch.float32))
+    scores = logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    if norm_topk:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling, ids
+
+
+def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="softmax", router_bias=None,
+               n_group=1, topk_group=1) -> str | None:
+    """None when the routed-MoE kernels take this call, else why not."""
+    reason = fallback_reason(h, norm_weight, router_w, gate_up, down)
+    if reason is not None:
+        return reason
+    if not _one_token(h):
+        return f"h {tuple(h.shape)} is not one token"
+    E, I2, H = gate_up.shape
+    if tuple(router_w.shape) != (E, H) or router_w.stride(-1) != 1 or tuple(down.shape) != (E, H, I2 // 2) \
+            or not gate_up.is_contiguous() or not down.is_contiguous() \
+            or (norm_weight is not None and norm_weight.numel() != H):
+        return (f"experts not contiguous [E, 2I, H] / [E, H, I] with a router [E, H]: {tuple(gate_up.shape)}, "
+                f"{tuple(down.shape)}, {tuple(router_w.shape)}")
+    if router not in ROUTERS:
+        return f"router {router!r} has no kernel (kernels: {ROUTERS})"
+    if router == "sigmoid_grouped" and (router_bias is None or router_bias.numel() != E or n_group < 1
+                                        or E % n_group or E // n_group < 2 or not 1 <= topk_group <= n_group):
+        return f"grouped router over {E} experts in {n_group} groups (top {topk_group}) with bias {router_bias is not None}"
+    if not 1 <= top_k <= E or count.numel() < 1 or count.dtype != torch.int32:
+        return f"top-{top_k} of {E} experts, counter {tuple(count.shape)} {count.dtype}"
+    return None
+
+
+@torch.library.custom_op(f"{NS}::moe", mutates_args=("count",))
+def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
+        top_k: int, norm_topk: bool, residual: bool, count: Tensor, configs: Optional[list[int]] = None,
+        pdl: bool = False, router: str = "softmax", router_bias: Optional[Tensor] = None, n_group: int = 1,
+        topk_group: int = 1, scaling: float = 1.0) -> Tensor:
+    """``moe_ref`` as three launches (``tkcc.kernels.moe_routed``): the router GEMV with the norm prologue whose
+    last program picks the top-k (softmax, renormalisation) once; gate_up over the k selected experts only
+    (silu(g) * u); down weighted over them, plus the residual. ``configs``: (BLOCK_N, warps) of router,
+    gate_up and down (6 ints), None for the kernels' defaults."""
+    reason = moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router, router_bias, n_group,
+                        topk_group)
+    if reason is None:
+        from tkcc.kernels import moe_routed as mr
+        from tkcc.kernels.common import interpreting
+
+        E, I2, H = gate_up.shape
+        dev, dt = h.device, h.dtype
+        if configs:
+            rc, gc, dc = tuple(configs[0:2]), tuple(configs[2:4]), tuple(configs[4:6])
+        elif interpreting():
+            rc = gc = dc = mr.INTERP
+        else:
+            rc, gc, dc = mr.ROUTER_CONFIGS[0], mr.GATE_UP_CONFIGS[0], mr.DOWN_CONFIGS[0]
+        grouped = (router_bias, n_group, topk_group, scaling) if router == "sigmoid_grouped" else None
+        logits_dt = torch.float32 if grouped else dt  # DeepSeek's logits are fp32 throughout
+        scratch = (torch.empty(E, device=dev, dtype=logits_dt), torch.empty(top_k, device=dev, dtype=torch.int32),
+                   torch.empty(top_k, device=dev, dtype=torch.float32), torch.empty(H, device=dev, dtype=dt),
+                   torch.empty(top_k, I2 // 2, device=dev, dtype=dt), count)
+        x = h.contiguous().view(-1)
+        out = torch.empty(H, device=dev, dtype=dt)
+        mr.launch(x, router_w, gate_up, down, top_k, norm_topk, x if residual else None, norm_weight, eps, out,
+                  scratch, rc, gc, dc, pdl=pdl and _pdl_ok(dev), fp32_weights=router == "softmax_fp32",
+                  grouped=grouped)
+        return out.view(h.shape)
+    note_fallback("tkcc.moe", reason)
+    return moe_ref(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, router, router_bias,
+                   n_group, topk_group, scaling)
+
+
+@moe.register_fake
+def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, count, configs=None, pdl=False,
+      router="softmax", router_bias=None, n_group=1, topk_group=1, scaling=1.0):
+    return torch.empty_like(h)
+
+
+@torch.library.custom_op(f"{NS}::gemv_gather", mutates_args=())
+def gemv_gather(table: Tensor, ids: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None, eps: float = 1e-6,
+                config: Optional[list[int]] = None, pdl: bool = False,
+                bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The step's first GEMV reading its input from the embedding table: (gemv(e), e) with
+    e = embedding(table, ids) — the token's row is gathered inside the GEMV (program 0 also writes it out:
+    the residual stream), so the step has no separate embedding launch."""
+    reason = None if ids.numel() == 1 else f"ids {tuple(ids.shape)} are not one token"
+    reason = reason or gemv_reason(table[0].view(1, 1, -1), weight, bias, norm_weight, None, "")
+    if reason is None and (table.dim() != 2 or table.stride(-1) != 1 or ids.dtype != torch.int64):
+        reason = f"table {tuple(table.shape)} strides {table.stride()} / ids {ids.dtype}"
+    if reason is None:
+        from tkcc.kernels import gemv as gemv_mod
+        from tkcc.kernels.common import interpreting
+
+        cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
+        e = torch.empty(table.shape[1], device=table.device, dtype=table.dtype)
+        y = gemv_mod.gemv(table, weight, norm_w=norm_weight, eps=eps, config=cfg, pdl=pdl and _pdl_ok(table.device),
+                          gather=(ids.reshape(1), e), bias=bias)
+        shape = tuple(ids.shape)
+        return y.view(*shape, y.shape[-1]), e.view(*shape, e.shape[-1])
+    note_fallback("tkcc.gemv_gather", reason)
+    e = F.embedding(ids, table)
+    return gemv_ref(e, weight, bias, norm_weight, eps), e
+
+
+@gemv_gather.register_fake
+def _(table, ids, weight, norm_weight=None, eps=1e-6, config=None, pdl=False, bias=None):
+    return (table.new_empty(*ids.shape, weight.shape[0]), table.new_empty(*ids.shape, table.shape[1]))

@@ -1,0 +1,288 @@
+"""Every rewrite of ``lowered_decode`` against its pattern, on fresh random inputs and several shapes.
+
+Each case is a small module whose forward is a rewrite's pattern (the plain PyTorch of the region, with its
+weights and caches as the module's own tensors, as in a captured model). It is captured like a Program's
+graphs, lowered by the pass's own stages (``decode.lower``), and both run on fresh random inputs: the
+lowered graph must hold the rewrite's op (the region matched), and agree with the pattern run eagerly —
+bit for bit for a rewrite declared exact, within the kernels' tolerance otherwise (``tkcc.kernels.checks``).
+Cases that write a cache compare the cache too. Used by the CPU tests (under the Triton interpreter, fp32
+and fp16, so the kernels run) and the GPU tests (bf16). Each check returns rows
+``{case, shape, dtype, op, rel_err, tol, exact, ok}``.
+"""
+from __future__ import annotations
+
+import torch
+
+from tkcc.kernels.checks import TOL, rel_err
+
+
+def _rand(shape, g, device, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+class Region(torch.nn.Module):
+    """``fn(self, *inputs)`` with the tensors given as buffers (weights, caches): a region as a model holds it."""
+
+    def __init__(self, fn, tensors: dict):
+        super().__init__()
+        self.fn = fn
+        for k, v in tensors.items():
+            self.register_buffer(k, v, persistent=False)
+
+    def forward(self, *inputs):
+        return self.fn(self, *inputs)
+
+
+def _capture(module, inputs):
+    from tkcc.frontend.export import export_graph
+
+    with torch.no_grad():
+        gm, _ = export_graph(module, inputs, what="lowering check region")
+    return gm
+
+
+def _options(chunk=64, tile=(16, 4), pdl=False):
+    return {"pdl": pdl, "attention_layout": lambda hq, hkv, D, S: (chunk, tile), "gemv_configs": {}}
+
+
+def run_case(name, module, make_inputs, op, exact, dtype, options=None, state=()):
+    """Capture ``module``, lower it, and compare on two fresh inputs; ``state``: buffer names it writes."""
+    from tkcc.passes.lower.decode import lower
+
+    gm = _capture(module, make_inputs())
+    lowered = _capture(module, make_inputs())
+    info = lower(lowered, dtype, options or _options())
+    ops = [str(n.target) for n in lowered.graph.nodes if n.op == "call_function" and str(n.target).startswith("tkcc.")]
+    rows = []
+    if op not in ops:
+        return [{"case": name, "dtype": str(dtype), "op": op, "rel_err": float("inf"), "tol": 0, "exact": exact,
+                 "ok": False, "why": f"{op} not in the lowered graph ({ops}); notes: {info.notes}"}]
+    for _ in range(2):
+        inputs = make_inputs()
+        saved = {k: getattr(module, k).clone() for k in state}
+        with torch.no_grad():
+            ref = module(*inputs)
+        ref_state = {k: getattr(module, k).clone() for k in state}
+        for k, v in saved.items():
+            getattr(module, k).copy_(v)
+        with torch.no_grad():
+            got = lowered(*inputs)
+        refs = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+        gots = list(got) if isinstance(got, (tuple, list)) else [got]
+        refs += [ref_state[k] for k in state]
+        gots += [getattr(module, k) for k in state]
+        same = all(torch.equal(a, b) for a, b in zip(refs, gots))
+        err = max(rel_err(b, a) for a, b in zip(refs, gots))
+        tol = 0.0 if exact else TOL[dtype]
+        rows.append({"case": name, "dtype": str(dtype).replace("torch.", ""), "op": op, "rel_err": err, "tol": tol,
+                     "exact": exact, "ok": bool(same if exact else err <= tol)})
+    return rows
+
+
+# ---- cases ------------------------------------------------------------------------------------------------
+
+def check_norms(device, dtype, g, shapes=(48, 200, 2048)):
+    from tkcc.passes.lower import norms
+
+    rows = []
+    for H in shapes:
+        w = _rand((H,), g, device, dtype, 0.5) + 1
+        b = _rand((H,), g, device, dtype, 0.1)
+        x = lambda: (_rand((1, 1, H), g, device, dtype),)  # noqa: E731
+        rows += run_case(f"rms_norm[{H}]", Region(lambda s, x: norms.rms_norm(x, s.w, eps=1e-6), {"w": w}), x,
+                         "tkcc.rms_norm.default", False, dtype)
+        rows += run_case(f"rms_norm_offset[{H}]",
+                         Region(lambda s, x: norms.rms_norm_offset(x, s.w, eps=1e-6, offset=1.0), {"w": w}), x,
+                         "tkcc.rms_norm.default", True, dtype)
+        rows += run_case(f"layer_norm[{H}]", Region(lambda s, x: norms.layer_norm(x, s.w, s.b, eps=1e-5),
+                                                    {"w": w, "b": b}), x, "tkcc.layer_norm.default", True, dtype)
+    return rows
+
+
+def check_gemv(device, dtype, g, shapes=((40, 48), (96, 200), (256, 64))):
+    from tkcc.passes.lower import projections
+
+    rows = []
+    for (N, K), (norm, bias, gated, residual) in zip(
+            [s for s in shapes for _ in range(4)],
+            [(True, False, False, False), (False, True, False, True), (True, False, True, False),
+             (True, True, True, False), (False, False, False, True), (True, True, False, False),
+             (False, False, "gelu_tanh", False), (False, False, False, False), (True, False, False, True),
+             (False, True, "gelu", False), (True, True, False, True), (False, True, False, False)]):
+        pattern = projections._gemv_pattern(norm, bias, gated, residual)[0]
+        n_out = 2 * N if gated else N
+        t = {"w": _rand((n_out, K), g, device, dtype, K ** -0.5)}
+        if bias:
+            t["b"] = _rand((n_out,), g, device, dtype, 0.1)
+        if norm:
+            t["nw"] = _rand((K,), g, device, dtype, 0.5) + 1
+
+        def fn(s, x, *r, norm=norm, bias=bias, pattern=pattern):
+            ts = [x, s.w] + ([s.b] if bias else []) + ([s.nw] if norm else []) + list(r)
+            return pattern(*ts, **({"eps": 1e-5} if norm else {}))
+
+        def make(residual=residual, K=K, N=N):
+            return (_rand((1, 1, K), g, device, dtype),) + ((_rand((1, 1, N), g, device, dtype),) if residual else ())
+
+        tag = projections._tag(norm, bias, gated, residual)
+        rows += run_case(f"gemv[{tag}][{N}x{K}]", Region(fn, t), make, "tkcc.gemv.default", False, dtype)
+    return rows
+
+
+def check_gather(device, dtype, g, shapes=((40, 48, 100), (96, 64, 300))):
+    """The first GEMV reading the token's embedding row itself (and writing it out as the residual stream)."""
+    from tkcc.passes.lower import projections
+
+    rows = []
+    for N, K, V in shapes:
+        for bias in (False, True):
+            t = {"table": _rand((V, K), g, device, dtype), "nw": _rand((K,), g, device, dtype, 0.5) + 1,
+                 "w": _rand((N, K), g, device, dtype, K ** -0.5)}
+            if bias:
+                t["b"] = _rand((N,), g, device, dtype, 0.1)
+
+            def fn(s, ids, bias=bias):
+                if bias:
+                    return projections.embed_gemv_bias(s.table, ids, s.nw, s.w, s.b, eps=1e-5)
+                return projections.embed_gemv(s.table, ids, s.nw, s.w, eps=1e-5)
+
+            rows += run_case(f"gemv_gather[{N}x{K}, {V} rows{', bias' if bias else ''}]", Region(fn, t),
+                             lambda V=V: (torch.randint(0, V, (1, 1), generator=g).to(device),),
+                             "tkcc.gemv_gather.default", False, dtype)
+    return rows
+
+
+def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
+    """q|k|v and gate|up siblings packed into one GEMV, split after."""
+    from tkcc.passes.lower import projections
+
+    rows = []
+    for K, n1, n2 in shapes:
+        w = {f"w{i}": _rand((n, K), g, device, dtype, K ** -0.5) for i, n in enumerate((n1 + n2, n1, n2))}
+        rows += run_case(f"pack3[{K}]", Region(lambda s, x: projections.linears3(x, s.w0, s.w1, s.w2), w),
+                         lambda K=K: (_rand((1, 1, K), g, device, dtype),), "tkcc.gemv.default", False, dtype)
+        rows += run_case(f"pack2[{K}]", Region(lambda s, x: projections.linears2(x, s.w0, s.w1), w),
+                         lambda K=K: (_rand((1, 1, K), g, device, dtype),), "tkcc.gemv.default", False, dtype)
+    return rows
+
+
+def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 0), (8, 1, 16, 100, 16, 24),
+                                              (4, 2, 16, 300, 16, 0), (4, 2, 16, 64, 16, 10))):
+    """Cache write + attention (+ rotary, + q/k norm), GQA/MHA/MQA, one and several splits (the fourth shape:
+    more splits than the in-kernel merge takes, so the combine launch runs), plain and scaled rotary, causal
+    and sliding-window masks."""
+    from tkcc.passes.lower import attention, rotary
+
+    rows = []
+    for i, (hq, hkv, D, S, chunk, window) in enumerate(shapes):
+        for j, qk_norm in enumerate(("", "full", "head")):
+            rope_scale = 1.0 if (i + j) % 2 == 0 else 0.75
+            pattern = attention._attention_pattern(qk_norm)[0]
+            t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
+                 "inv_freq": 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)).to(device)}
+            if qk_norm:
+                t["qn"] = _rand((D if qk_norm == "head" else hq * D,), g, device, dtype, 0.5) + 1
+                t["kn"] = _rand((D if qk_norm == "head" else hkv * D,), g, device, dtype, 0.5) + 1
+
+            def fn(s, qkv, pos, pattern=pattern, qk_norm=qk_norm, S=S, D=D, rope_scale=rope_scale, window=window):
+                cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
+                mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
+                    attention.causal_mask(pos, kv_len=S)
+                norms = (s.qn, s.kn) if qk_norm else ()
+                kw = {"eps": 1e-5} if qk_norm else {}
+                return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, *norms, scale=D ** -0.5, **kw)
+
+            def make(hq=hq, hkv=hkv, D=D, S=S):
+                pos = torch.randint(0, S, (1,), generator=g).to(device)
+                return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype), pos
+
+            name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}{', ' + qk_norm + ' qk_norm' if qk_norm else ''}" \
+                   f"{', rope x' + str(rope_scale) if rope_scale != 1.0 else ''}{f', window {window}' if window else ''}]"
+            rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype,
+                             _options(chunk=chunk), state=("kc", "vc"))
+    return rows
+
+
+def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32, 16, 4))):
+    """Norm + router + routed experts (+ residual): softmax / renormalised / Mixtral's fp32 weights."""
+    from tkcc.passes.lower import moe
+
+    rows = []
+    variants = [("softmax", False, True), ("softmax", True, True), ("softmax_fp32", True, True),
+                ("softmax", False, False)]
+    for (E, H, I, k), (router, norm_topk, residual) in zip(shapes * 2, variants * 2):
+        pattern = moe._moe_pattern(norm_topk, residual, router)[0]
+        t = {"nw": _rand((H,), g, device, dtype, 0.5) + 1, "router": _rand((E, H), g, device, dtype, H ** -0.5),
+             "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
+             "down": _rand((E, H, I), g, device, dtype, I ** -0.5)}
+
+        def fn(s, h, pattern=pattern, k=k):
+            return pattern(h, s.nw, s.router, s.gate_up, s.down, eps=1e-5, top_k=k)
+
+        name = f"moe[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if norm_topk else ''}{'+residual' * residual}]"
+        rows += run_case(name, Region(fn, t), lambda H=H: (_rand((1, 1, H), g, device, dtype),), "tkcc.moe.default",
+                         False, dtype)
+    rows += check_deepseek_moe(device, dtype, g)
+    for E, H, I, k in shapes[:2]:  # the routed experts of a normed input (a block with a shared expert)
+        t = {"router": _rand((E, H), g, device, dtype, H ** -0.5),
+             "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
+             "down": _rand((E, H, I), g, device, dtype, I ** -0.5)}
+        rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, routed experts of a normed input]",
+                         Region(lambda s, xs, k=k: moe.routed(xs, s.router, s.gate_up, s.down, top_k=k), t),
+                         lambda H=H: (_rand((1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
+    return rows
+
+
+def deepseek_moe_block(E=16, H=64, I=32, k=4, n_group=4, topk_group=2, norm_topk=True, dtype=torch.float32,
+                       device="cpu", g=None):
+    """Hugging Face's own DeepSeek-V3 MoE block (sigmoid router with bias-corrected grouped top-k, routed and
+    shared experts), random weights and correction bias."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = transformers.DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
+                                        num_experts_per_tok=k, n_group=n_group, topk_group=topk_group,
+                                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=norm_topk)
+    cfg._experts_implementation = "batched_mm"
+    m = DeepseekV3MoE(cfg).eval()
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * prm.shape[-1] ** -0.5)
+        m.gate.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
+    return m.to(device=device, dtype=dtype)
+
+
+def check_deepseek_moe(device, dtype, g, shapes=((16, 64, 32, 4, 4, 2), (32, 48, 16, 6, 8, 3))):
+    rows = []
+    for (E, H, I, k, ng, tg), renorm in zip(shapes, (True, False)):
+        m = deepseek_moe_block(E, H, I, k, ng, tg, renorm, dtype, device, g)
+        rows += run_case(f"moe[DeepSeek-V3 block: E={E} top-{k} of {tg}/{ng} groups{', renorm' if renorm else ''}]", m,
+                         lambda H=H: (_rand((1, 1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
+    return rows
+
+
+FAMILIES = {"norms": check_norms, "gemv": check_gemv, "gather": check_gather, "packing": check_packing,
+            "attention": check_attention, "moe": check_moe}
+
+
+def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, (1,))))
+    rows = []
+    for name in families or FAMILIES:
+        rows += FAMILIES[name](device, dtype, g)
+    return rows
+
+
+if __name__ == "__main__":  # python -m tkcc.passes.lower.checks [family ...] (dtype by TKCC_CHECK_DTYPE)
+    import json
+    import os
+    import sys
+
+    from tkcc.kernels.common import fallbacks
+
+    dt = getattr(torch, os.environ.get("TKCC_CHECK_DTYPE", "float32"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    res = run_checks(dev, dt, sys.argv[1:] or None)
+    bad = [r for r in res if not r["ok"]]
+    print(json.dumps({"n": len(res), "failed": bad, "fallbacks": fallbacks()}, indent=1))
+    sys.exit(1 if bad else 0)

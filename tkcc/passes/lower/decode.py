@@ -1,0 +1,196 @@
+"""``lowered_decode``: the decode phase rewritten region by region into the kernel ops of ``tkcc.kernels``.
+
+The captured aten decode graph goes through the rewrites of this package, in stages; each stage applies
+its rewrites (largest pattern first) until none matches:
+
+1. ``canonicalize``: casts to what a tensor already is, aliases (bit-exact);
+2. what every layer shares: the step's causal mask, its rotary cos/sin table (bit-exact, named ops);
+3. MoE blocks: router, top-k, routed experts, with the norm before them when nothing else reads it (before
+   packing: the router is a linear that could be packed with a shared expert's);
+4. projections that read one activation packed into one (gate|up of a gated MLP first, then q|k|v);
+5. GEMVs with what surrounds them: norm prologue, bias, gated epilogue, residual epilogue;
+6. attention blocks: q/k norm, rotary, cache write, attention, as one fused launch per layer;
+7. whatever norms nothing absorbed;
+
+then dead code goes (the mask and the rotary table, once every attention is fused). A region no pattern
+matches stays in aten inside the same step, and a pattern that matched a region a kernel cannot take
+(a weight layout, a dtype, a shape, a mask that is not causal) is refused with its reason in the pass
+log: lowering is per region, never all or nothing, and never a wrong result. The result is an ordinary
+graph of aten and ``torch.ops.tkcc`` nodes: codegen writes it as the artifact's forward, and the decode
+phase replays from one CUDA graph through the wrapper every compiled forward gets
+(``tkcc.runtime.cudagraph.GraphCache``).
+
+Parameters (derived from the ops' own configs, see ``space.py``): ``attn_chunk`` and ``attn_tile`` (the
+fused attention's layout), ``gemv_config`` (one config for every GEMV, or ``auto``), ``pdl``
+(programmatic dependent launch on Hopper+), ``tune`` (on a GPU, time each GEMV group's and the MoE
+kernels' configs over all layers' weights and keep the fastest, ``tune.py``), ``tune_context`` (also time
+the attention layouts at this many positions of context: their best moves with the context). Whatever is
+tuned is written into the graph's nodes, so the artifact's source holds it.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from tkcc.errors import PlanError
+from tkcc.passes.base import Pass, RewriteInfo, register
+from tkcc.passes.lower import space
+from tkcc.passes.lower.pattern import Context, apply as apply_rewrite, canonicalize
+
+VIEWS = {"aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.unsqueeze.default",
+         "aten.squeeze.dim", "aten.expand.default", "aten.slice.Tensor", "aten.select.int", "aten.split_with_sizes.default",
+         "<built-in function getitem>", "aten.permute.default", "aten._unsafe_view.default"}
+
+
+def stages():
+    """The rewrites, stage by stage (see the module docstring)."""
+    import tkcc.kernels.lowered  # noqa: F401 - registers torch.ops.tkcc (no triton needed until a kernel runs)
+    from tkcc.passes.lower import attention, moe, norms, projections, rotary
+
+    return [("shared", attention.MASKS + rotary.REWRITES), ("moe", moe.REWRITES), ("packing", projections.PACK),
+            ("gemv", projections.GEMV), ("attention", attention.ATTENTION), ("norms", norms.REWRITES)]
+
+
+def _device(program) -> torch.device:
+    state = getattr(program, "state", None)
+    for b in (state.buffers() if state is not None else ()):
+        return b.device
+    return torch.device(program.meta.get("device", "cpu"))
+
+
+def _dtype(program) -> torch.dtype:
+    dt = getattr(torch, str(program.meta.get("dtype", "float32")).replace("torch.", ""), None)
+    if isinstance(dt, torch.dtype):
+        return dt
+    return next(program.model.parameters()).dtype
+
+
+def head_shapes(program) -> list[tuple[int, int, bool]]:
+    """(group size, head dim, q/k norm) of the model's attention, from its config (for the tile pruning)."""
+    cfg = program.model.config.get_text_config() if hasattr(program.model, "config") else None
+    if cfg is None:
+        return list(space.DEVICE_SHAPES)
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    return [(max(1, hq // hkv), int(D), qk) for qk in (False, True)]
+
+
+@register
+class LoweredDecode(Pass):
+    name = "lowered_decode"
+    version = "1"
+    exact = False
+    description = ("Decode graph -> its regions rewritten by op pattern into fused kernel ops (norm-prologue / "
+                   "residual-epilogue GEMVs, packed q|k|v and gate|up, one fused attention per layer, routed "
+                   "MoE); unmatched regions stay in aten; replayed as one CUDA graph.")
+    params = {"pdl": [True, False], "attn_chunk": list(space.ATTN_CHUNKS), "attn_tile": list(space.ATTN_TILES),
+              "gemv_config": list(space.GEMV_CONFIGS), "tune": [True, False],
+              "tune_context": [0, 128, 512, 2048, 8192, 32768]}
+
+    @classmethod
+    def space(cls, device=None, program=None) -> tuple[dict, dict]:
+        """(params, pruned): the space less what ``device`` cannot run, and why each value was pruned. With
+        a ``program`` its own head shapes decide; without, the reference models' (``space.DEVICE_SHAPES``)."""
+        limits = space.device_limits(device) if device is not None else None
+        shapes = head_shapes(program) if program is not None else space.DEVICE_SHAPES
+        bad = space.pruned_tiles(limits, shapes)
+        params = dict(cls.params)
+        params["attn_tile"] = [t for t in cls.params["attn_tile"] if t not in bad]
+        return params, {f"attn_tile={t}": why for t, why in bad.items()}
+
+    def apply(self, program, pdl=True, attn_chunk=0, attn_tile="64x4", gemv_config="auto", tune=True,
+              tune_context=0):
+        info = RewriteInfo()
+        if "decode" not in program.graphs:
+            info.notes.append("no decode phase; nothing to do")
+            return program, info
+        t0 = time.perf_counter()
+        block_s, num_warps = space.parse_tile(attn_tile)
+        device, dtype = _device(program), _dtype(program)
+        limits = space.device_limits(device)
+        bad = space.pruned_tiles(limits, head_shapes(program)) if limits is not None else {}
+        if limits is not None:
+            if attn_tile in bad:
+                raise PlanError(f"lowered_decode: attn_tile {attn_tile!r} cannot run on {device}: {bad[attn_tile]} "
+                                f"(the space for this device is {[t for t in space.ATTN_TILES if t not in bad]})")
+        use_pdl = bool(pdl) and limits is not None and limits[0] >= 90
+        pinned = space.parse_gemv(gemv_config)
+
+        def layout(hq, hkv, D, S):
+            chunk = attn_chunk or (256 if hkv >= 16 else 128)
+            return chunk, (block_s, num_warps)
+
+        gm = program.graphs["decode"]
+        before = collections.Counter(_kind(n) for n in gm.graph.nodes if n.op == "call_function")
+        lower(gm, dtype, {"pdl": use_pdl, "attention_layout": layout, "gemv_configs": {}}, info, "decode")
+        if pinned is not None:
+            _set_gemv_configs(gm, pinned)
+        if tune and device.type == "cuda":
+            from tkcc.kernels.graph_timing import graph_time
+            from tkcc.passes.lower import tune as tuning
+
+            with torch.no_grad():
+                tuned = tuning.tune_gemvs(gm, graph_time, log=info.notes.append) if pinned is None else {}
+                tuning.tune_moes(gm, graph_time, log=info.notes.append)
+                if tune_context:
+                    tuning.tune_attention(gm, graph_time, tune_context,
+                                          [t for t in space.ATTN_TILES if t not in bad], log=info.notes.append)
+                tuning.refine_in_step(gm, graph_time, tuned, tune_context or 128, log=info.notes.append)
+        gm.recompile()
+        after = collections.Counter(_kind(n) for n in gm.graph.nodes if n.op == "call_function")
+        ops = {k: v for k, v in sorted(after.items()) if k.startswith("tkcc.")}
+        aten = {k: v for k, v in sorted(after.items()) if not k.startswith("tkcc.") and k not in VIEWS}
+        info.notes.append(f"decode: {sum(before.values())} call nodes -> {sum(after.values())}; kernel ops {ops}; "
+                          f"left in aten {aten or 'nothing but views'}; pdl={use_pdl}, attn_chunk={attn_chunk or 'auto'}, "
+                          f"attn_tile={attn_tile}, gemv_config={gemv_config} ({time.perf_counter() - t0:.1f}s)")
+        return program.with_graphs({"decode": gm}), info
+
+
+def lower(gm, dtype: torch.dtype, options: dict, info: RewriteInfo | None = None, phase: str = "decode"):
+    """Rewrite ``gm`` in place through every stage (see the module docstring); returns ``info`` with the
+    counts, the provenance of every new node and a note per rewrite that lowered or refused regions."""
+    info = info if info is not None else RewriteInfo()
+    dropped = canonicalize(gm.graph)
+    gm.graph.eliminate_dead_code()
+    info.notes.append(f"{phase}: canonicalised ({dropped} no-op casts dropped)")
+    ctx = Context(gm, options=options)
+    for stage, rewrites in stages():
+        for rw in rewrites:
+            out = apply_rewrite(rw, gm, dtype, ctx)
+            info.matched += out.matched
+            info.replaced += out.replaced
+            for name, srcs in out.new_nodes.items():
+                info.provenance[f"{phase}:{name}"] = srcs
+            if out.replaced:
+                info.notes.append(f"{phase}: {stage}: {rw.name}: {out.replaced} region(s) lowered")
+            for why, n in out.refused.items():
+                info.notes.append(f"{phase}: {stage}: {rw.name}: {n} region(s) left in aten: {why}")
+    gm.graph.eliminate_dead_code()
+    _drop_unused_attrs(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return info
+
+
+def _kind(n) -> str:
+    return str(n.target)
+
+
+def _drop_unused_attrs(gm) -> None:
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and not n.users:
+            gm.graph.erase_node(n)
+
+
+def _set_gemv_configs(gm, cfg) -> None:
+    """Write one config into every GEMV node (a literal of the graph, so of the artifact's source)."""
+    from tkcc.passes.lower.tune import _set
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.tkcc.gemv.default:
+            _set(n, 7, "config", [int(c) for c in cfg])
+        elif n.op == "call_function" and n.target is torch.ops.tkcc.gemv_gather.default:
+            _set(n, 5, "config", [int(c) for c in cfg])

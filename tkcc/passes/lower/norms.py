@@ -1,0 +1,82 @@
+"""Normalisations: RMSNorm (Llama's ``w * norm(x)``, Gemma's ``norm(x) * (1 + w)``) and LayerNorm.
+
+Each pattern is the module's forward as Hugging Face writes it; each replacement one ``tkcc.rms_norm`` /
+``tkcc.layer_norm``. Most norms do not survive as ops: the projection rewrites (``projections.py``) match a
+norm feeding a GEMV and fold it into the GEMV's prologue, and the attention rewrite folds q/k norms into the
+fused attention. These rewrites lower the norms nothing else absorbed (the final norm of a model whose
+head is not a GEMV, a norm whose output has several kinds of users).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tkcc.passes.lower.pattern import Rewrite
+
+EPS = 1.2345e-07     # sentinels: no other literal of these patterns has these values
+OFFSET = 1.375
+
+
+def rms_norm(x, weight, *, eps):
+    """``LlamaRMSNorm.forward`` (also OLMoE's, Mixtral's, Qwen's): fp32 statistic, rounded, times the weight."""
+    dt = x.dtype
+    h = x.to(torch.float32)
+    var = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(var + eps)
+    return weight * h.to(dt)
+
+
+def rms_norm_offset(x, weight, *, eps, offset):
+    """``GemmaRMSNorm.forward``: ``norm(x.float()) * (1 + w.float())``, rounded once."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * (offset + weight.float())
+    return h.type_as(x)
+
+
+def layer_norm(x, weight, bias, *, eps):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def layer_norm_nobias(x, weight, *, eps):
+    return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
+
+
+def _to_rms_norm(x, weight, *, eps):
+    return torch.ops.tkcc.rms_norm(x, weight, eps)
+
+
+def _to_rms_norm_offset(x, weight, *, eps, offset):
+    return torch.ops.tkcc.rms_norm(x, weight, eps, offset, False)
+
+
+def _to_layer_norm(x, weight, bias, *, eps):
+    return torch.ops.tkcc.layer_norm(x, weight, bias, eps)
+
+
+def _to_layer_norm_nobias(x, weight, *, eps):
+    return torch.ops.tkcc.layer_norm(x, weight, None, eps)
+
+
+def _x_w(dtype, H=48):
+    return (torch.empty(1, 1, H, dtype=dtype), torch.empty(H, dtype=dtype))
+
+
+def _same_width(m) -> str | None:
+    x, w = m.val(0), m.val(1)
+    if w.dim() != 1 or w.shape[0] != x.shape[-1]:
+        return f"norm weight {tuple(w.shape)} for rows of {x.shape[-1]}"
+    return None
+
+
+REWRITES = [
+    Rewrite("rms_norm", rms_norm, _to_rms_norm, lambda dt: (_x_w(dt), {"eps": EPS}), region="norm",
+            check=_same_width),
+    Rewrite("rms_norm_offset", rms_norm_offset, _to_rms_norm_offset,
+            lambda dt: (_x_w(dt), {"eps": EPS, "offset": OFFSET}), region="norm", check=_same_width,
+            exact=True),  # (the offset form has no kernel yet: its op is the eager arithmetic everywhere)
+    Rewrite("layer_norm", layer_norm, _to_layer_norm,
+            lambda dt: ((*_x_w(dt), torch.empty(48, dtype=dt)), {"eps": EPS}), region="norm", exact=True),
+    Rewrite("layer_norm_nobias", layer_norm_nobias, _to_layer_norm_nobias, lambda dt: (_x_w(dt), {"eps": EPS}),
+            region="norm", exact=True),
+]

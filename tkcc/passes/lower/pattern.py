@@ -1,0 +1,559 @@
+"""Rewrites as pairs of plain PyTorch functions, matched on aten graphs by op pattern (TorchInductor style).
+
+A ``Rewrite`` is a ``pattern`` and a ``replacement`` with the same signature: tensors positional, scalars by
+keyword. The pattern is what a model's code computes for a region (Hugging Face's RMSNorm, its gated MLP,
+its attention block); the replacement computes the same with ``torch.ops.tkcc`` kernel ops. Both are traced
+to aten exactly as the Program's graphs are made (non-strict ``torch.export``, cleaned by
+``tkcc.frontend.export``), on meta tensors, so tracing costs no memory at any model size.
+
+Matching a rewrite on a graph:
+
+1. the pattern, traced at example shapes with *sentinel* scalars, is matched structurally
+   (``torch.fx`` ``SubgraphMatcher``: same ops, same data flow, literals ignored; every node but the
+   outputs used only inside the region);
+2. each scalar is read off the graph where its sentinel stands in the pattern (the ``eps`` of an add, a
+   ``scale`` keyword, a ``topk`` k); every occurrence must agree;
+3. the pattern is traced again at the matched inputs' shapes, strides and dtypes with those scalars, and
+   compared with the region literal by literal: the region is then exactly the pattern's aten program, so
+   the replacement (tested against the pattern on random inputs) computes what the region computed;
+4. the rewrite's ``check`` sees the match (shapes, dtypes, weights, producers of its inputs) and may refuse
+   it with a reason, which the pass logs: the region then stays in aten;
+5. the replacement, traced at the same shapes (with any tensors the rewrite adds: packed weights, arrival
+   counters), is inlined in place of the region, and every new node records the nodes it came from.
+
+Both the pattern's trace and the graph are canonicalised the same way first (``canonicalize``: casts to
+the dtype a tensor already has and ``aten.alias`` are dropped), so one pattern serves fp32 graphs, where
+``x.to(torch.float32)`` is the identity, and bf16 graphs, where it is a real cast.
+"""
+from __future__ import annotations
+
+import heapq
+import inspect
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
+
+from tkcc.passes.graph_pass import origin
+
+_NOOP_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+               torch.ops.aten.alias.default, torch.ops.aten.contiguous.default}
+
+
+# ---- canonical form -------------------------------------------------------------------------------------
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+def _is_noop(n: torch.fx.Node) -> bool:
+    if n.op != "call_function" or n.target not in _NOOP_CASTS or not n.args:
+        return False
+    src, out = _val(n.args[0]), _val(n)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if n.target is torch.ops.aten.alias.default:
+        return True
+    if n.target is torch.ops.aten.contiguous.default:
+        return src.is_contiguous()
+    if n.kwargs.get("copy") or n.kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return False
+    return src.dtype == out.dtype and src.device.type == out.device.type and src.shape == out.shape \
+        and src.stride() == out.stride()
+
+
+def canonicalize(graph: torch.fx.Graph) -> int:
+    """Drop casts to what a tensor already is and aliases (eager returns the tensor itself); returns how
+    many. Bit-exact: the ops dropped compute nothing."""
+    dropped = 0
+    for n in list(graph.nodes):
+        if _is_noop(n):
+            n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
+            dropped += 1
+    return dropped
+
+
+def stable_toposort(graph: torch.fx.Graph) -> None:
+    """Reorder so that every node follows its inputs, moving as few as possible (each node keeps its place
+    unless an input now comes after it). Replacements are inlined after their last input; a region's output
+    whose users came before that point moves down with them."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    pending = {n: len(set(n.all_input_nodes)) for n in nodes}
+    users: dict[torch.fx.Node, list] = {n: [] for n in nodes}
+    for n in nodes:
+        for a in set(n.all_input_nodes):
+            users[a].append(n)
+    heap = [(pos[n], n.name, n) for n in nodes if pending[n] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        order.append(n)
+        for u in users[n]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(heap, (pos[u], u.name, u))
+    if len(order) != len(nodes):
+        raise RuntimeError("stable_toposort: the graph has a cycle")
+    if order == nodes:
+        return
+    out = [n for n in order if n.op == "output"]
+    cursor = order[0]
+    for n in order[1:]:
+        if n.op == "output":
+            continue
+        cursor.append(n)
+        cursor = n
+    if out:
+        cursor.append(out[0])
+
+
+# ---- tracing ---------------------------------------------------------------------------------------------
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn, scalars):
+        super().__init__()
+        self.fn, self.scalars = fn, scalars
+
+    def forward(self, *tensors):
+        return self.fn(*tensors, **self.scalars)
+
+
+def _meta_like(v: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tuple(int(s) for s in v.shape), tuple(int(s) for s in v.stride()), dtype=v.dtype,
+                               device="meta")
+
+
+def _sig(tensors, scalars) -> tuple:
+    return (tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors),
+            tuple(sorted((k, repr(v)) for k, v in scalars.items())))
+
+
+_TRACES: dict[tuple, torch.fx.GraphModule] = {}
+
+
+def trace(fn: Callable, tensors: tuple, scalars: dict | None = None) -> torch.fx.GraphModule:
+    """``fn(*tensors, **scalars)`` as a canonical aten graph, traced on meta tensors like the Program's
+    graphs (cached per function, shapes, strides, dtypes and scalars: a trace is deterministic)."""
+    from tkcc.frontend.export import clean_exported
+
+    scalars = dict(scalars or {})
+    metas = tuple(_meta_like(t) for t in tensors)
+    key = (fn, _sig(metas, scalars))
+    hit = _TRACES.get(key)
+    if hit is not None:
+        return hit
+    with torch.no_grad():
+        ep = torch.export.export(_Fn(fn, scalars), metas, strict=False)
+    gm, _spec = clean_exported(ep)
+    canonicalize(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    _TRACES[key] = gm
+    return gm
+
+
+# ---- literals --------------------------------------------------------------------------------------------
+
+def _all_args(n: torch.fx.Node) -> list:
+    """A call's arguments in schema order, defaults filled in (so that two spellings of one call compare)."""
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        out = []
+        for i, a in enumerate(t._schema.arguments):
+            if a.name in n.kwargs:
+                out.append(n.kwargs[a.name])
+            elif not a.kwarg_only and i < len(n.args):
+                out.append(n.args[i])
+            else:
+                out.append(a.default_value if a.has_default_value() else None)
+        return out
+    return list(n.args) + [n.kwargs[k] for k in sorted(n.kwargs)]
+
+
+def _leaves(value, path=()):
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, value
+
+
+def _at(value, path):
+    for i in path:
+        if not isinstance(value, (list, tuple)) or i >= len(value):
+            raise KeyError(path)
+        value = value[i]
+    return value
+
+
+def _same_literal(a, b) -> bool:
+    if isinstance(a, torch.device) and isinstance(b, torch.device):
+        return True  # patterns are traced on meta tensors; the device is the graph's
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b and isinstance(a, float) == isinstance(b, float)
+    return type(a) is type(b) and a == b
+
+
+def _has_node(v) -> bool:
+    if isinstance(v, torch.fx.Node):
+        return True
+    return isinstance(v, (list, tuple)) and any(_has_node(x) for x in v)
+
+
+class _Matcher(SubgraphMatcher):
+    """``SubgraphMatcher`` that matches data flow only: a literal matches any literal (``_verify`` compares
+    them against a trace at the region's own shapes), never a node, and a node never a literal."""
+
+    def _match_literals(self, pn, gn, match) -> bool:
+        return not _has_node(pn) and not _has_node(gn)
+
+
+# ---- rewrites --------------------------------------------------------------------------------------------
+
+@dataclass
+class Match:
+    """One region of the graph that a rewrite's pattern matched, with what its check and params may read."""
+
+    rewrite: "Rewrite"
+    gm: torch.fx.GraphModule
+    inputs: list                  # graph nodes bound to the pattern's tensor inputs, in order
+    outputs: list                 # graph nodes bound to the pattern's outputs, in order
+    nodes: list                   # every graph node of the region (inputs excluded)
+    scalars: dict                 # scalar name -> value read off the graph
+    extra: dict = field(default_factory=dict)  # what params() added (scalars, tensors) for the replacement
+
+    def val(self, i: int):
+        """The i-th input's example value (a fake tensor: shape, stride, dtype, device)."""
+        return _val(self.inputs[i])
+
+    def tensor(self, i: int) -> torch.Tensor | None:
+        """The i-th input's real tensor when it is a weight or buffer of the graph (``get_attr``), else None."""
+        n = self.inputs[i]
+        if isinstance(n, torch.fx.Node) and n.op == "get_attr":
+            obj = self.gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            return obj if isinstance(obj, torch.Tensor) else None
+        return None
+
+    def producer(self, i: int):
+        """The node that computed the i-th input."""
+        return self.inputs[i]
+
+
+class Refused(Exception):
+    """A rewrite's params() found the match unusable (reason in the message): the region stays in aten."""
+
+
+@dataclass
+class Rewrite:
+    """One pattern and its replacement (see the module docstring).
+
+    example(dtype) -> (tensors, scalars): inputs to trace the pattern at, scalars as sentinels (values that
+        stand out among the pattern's other literals, so that the matcher finds where they are).
+    check(match) -> None, or why this match must stay in aten (shapes, dtypes, weights, producers).
+    params(match, ctx) -> dict of extra keyword arguments for the replacement: scalars, and tensors it adds
+        to the graph through ``ctx.tensor`` (packed weights, counters). May raise Refused.
+    exact: the replacement is bit-exact with the pattern on every device (else only within tolerance).
+    """
+
+    name: str
+    pattern: Callable
+    replacement: Callable
+    example: Callable[[torch.dtype], tuple]
+    region: str
+    exact: bool = False
+    check: Callable[[Match], str | None] | None = None
+    params: Callable | None = None
+    _traced: dict = field(default_factory=dict, repr=False)
+
+    def pattern_graph(self, dtype: torch.dtype):
+        """The pattern traced at its example with sentinels, its matcher, and where each sentinel stands."""
+        hit = self._traced.get(dtype)
+        if hit is not None:
+            return hit
+        tensors, scalars = self.example(dtype)
+        gm = trace(self.pattern, tensors, scalars)
+        # numbers are sentinels, read off the graph where they stand; anything else (a dtype) is fixed
+        fixed = {k: v for k, v in scalars.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+        scalars = {k: v for k, v in scalars.items() if k not in fixed}
+        where: dict[str, list] = {k: [] for k in scalars}
+        nodes = list(gm.graph.nodes)
+        for i, pn in enumerate(nodes):
+            if pn.op != "call_function":
+                continue
+            for path, v in _leaves(_all_args(pn)):
+                for k, s in scalars.items():
+                    if _same_literal(v, s) and not isinstance(v, torch.device):
+                        where[k].append((i, path))
+        missing = [k for k, w in where.items() if not w]
+        if missing:
+            raise RuntimeError(f"rewrite {self.name}: scalars {missing} appear nowhere in the traced pattern")
+        matcher = _Matcher(gm.graph, match_output=False, match_placeholder=False, remove_overlapping_matches=True,
+                           ignore_literals=False)
+        hit = self._traced[dtype] = (gm, matcher, where, fixed)
+        return hit
+
+
+class Context:
+    """What a rewrite's params() may add to the graph: tensors held by the graph module (``get_attr``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, prefix: str = "_lowered", options: dict | None = None):
+        self.gm, self.prefix = gm, prefix
+        self.options = dict(options or {})  # the pass's settings the rewrites read (configs, pdl)
+        self.added: list[torch.fx.Node] = []
+        self.match: Match | None = None  # the match whose params() is running (the new tensors' provenance)
+        self._shared: dict[Any, torch.fx.Node] = {}
+
+    def tensor(self, hint: str, value: torch.Tensor, *, packed_from: list | None = None, share_key=None):
+        """A get_attr node for ``value`` (one per ``share_key``: regions with the same key share the tensor).
+        ``packed_from``: the get_attr nodes of the weights ``value`` packs row-wise (codegen rebuilds it from
+        the model's own parameters at bind time instead of embedding it)."""
+        if share_key is not None and share_key in self._shared:
+            return self._shared[share_key]
+        i = 0
+        while hasattr(self.gm, f"{self.prefix}_{hint}_{i}"):
+            i += 1
+        name = f"{self.prefix}_{hint}_{i}"
+        self.gm.register_buffer(name, value, persistent=False)
+        first = next(iter(self.gm.graph.nodes))
+        with self.gm.graph.inserting_before(first):
+            node = self.gm.graph.get_attr(name)
+        mode = _fake_mode(self.gm.graph)
+        node.meta["val"] = mode.from_tensor(value) if mode is not None else value
+        if packed_from is not None:
+            node.meta["tkcc_packed_from"] = [n.target for n in packed_from]
+            origin(node, *packed_from)
+        elif self.match is not None:
+            origin(node, *self.match.nodes)
+        self.added.append(node)
+        if share_key is not None:
+            self._shared[share_key] = node
+        return node
+
+
+def _fake_mode(graph: torch.fx.Graph):
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    return detect_fake_mode(vals[:8]) if vals else None
+
+
+@dataclass
+class Outcome:
+    matched: int = 0
+    replaced: int = 0
+    refused: dict = field(default_factory=dict)  # reason -> count
+    new_nodes: dict = field(default_factory=dict)  # new node name -> names of the region's nodes
+
+
+def find(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype) -> tuple[list[Match], dict]:
+    """Every match of ``rewrite`` in ``gm`` (verified literal by literal), and why candidates were refused."""
+    pgm, matcher, where, fixed = rewrite.pattern_graph(dtype)
+    pnodes = list(pgm.graph.nodes)
+    out_node = pnodes[-1]
+    p_outs = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    p_inputs = [n for n in pnodes if n.op == "placeholder"]
+    refused: dict[str, int] = {}
+    found = []
+    for m in matcher.match(gm.graph):
+        got = _verify(rewrite, m, pnodes, p_inputs, p_outs, where, fixed, gm)
+        if isinstance(got, str):
+            refused[got] = refused.get(got, 0) + 1
+            continue
+        found.append(got)
+    return found, refused
+
+
+def _verify(rewrite, m, pnodes, p_inputs, p_outs, where, fixed, gm):
+    """A Match when the structural match ``m`` is exactly the pattern's program, else why not."""
+    inputs = [m.nodes_map[p] for p in p_inputs]
+    if not all(isinstance(n, torch.fx.Node) and isinstance(_val(n), torch.Tensor) for n in inputs):
+        return "an input of the pattern is not a tensor of the graph"
+    scalars = dict(fixed)
+    for k in where:
+        vals = []
+        for i, path in where[k]:
+            try:
+                vals.append(_at(_all_args(m.nodes_map[pnodes[i]]), path))
+            except KeyError:
+                return f"scalar {k} is not where the pattern has it"
+        if any(isinstance(v, torch.fx.Node) for v in vals) or any(not _same_literal(v, vals[0]) for v in vals):
+            return f"scalar {k} differs between its uses ({vals})"
+        scalars[k] = vals[0]
+    try:
+        again = trace(rewrite.pattern, tuple(_val(n) for n in inputs), scalars)
+    except Exception as e:  # noqa: BLE001 - the pattern does not apply at these shapes: no match
+        return f"the pattern does not trace at these shapes ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    qnodes = list(again.graph.nodes)
+    if [(n.op, n.target) for n in qnodes if n.op != "placeholder"] != \
+            [(n.op, n.target) for n in pnodes if n.op != "placeholder"] or len(qnodes) != len(pnodes):
+        return "the pattern traces to other ops at these shapes"
+    for pn, qn in zip(pnodes, qnodes):
+        if pn.op != "call_function":
+            continue
+        gn = m.nodes_map[pn]
+        ga, qa = _all_args(gn), _all_args(qn)
+        if len(ga) != len(qa):
+            return f"{gn.name}: {len(ga)} arguments, the pattern has {len(qa)}"
+        for (path, qv) in _leaves(qa):
+            try:
+                gv = _at(ga, path)
+            except KeyError:
+                return f"{gn.name}: argument {path} is missing"
+            if isinstance(qv, torch.fx.Node):
+                twin = pnodes[qnodes.index(qv)]
+                if gv is not m.nodes_map.get(twin):
+                    return f"{gn.name}: argument {path} is not the pattern's"
+            elif isinstance(gv, torch.fx.Node) or not _same_literal(qv, gv):
+                return f"{gn.name}: argument {path} is {gv!r}, the pattern has {qv!r}"
+    nodes = [m.nodes_map[p] for p in pnodes if p.op not in ("placeholder", "output")]
+    outputs = [m.nodes_map[p] for p in p_outs]
+    match = Match(rewrite, gm, inputs, outputs, nodes, scalars)
+    if rewrite.check is not None:
+        why = rewrite.check(match)
+        if why:
+            return why
+    return match
+
+
+def apply(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype, ctx: Context | None = None,
+          limit: int | None = None) -> Outcome:
+    """Replace every match of ``rewrite`` in ``gm`` (to a fixpoint: a replacement can make a new match)."""
+    ctx = ctx or Context(gm)
+    res = Outcome()
+    while True:
+        matches, refused = find(rewrite, gm, dtype)
+        for k, v in refused.items():
+            res.refused[k] = res.refused.get(k, 0) + v
+        done = 0
+        erased: set = set()
+        for match in matches:
+            if limit is not None and res.replaced >= limit:
+                break
+            if any(n in erased for n in match.inputs + match.nodes):
+                continue  # an earlier replacement in this sweep changed this region: the next sweep sees it
+            res.matched += 1
+            ctx.match = match
+            try:
+                extra = rewrite.params(match, ctx) if rewrite.params is not None else {}
+            except Refused as e:
+                res.refused[str(e)] = res.refused.get(str(e), 0) + 1
+                continue
+            match.extra = extra
+            new = _replace(match, ctx)
+            erased |= set(match.nodes)
+            res.replaced += 1
+            done += 1
+            for n in new:
+                res.new_nodes[n.name] = [s for s in n.meta.get("tkcc_from", [])]
+        if done:
+            stable_toposort(gm.graph)
+        if not done or (limit is not None and res.replaced >= limit):
+            break
+        # refused candidates are counted once per sweep they appear in; only the last sweep's stand
+        res.refused = dict(refused)
+    return res
+
+
+def _replace(match: Match, ctx: Context) -> list[torch.fx.Node]:
+    """Inline the replacement's trace in place of the region; returns the new nodes."""
+    rw, gm = match.rewrite, match.gm
+    graph = gm.graph
+    extra_t = {k: v for k, v in match.extra.items() if isinstance(v, torch.fx.Node)}
+    extra_s = {k: v for k, v in match.extra.items() if not isinstance(v, torch.fx.Node)}
+    tensors = [_val(n) for n in match.inputs] + [_val(v) for v in extra_t.values()]
+    scalars = {**match.scalars, **extra_s}
+
+    rgm = trace(_replacement_fn(rw, len(match.inputs), tuple(extra_t)), tuple(tensors), scalars)
+    bound = list(match.inputs) + list(extra_t.values())
+    env: dict[torch.fx.Node, Any] = {}
+    ph = [n for n in rgm.graph.nodes if n.op == "placeholder"]
+    for p, g in zip(ph, bound):
+        env[p] = g
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = max(bound, key=lambda n: order[n])
+    first = min(match.nodes, key=lambda n: order[n])
+    where = first if order[first] > order[anchor] else anchor.next
+    new_nodes = []
+    stack = _common_stack(match.nodes)
+    mode = _fake_mode(graph)
+    outs = None
+    with graph.inserting_before(where):
+        for rn in rgm.graph.nodes:
+            if rn.op == "placeholder":
+                continue
+            if rn.op == "output":
+                outs = rn.args[0]
+                continue
+            if rn.op != "call_function":
+                raise RuntimeError(f"rewrite {rw.name}: the replacement traced to a {rn.op} node")
+            args = torch.fx.map_arg(rn.args, lambda a: env[a])
+            kwargs = torch.fx.map_arg(rn.kwargs, lambda a: env[a])
+            nn = graph.call_function(rn.target, args, kwargs)
+            nn.meta["val"] = _fake_run(mode, rn.target, args, kwargs) if mode is not None else rn.meta.get("val")
+            origin(nn, *match.nodes)
+            nn.meta["tkcc_rewrite"] = rw.name
+            if stack:
+                nn.meta["nn_module_stack"] = dict(stack)
+            env[rn] = nn
+            new_nodes.append(nn)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    if len(outs) != len(match.outputs):
+        raise RuntimeError(f"rewrite {rw.name}: the replacement returns {len(outs)} values, the pattern "
+                           f"{len(match.outputs)}")
+    for old, new in zip(match.outputs, outs):
+        old.replace_all_uses_with(env[new] if isinstance(new, torch.fx.Node) else new)
+    for n in sorted(match.nodes, key=lambda n: -order[n]):
+        if not n.users:
+            graph.erase_node(n)
+    return new_nodes
+
+
+_REPLACEMENTS: dict = {}
+
+
+def _replacement_fn(rw: Rewrite, n: int, extra_names: tuple):
+    """``rw.replacement`` with the tensors params() added passed positionally after the pattern's ``n``
+    inputs: one function object per (rewrite, added tensors), so its traces are cached like the pattern's."""
+    key = (id(rw), n, extra_names)
+    fn = _REPLACEMENTS.get(key)
+    if fn is None:
+        def fn(*ts, **kw):
+            return rw.replacement(*ts[:n], **dict(zip(extra_names, ts[n:])), **kw)
+
+        fn.__qualname__ = f"{rw.name}.replacement"
+        _REPLACEMENTS[key] = fn
+    return fn
+
+
+def _common_stack(nodes) -> dict:
+    """The module stack every node of the region shares (the innermost module holding all of it: a norm and the
+    projection after it are in their decoder layer, not in the norm), so that passes that find regions by
+    module never take a fused node for a piece of one module."""
+    stacks = [list((n.meta.get("nn_module_stack") or {}).items()) for n in nodes if n.meta.get("nn_module_stack")]
+    if not stacks:
+        return {}
+    common = []
+    for items in zip(*stacks):
+        if any(it != items[0] for it in items[1:]):
+            break
+        common.append(items[0])
+    return dict(common)
+
+
+def _fake_run(mode, target, args, kwargs):
+    vals_a = torch.fx.map_arg(args, lambda a: a.meta.get("val"))
+    vals_k = torch.fx.map_arg(kwargs, lambda a: a.meta.get("val"))
+    if target is operator.getitem:
+        return vals_a[0][vals_a[1]]
+    with mode:
+        return target(*vals_a, **vals_k)

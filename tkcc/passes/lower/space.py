@@ -1,0 +1,86 @@
+"""The lowered step's parameter space, from the configs of the kernel ops it emits, pruned per device.
+
+- ``attn_tile``: the fused attention kernel's tile (positions per loop step x warps), ``ATTN_TILES`` of
+  ``tkcc.kernels.lowered``. A tile whose shared memory exceeds what the device gives one block is pruned
+  before any candidate uses it, with the reason: its use is found by compiling the kernel for the device's
+  architecture at the model's head shapes (Triton ahead of time, specialised as the JIT specialises it:
+  software pipelining of the cache loads is what makes large tiles large), e.g. the 256x8 tile at head
+  dim 128 needs 274,432 B where an H200 gives 232,448.
+- ``attn_chunk``: positions per split-KV program (``ATTN_CHUNKS``; 0 picks by the kv head count).
+- ``gemv_config``: one GEMV config (BLOCK_N x BLOCK_K x warps, ``tkcc.kernels.gemv.CONFIGS``) for every
+  GEMV, or ``"auto"``: each GEMV's own, timed on the device when the pass tunes (``tune``), else the
+  kernel's default. Tuned configs are written into the lowered graph (and so the artifact's source).
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("tkcc.passes.lower")
+
+# the fused attention kernel's configs (mirrors the ones the FusedDecoder tuned over)
+ATTN_TILES = ["64x4", "32x4", "16x4", "128x4", "128x8", "256x8", "32x2"]
+ATTN_CHUNKS = [0, 64, 128, 256, 512, 1024, 2048]
+# the GEMV kernel's configs, spelled as params (the kernel's own list: tkcc.kernels.gemv.CONFIGS)
+GEMV_CONFIGS = ["auto", "4x512x4", "8x512x4", "16x256x4", "2x1024x4", "4x1024x8", "8x256x2", "1x2048x4",
+                "16x512x8", "2x2048x4", "4x2048x4", "4x2048x8", "8x2048x8", "8x1024x4", "32x256x8", "1x8192x4",
+                "2x8192x8"]
+# head shapes (group size, head dim, q/k norm) a space for a device alone is pruned at: the built-in
+# reference models' (llama-1b-16l: 4 x 64; olmoe-16l: 1 x 128 with norms) and 8 x 128 (GQA-8 models)
+DEVICE_SHAPES = ((4, 64, False), (1, 128, True), (8, 128, False))
+
+
+def parse_tile(tile: str) -> tuple[int, int]:
+    from tkcc.errors import PlanError
+
+    try:
+        bs, nw = (int(v) for v in str(tile).split("x"))
+        if bs < 16 or bs & (bs - 1) or nw not in (1, 2, 4, 8, 16):
+            raise ValueError
+    except ValueError:
+        raise PlanError(f"lowered_decode: attn_tile {tile!r} is not 'POSITIONSxWARPS' (positions a power of two "
+                        ">= 16, warps 1-16), e.g. '64x4'") from None
+    return bs, nw
+
+
+def parse_gemv(cfg: str) -> tuple[int, int, int] | None:
+    if cfg == "auto":
+        return None
+    bn, bk, nw = (int(v) for v in cfg.split("x"))
+    return bn, bk, nw
+
+
+def attention_smem(arch: int, G: int, D: int, qk_norm: bool, tile: str, pdl: bool = True) -> int:
+    """Shared memory (bytes) of the fused attention at this tile and head shape on ``sm_<arch>``."""
+    from tkcc.kernels.attention_rope import shared_memory
+
+    bs, nw = parse_tile(tile)
+    return shared_memory(arch, G, D, qk_norm, bs, nw, pdl)
+
+
+def device_limits(device) -> tuple[int, int] | None:
+    """(architecture, shared memory per block) of a CUDA device, None off CUDA (the interpreter has no limit)."""
+    from tkcc.kernels.attention_rope import device_limits as limits
+
+    return limits(device)
+
+
+def pruned_tiles(limits: tuple[int, int] | None, shapes) -> dict[str, str]:
+    """tile -> why the device cannot run it at one of ``shapes`` ((G, D, qk_norm)); {} without limits."""
+    if limits is None:
+        return {}
+    arch, smem = limits
+    out = {}
+    for tile in ATTN_TILES:
+        for G, D, qk in shapes:
+            try:
+                need = attention_smem(arch, G, D, qk, tile)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile cannot run either
+                out[tile] = f"does not compile for sm_{arch} at heads {G}x{D}: {type(e).__name__}: {e}"
+                break
+            if need > smem:
+                out[tile] = (f"needs {need:,} B of shared memory at {G} heads x {D} per kv head, the device "
+                             f"gives {smem:,} B per block")
+                break
+    for tile, why in out.items():
+        log.info("lowered_decode: attn_tile %s pruned from the space: %s", tile, why)
+    return out

@@ -1,0 +1,252 @@
+"""Kernel configs of a lowered step, picked by timing on the device; written into the graph's nodes.
+
+- GEMVs: nodes with the same shape and hooks form a group; each config of the GEMV kernel
+  (``tkcc.kernels.gemv.CONFIGS``) is timed over the whole group (every layer's own weights, so the L2
+  does not serve them), replayed from a CUDA graph as the step runs them; the fastest goes into every
+  node of the group.
+- MoE blocks: the routed kernels' three configs (router, gate_up, down), one at a time from the defaults
+  (coordinate descent), timed over every layer the same way.
+- Attention: the (chunk, tile) layout at a context, over every layer's real cache (only the position the
+  timing writes is saved and put back), from the chunks below the cache and the tiles the device runs.
+- Then each GEMV group's three fastest configs again inside the whole step (``refine_in_step``): PDL
+  overlap with the neighbouring kernels and the L2 state are the step's, which a group timed alone misses.
+
+What is picked lives in the graph (so in the artifact's source), never in a process-global table.
+``timer(fn) -> µs`` is ``tkcc.kernels.graph_timing.graph_time`` on a GPU; tests give a fake one.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from tkcc.passes.lower import space
+
+def _fetch(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Inputs:
+    """Real tensors for a node's arguments: weights and caches as the graph holds them, activations random."""
+
+    def __init__(self, gm, seed: int = 0, position: int = 0):
+        self.gm, self.cache = gm, {}
+        self.g = torch.Generator().manual_seed(seed)
+        self.position = position
+
+    def value(self, a):
+        if not isinstance(a, torch.fx.Node):
+            return [self.value(x) for x in a] if isinstance(a, (list, tuple)) else a
+        if a in self.cache:
+            return self.cache[a]
+        if a.op == "get_attr":
+            t = _fetch(self.gm, a.target)
+        else:
+            v = a.meta["val"]
+            if v.dtype in (torch.int64, torch.int32):
+                fill = self.position if a.op == "placeholder" and a.target == "cache_position" else 0
+                t = torch.full(tuple(v.shape), fill, dtype=v.dtype, device=v.device)
+            else:
+                t = (torch.randn(tuple(v.shape), generator=self.g) * 0.1).to(device=v.device, dtype=v.dtype)
+        self.cache[a] = t
+        return t
+
+    def args(self, n):
+        return [self.value(a) for a in n.args], {k: self.value(v) for k, v in n.kwargs.items()}
+
+
+def _with_arg(n, args, kwargs, index, name, value):
+    """The call's args with argument ``index`` (``name`` when given by keyword) replaced."""
+    args = list(args)
+    if name in kwargs:
+        kwargs = dict(kwargs, **{name: value})
+    else:
+        schema = n.target._schema.arguments
+        while len(args) <= index:
+            a = schema[len(args)]
+            args.append(a.default_value if a.has_default_value() else None)
+        args[index] = value
+    return args, kwargs
+
+
+def _set(n, index, name, value):
+    args, kwargs = _with_arg(n, n.args, n.kwargs, index, name, value)
+    n.args, n.kwargs = tuple(args), kwargs
+
+
+def _pick(nodes, ins, index, name, candidates, timer, ranked: list | None = None):
+    """The fastest candidate for argument ``index`` over all ``nodes`` (each with its own inputs), or None;
+    ``ranked`` gets every candidate that ran, fastest first."""
+    calls = [(n, *ins.args(n)) for n in nodes]
+    best = None
+    times = []
+    for cand in candidates:
+        def fn(cand=cand):
+            for n, args, kwargs in calls:
+                a, k = _with_arg(n, args, kwargs, index, name, cand)
+                n.target(*a, **k)
+        try:
+            t = timer(fn)
+        except Exception:  # noqa: BLE001 - a config that does not compile or launch here is not a candidate
+            continue
+        times.append((t, len(times), cand))
+        if best is None or t < best[1]:
+            best = (cand, t)
+    if ranked is not None:
+        ranked[:] = [c for _t, _i, c in sorted(times)]
+    return best
+
+
+def tune_gemvs(gm, timer, log=None) -> dict:
+    """Pick each GEMV group's config (see the module docstring); returns {group key: (config, µs each, nodes,
+    argument index, configs fastest first)}."""
+    from tkcc.kernels import gemv as gemv_mod
+    from tkcc.passes.lower.projections import gemv_key
+
+    from tkcc.passes.lower.pattern import _all_args
+
+    groups = collections.defaultdict(list)
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops.tkcc.gemv.default:
+            x, w, b, nw, _eps, r, act, *_ = _all_args(n)
+            wv = w.meta["val"]
+            groups[(n.target, gemv_key(wv.shape[0], wv.shape[1], nw is not None, act, r is not None,
+                                       b is not None, wv.dtype))].append(n)
+        elif n.target is torch.ops.tkcc.gemv_gather.default:
+            _t, _ids, w, nw, _eps, _cfg, _pdl, b = _all_args(n)
+            wv = w.meta["val"]
+            groups[(n.target, gemv_key(wv.shape[0], wv.shape[1], nw is not None, False, False, b is not None, wv.dtype)
+                    + "+gather")].append(n)
+    ins = _Inputs(gm)
+    out = {}
+    for key, nodes in groups.items():
+        index = 7 if key[0] is torch.ops.tkcc.gemv.default else 5
+        ranked = []
+        best = _pick(nodes, ins, index, "config", [list(c) for c in gemv_mod.CONFIGS], timer, ranked)
+        if best is None:
+            continue
+        for n in nodes:
+            _set(n, index, "config", best[0])
+        out[key[1]] = (best[0], round(best[1] / len(nodes), 2), nodes, index, ranked)
+        if log:
+            log(f"decode: tuned GEMV {key[1]} x{len(nodes)}: {'x'.join(map(str, best[0]))} "
+                f"({best[1] / len(nodes):.2f} us each)")
+    return out
+
+
+def refine_in_step(gm, timer, tuned: dict, context: int, top: int = 3, log=None) -> dict:
+    """Each GEMV group's ``top`` fastest configs timed again inside the whole step (its neighbours' PDL overlap
+    and the L2 as the step leaves it), one group at a time from the configs ``tune_gemvs`` picked: the one
+    that makes the step fastest stays. The step writes one cache position (``context``); it is put back."""
+    attn = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.attention_rope.default]
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not tuned or not attn or [p.target for p in ph] != ["input_ids", "cache_position"]:
+        return {}
+    S = attn[0].args[1].meta["val"].shape[2]
+    pos = max(0, min(int(context), S - 1))
+    ins = _Inputs(gm, position=pos)
+    inputs = [ins.value(p) for p in ph]
+    caches = [ins.value(a) for n in attn for a in (n.args[1], n.args[2])]
+    saved = [c[:, :, pos].clone() for c in caches]
+    out = {}
+    try:
+        for key, (cfg, _us, nodes, index, ranked) in tuned.items():
+            best = None
+            for cand in [cfg] + [c for c in ranked[:top] if c != cfg]:
+                for n in nodes:
+                    _set(n, index, "config", cand)
+                gm.recompile()
+                try:
+                    t = timer(lambda: gm(*inputs))
+                except Exception:  # noqa: BLE001 - not a candidate here
+                    continue
+                if best is None or t < best[1]:
+                    best = (cand, t)
+            if best is None:
+                best = (cfg, None)
+            for n in nodes:
+                _set(n, index, "config", best[0])
+            gm.recompile()
+            out[key] = best
+            if log and best[0] != cfg:
+                log(f"decode: in the whole step GEMV {key} runs fastest with {'x'.join(map(str, best[0]))} "
+                    f"({best[1]:.1f} us per step)")
+    finally:
+        with torch.no_grad():
+            for c, v in zip(caches, saved):
+                c[:, :, pos].copy_(v)
+    return out
+
+
+def tune_moes(gm, timer, log=None) -> dict:
+    """Pick the routed-MoE kernels' configs, one kernel at a time over every MoE node."""
+    from tkcc.kernels import moe_routed as mr
+
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe.default]
+    if not nodes:
+        return {}
+    ins = _Inputs(gm)
+    cur = [*mr.ROUTER_CONFIGS[0], *mr.GATE_UP_CONFIGS[0], *mr.DOWN_CONFIGS[0]]
+    out = {}
+    for part, cands in ((0, mr.ROUTER_CONFIGS), (2, mr.GATE_UP_CONFIGS), (4, mr.DOWN_CONFIGS)):
+        trials = [cur[:part] + list(c) + cur[part + 2:] for c in cands]
+        best = _pick(nodes, ins, 10, "configs", trials, timer)
+        if best is not None:
+            cur = best[0]
+            out[("router", "gate_up", "down")[part // 2]] = (list(best[0][part:part + 2]), round(best[1], 2))
+    for n in nodes:
+        _set(n, 10, "configs", cur)
+    if log:
+        log(f"decode: tuned MoE x{len(nodes)}: router/gate_up/down {cur[0:2]}/{cur[2:4]}/{cur[4:6]}")
+    return out
+
+
+def tune_attention(gm, timer, context: int, tiles, log=None) -> dict:
+    """Pick the fused attention's (chunk, tile) at ``context`` positions over every layer's cache."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.attention_rope.default]
+    if not nodes:
+        return {}
+    S = nodes[0].args[1].meta["val"].shape[2]
+    pos = max(0, min(int(context), S - 1))
+    ins = _Inputs(gm, position=pos)
+    caches = [ins.value(a) for n in nodes for a in (n.args[1], n.args[2])]
+    saved = [c[:, :, pos].clone() for c in caches]
+    chunks = [c for c in space.ATTN_CHUNKS if c and c < S] + ([S] if S <= 8192 else [])
+    layouts = [(c, t) for c in chunks for t in tiles]
+    calls = [(n, *ins.args(n)) for n in nodes]
+    best = None
+    try:
+        for chunk, tile in layouts:
+            bs, nw = space.parse_tile(tile)
+
+            def fn(chunk=chunk, bs=bs, nw=nw):
+                for n, args, kwargs in calls:
+                    a = list(args)
+                    a[12], a[13], a[14] = chunk, bs, nw
+                    n.target(*a, **kwargs)
+            try:
+                t = timer(fn)
+            except Exception:  # noqa: BLE001 - a layout that does not compile or launch here is not a candidate
+                continue
+            if best is None or t < best[1]:
+                best = ((chunk, tile), t)
+    finally:
+        with torch.no_grad():
+            for c, s in zip(caches, saved):
+                c[:, :, pos].copy_(s)
+    if best is None:
+        return {}
+    (chunk, tile), t = best
+    bs, nw = space.parse_tile(tile)
+    for n in nodes:
+        args = list(n.args)
+        args[12], args[13], args[14] = chunk, bs, nw
+        n.args = tuple(args)
+    if log:
+        log(f"decode: tuned attention at context {pos + 1}: chunk {chunk}, tile {tile} ({t / len(nodes):.2f} us/layer)")
+    return {"attn_chunk": chunk, "attn_tile": tile, "us_per_layer": round(t / len(nodes), 2)}
