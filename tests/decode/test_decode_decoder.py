@@ -203,3 +203,19 @@ def test_decoder_options_on_gpu(name, opts):
         d.reset(7, 40)
         d.step()
     assert float((dec.logits.float() - base.logits.float()).norm() / base.logits.float().norm()) < 0.1
+
+
+def test_tuning_puts_back_the_cache_rows_it_writes():
+    """decode_fused_step tunes by running whole steps at a few positions: a Program whose cache already holds a
+    sequence (a benchmark's random context, a server's) gets those rows back, whatever the steps wrote."""
+    from tkcc.passes.decode_graph import _cache_rows_kept
+
+    caches = [torch.randn(2, 50, 8) for _ in range(3)]
+    before = [c.clone() for c in caches]
+    with _cache_rows_kept(caches, [3, 17, 3, 49]):
+        for c in caches:
+            c[:, [3, 17, 49]] = 0.0
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
+    with _cache_rows_kept(caches, [3]):
+        caches[0][:, 4] = 1.0  # a row it was not told about stays written
+    assert torch.equal(caches[0][:, 4], torch.ones(2, 8))

@@ -28,6 +28,7 @@ logged.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -52,18 +53,39 @@ def _output_like(gm: torch.fx.GraphModule, graph: torch.fx.Graph, value: torch.f
     return graph.output(value)
 
 
-def _tune_spans(dec) -> dict:
-    """Each context span's attention layout, tuned by whole-step timing at the geometric middle of the span
-    (the best split-KV grid moves with the context; the greedy loop picks the span by position)."""
-    out, lo = {}, 64
+def _span_contexts(dec) -> list[int]:
+    """The context each span's attention layout is tuned at: the geometric middle of the span."""
+    out, lo = [], 64
     for span in dec.spans:
-        ctx = max(16, min(span - 1, int((lo * span) ** 0.5)))
+        out.append(max(16, min(span - 1, int((lo * span) ** 0.5))))
+        lo = span
+    return out
+
+
+def _tune_spans(dec) -> dict:
+    """Each context span's attention layout, tuned by whole-step timing in the span (the best split-KV grid
+    moves with the context; the greedy loop picks the span by position)."""
+    out = {}
+    for span, ctx in zip(dec.spans, _span_contexts(dec)):
         dec.use_span(ctx)
         dec.reset(0, ctx)
         out[f"{span}@ctx{ctx}"] = dec.tune_step(kinds=("attn_chunk", "attn_tile"))
-        lo = span
     dec.use_span(None)
     return out
+
+
+@contextlib.contextmanager
+def _cache_rows_kept(caches: list[torch.Tensor], positions: list[int]):
+    """Tuning steps write this token's K/V at their position: the cache rows there are put back afterwards,
+    so a Program whose cache already holds a sequence keeps it."""
+    positions = sorted(set(positions))
+    saved = [c[:, positions].clone() for c in caches]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for c, v in zip(caches, saved):
+                c[:, positions] = v
 
 
 @register
@@ -119,11 +141,13 @@ class DecodeFusedStep(Pass):
                     dec = decoder_for(program.model, kv.max_cache_len, (keys, vals), opts)
                     if tune and keys[0].is_cuda:
                         info.notes.append(f"tuned: {dec.tune()}")
-                        # then the whole step per config (writes one position of the cache, before any prefill)
-                        dec.reset(0, min(128, kv.max_cache_len - 1))
-                        info.notes.append(f"step-tuned: {dec.tune_step()}")
-                        if fused_attention:
-                            info.notes.append(f"attention-tuned: {_tune_spans(dec)}")
+                        # then the whole step per config, at positions whose cache rows are put back after
+                        at = min(128, kv.max_cache_len - 1)
+                        with _cache_rows_kept(keys + vals, [at] + _span_contexts(dec)):
+                            dec.reset(0, at)
+                            info.notes.append(f"step-tuned: {dec.tune_step()}")
+                            if fused_attention:
+                                info.notes.append(f"attention-tuned: {_tune_spans(dec)}")
                 except (TkccError, AttributeError) as e:
                     unsupported = f"{type(e).__name__}: {e}"
                     dec = None
