@@ -127,6 +127,12 @@ def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
     return prog
 
 
+def default_max_cache_len(cfg) -> int:
+    """The model's context length, capped at DEFAULT_MAX_CACHE_LEN (a cache is allocated for all of it)."""
+    return min(getattr(cfg, "max_position_embeddings", DEFAULT_MAX_CACHE_LEN) or DEFAULT_MAX_CACHE_LEN,
+               DEFAULT_MAX_CACHE_LEN)
+
+
 def prepare_hf(model, *, phases=None, max_cache_len: int | None = None, batch: int = 1, exact: bool = True,
                _parent: Program | None = None, _kv=None) -> Program:
     """Everything of a captured Program but its graphs: packed weights, the KV cache, the eager step, the
@@ -141,8 +147,7 @@ def prepare_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
         raise CaptureError(f"unknown phase(s) {bad} for a causal LM; phases are {list(PHASES)}")
     cfg = model.config.get_text_config()
     if max_cache_len is None:
-        max_cache_len = min(getattr(cfg, "max_position_embeddings", DEFAULT_MAX_CACHE_LEN) or DEFAULT_MAX_CACHE_LEN,
-                            DEFAULT_MAX_CACHE_LEN)
+        max_cache_len = default_max_cache_len(cfg)
     if max_cache_len < 4:
         raise CaptureError(f"max_cache_len={max_cache_len}: must be at least 4")
     if batch < 1:

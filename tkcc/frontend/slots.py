@@ -43,9 +43,10 @@ order than a [1, n] one.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, StaticCache, StaticLayer
+from transformers.cache_utils import Cache, StaticCache
 
 from tkcc.errors import CaptureError
+from tkcc.frontend.hf_cache import PositionedLayer
 from tkcc.frontend.kv_cache import KVCache
 
 PHASE = "decode_slots"
@@ -92,31 +93,14 @@ class SlotCache(KVCache):
             torch._foreach_copy_(dst, src)
 
 
-class _RowLayer(StaticLayer):
-    """A transformers ``StaticLayer`` over [B, H, S, D] buffers that writes row b's one new key at ``position[b]``."""
-
-    def __init__(self, max_cache_len: int):
-        super().__init__(max_cache_len=max_cache_len)
-        self.position: torch.Tensor | None = None
-
-    def bind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys, self.values = keys, values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.batch_size, self.num_heads = keys.shape[:2]
-        self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers come from the SlotCache
-        raise RuntimeError("_RowLayer is bound to SlotCache buffers; bind() it before use")
+class _RowLayer(PositionedLayer):
+    """A ``PositionedLayer`` over [B, H, S, D] buffers that writes row b's one new key at ``position[b]``."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         rows = self.position.view(-1, 1, 1, 1)
         k = self.keys.scatter_(2, rows.expand(key_states.shape), key_states)
         v = self.values.scatter_(2, rows.expand(value_states.shape), value_states)
         return k, v
-
-    def get_seq_length(self):
-        return self.position[0]
 
 
 class _RowCache(StaticCache):
@@ -184,7 +168,7 @@ def prepare_slots(model, slots: int, *, max_cache_len: int, exact: bool = True):
 
 
 def _allocate(model, slots: int, max_cache_len: int | None) -> SlotCache:
-    from tkcc.frontend.hf import DEFAULT_MAX_CACHE_LEN, is_hf_causal_lm
+    from tkcc.frontend.hf import default_max_cache_len, is_hf_causal_lm
     from tkcc.frontend.hf_cache import probe_layout
 
     if not is_hf_causal_lm(model):
@@ -194,8 +178,7 @@ def _allocate(model, slots: int, max_cache_len: int | None) -> SlotCache:
                            "capture)")
     cfg = model.config.get_text_config()
     if max_cache_len is None:
-        max_cache_len = min(getattr(cfg, "max_position_embeddings", DEFAULT_MAX_CACHE_LEN) or DEFAULT_MAX_CACHE_LEN,
-                            DEFAULT_MAX_CACHE_LEN)
+        max_cache_len = default_max_cache_len(cfg)
     if max_cache_len < 4:
         raise CaptureError(f"max_cache_len={max_cache_len}: must be at least 4")
     kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
