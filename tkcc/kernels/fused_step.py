@@ -48,14 +48,14 @@ class FusedDecodeStep(torch.nn.Module):
         self.calls += 1
         dec = self.decoder
         dec.use_span(None)  # the position is on the device only: the layout of the whole cache
-        self._capture_once(input_ids, cache_position)
-        return dec.forward(input_ids, cache_position)
-
-    def _capture_once(self, input_ids, cache_position) -> None:
-        dec = self.decoder
-        if self.cuda_graph and dec.graph is None and input_ids.is_cuda and self.calls >= 2:
+        if self._capture_due(input_ids):
             dec.set_inputs(input_ids, cache_position)  # capture's steps then write what this step writes anyway
             dec.capture()
+        return dec.forward(input_ids, cache_position)
+
+    def _capture_due(self, input_ids) -> bool:
+        """The current span's step is captured on its second call (the first compiles every kernel)."""
+        return self.cuda_graph and self.decoder.graph is None and input_ids.is_cuda and self.calls >= 2
 
     def greedy_next(self, input_ids, cache_position, position: int, continued: bool):
         """One greedy step for ``tkcc.frontend.generate``'s loop: (token [1], logits [1, vocab], valid until the
@@ -63,7 +63,8 @@ class FusedDecodeStep(torch.nn.Module):
         that holds it. ``continued``: the inputs are the token and position this step's previous call produced,
         which the decoder keeps on the device (its step writes them back), so nothing is copied in (and
         ``cache_position`` may be None) and the token is the decoder's own argmax: one graph replay per token."""
-        if cache_position is None and not (continued and self.decoder is not None and self.unsupported is None):
+        fed = continued and self.decoder is not None and self.unsupported is None and input_ids.numel() == 1
+        if cache_position is None and not fed:
             cache_position = torch.tensor([position], dtype=torch.long, device=input_ids.device)
         if self.decoder is None or self.unsupported is not None or input_ids.numel() != 1:
             last = self.forward(input_ids, cache_position)[:, -1]
@@ -71,9 +72,9 @@ class FusedDecodeStep(torch.nn.Module):
         self.calls += 1
         dec = self.decoder
         dec.use_span(position)
-        if not continued:
+        if not fed:
             dec.set_inputs(input_ids, cache_position)
-        if self.cuda_graph and dec.graph is None and input_ids.is_cuda and self.calls >= 2:
+        if self._capture_due(input_ids):
             dec.capture()  # from the state just set: its steps write what this step writes anyway
         if dec.graph is not None:
             dec.graph.replay()
