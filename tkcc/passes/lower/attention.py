@@ -29,26 +29,27 @@ SCALE = 0.3125
 
 # ---- the causal mask -------------------------------------------------------------------------------------
 
-def causal_mask(cache_position, *, kv_len):
-    """``sdpa_mask(mask_function=causal_mask_function)`` for queries at ``cache_position``, no padding."""
+def _mask_indices(cache_position, kv_len):
+    """(query positions [1, 1, T, 1], key positions [1, 1, 1, kv_len]) as ``sdpa_mask`` builds them."""
     dev = cache_position.device
     q_offset = cache_position[0].to(dev)
     q_arange = torch.arange(cache_position.shape[0], device=dev) + q_offset
     kv_arange = torch.arange(kv_len, device=dev) + 0
     q_idx = q_arange[None, None, :, None]
     kv_idx = kv_arange[None, None, None, :]
+    return q_idx, kv_idx
+
+
+def causal_mask(cache_position, *, kv_len):
+    """``sdpa_mask(mask_function=causal_mask_function)`` for queries at ``cache_position``, no padding."""
+    q_idx, kv_idx = _mask_indices(cache_position, kv_len)
     return (kv_idx <= q_idx).expand(1, -1, cache_position.shape[0], kv_len)
 
 
 def sliding_mask(cache_position, *, kv_len, window):
     """``sdpa_mask(mask_function=sliding_window_causal_mask_function(window))``: ``and_masks`` of the window
     overlay (``kv_idx > q_idx - window``) and the causal mask."""
-    dev = cache_position.device
-    q_offset = cache_position[0].to(dev)
-    q_arange = torch.arange(cache_position.shape[0], device=dev) + q_offset
-    kv_arange = torch.arange(kv_len, device=dev) + 0
-    q_idx = q_arange[None, None, :, None]
-    kv_idx = kv_arange[None, None, None, :]
+    q_idx, kv_idx = _mask_indices(cache_position, kv_len)
     result = q_idx.new_ones((), dtype=torch.bool)
     result = result & (kv_idx > q_idx - window).to(result.device)
     result = result & (kv_idx <= q_idx).to(result.device)

@@ -41,17 +41,8 @@ def _moe_pattern(norm_topk: bool, residual: bool, router: str):
         if router == "softmax":
             router_top_value = router_top_value.to(router_logits.dtype)
         # the experts (transformers.integrations.moe.batched_mm_experts_forward)
-        selected_hidden_states = hidden_states.repeat_interleave(top_k, dim=0)
-        sample_weights = router_top_value.reshape(-1)
-        expert_ids = router_indices.reshape(-1)
-        expert_ids = expert_ids.clamp(0, gate_up.shape[0] - 1)
-        proj_out = torch.bmm(gate_up[expert_ids], selected_hidden_states.unsqueeze(-1)).squeeze(-1)
-        gate, up = proj_out.chunk(2, dim=-1)
-        proj_out = F.silu(gate) * up
-        proj_out = torch.bmm(down[expert_ids], proj_out.unsqueeze(-1)).squeeze(-1)
-        weighted_out = proj_out * sample_weights.unsqueeze(-1)
-        final = weighted_out.view(hidden_states.shape[0], top_k, hidden_dim).sum(dim=1)
-        final = final.to(hidden_states.dtype).reshape(batch_size, sequence_length, hidden_dim)
+        final = _experts(hidden_states, router_top_value, router_indices, gate_up, down, top_k)
+        final = final.reshape(batch_size, sequence_length, hidden_dim)
         return h + final if residual else final
 
     def replacement(h, nw, router_w, gate_up, down, *, eps, top_k, count, configs, pdl):
@@ -69,17 +60,7 @@ def routed(xs, router_w, gate_up, down, *, top_k):
     router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
     router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
     router_top_value = router_top_value.to(router_logits.dtype)
-    selected_hidden_states = xs.repeat_interleave(top_k, dim=0)
-    sample_weights = router_top_value.reshape(-1)
-    expert_ids = router_indices.reshape(-1)
-    expert_ids = expert_ids.clamp(0, gate_up.shape[0] - 1)
-    proj_out = torch.bmm(gate_up[expert_ids], selected_hidden_states.unsqueeze(-1)).squeeze(-1)
-    gate, up = proj_out.chunk(2, dim=-1)
-    proj_out = F.silu(gate) * up
-    proj_out = torch.bmm(down[expert_ids], proj_out.unsqueeze(-1)).squeeze(-1)
-    weighted_out = proj_out * sample_weights.unsqueeze(-1)
-    final = weighted_out.view(xs.shape[0], top_k, hidden_dim).sum(dim=1)
-    return final.to(xs.dtype)
+    return _experts(xs, router_top_value, router_indices, gate_up, down, top_k)
 
 
 def _routed_replacement(xs, router_w, gate_up, down, *, top_k, count, configs, pdl):
