@@ -544,7 +544,9 @@ class FusedDecoder:
         """Pick each GEMV/MoE kernel's block shape by timing it over all layers' weights (so the L2 does
         not serve them), replayed from a CUDA graph as in the real step. Results go to this
         decoder's ``configs`` (never a process-global table: they travel with the artifact); returns
-        {kind: (config, µs per layer, or per call for lm_head)}."""
+        {kind: (config, µs per layer, or per call for lm_head)}. Only the kernels the step launches are
+        timed (each config is a compile): not the unrouted MoE kernels when the routed ones serve, nor the
+        plain lm_head when ``fused_ends`` gives the step its argmax variant (``tune_step`` times that one)."""
         eps = self.eps
         x = torch.randn(self.H, device=self.device, dtype=self.dtype)
         out = {}
@@ -582,7 +584,7 @@ class FusedDecoder:
         N, K = Ls[0]["o"].shape
         pick("o_proj", gemv_mod.CONFIGS,
              lambda c: lambda: [gemv(a, L["o"], residual=x, out=h, config=c, pdl=self.pdl) for L in Ls])
-        if self.is_moe:
+        if self.is_moe and self.routed is None:  # the routed kernels' configs are tune_routed's, below
             lg = torch.empty_like(self.router_logits)
             N, K = Ls[0]["router"].shape
             pick("router", gemv_mod.CONFIGS,
@@ -599,7 +601,7 @@ class FusedDecoder:
                  lambda c: lambda: [moe(x, lgs[i], L["gate_up"], L["down"], k, L["norm_topk"], residual=x,
                                         norm_w=L["ln2"], act_buf=act, out=h, down_config=c, pdl=self.pdl)
                                     for i, L in enumerate(Ls)])
-        else:
+        elif not self.is_moe:
             N2, K = Ls[0]["gate_up"].shape
             act = torch.empty_like(self.act)
             pick("mlp_gate_up", gemv_mod.CONFIGS,
@@ -621,6 +623,8 @@ class FusedDecoder:
             out["cublas_mlp_down"] = (None, bench(lambda: [F.linear(ai, L["down"]) for L in Ls]))
         if self.routed is not None:
             out.update(self.tune_routed(reps, log))
+        if self.fused_ends:  # the step's lm_head is the argmax variant, which only tune_step times in place
+            return out
         N, K = self.lm_head.shape
         pick("lm_head", gemv_mod.CONFIGS,
              lambda c: lambda: [gemv(x, self.lm_head, norm_w=self.final_norm, eps=eps, out=self.logits, config=c,
