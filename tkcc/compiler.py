@@ -450,7 +450,7 @@ def _compile_by_loop(program, trace_obj, user_plan, mode, compare, budget_s, sta
         if user_plan is not None and user_plan.steps:
             starts.append(Candidate("user", user_plan))
         search = budget_s > 0 and user_plan is None
-        space = SearchSpace.from_registry(exact_only=mode == "exact", device=dev)
+        space = SearchSpace.from_registry(exact_only=mode == "exact", device=dev, program=program)
         proposer = BayesianSearch(space, seed=seed) if search else _NoSearch()
         name = f"compile-{program.fingerprint}-{time.strftime('%Y%m%d-%H%M%S')}"
         db = ExperimentStore(str(store) if store is not None else str(work / "experiments.db"))

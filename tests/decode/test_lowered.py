@@ -308,8 +308,10 @@ def test_device_pruning_of_attention_tiles(monkeypatch):
     from tkcc.passes.lower import decode, space
     from tkcc.passes.manager import apply_plan
 
-    monkeypatch.setattr(space, "attention_smem", lambda arch, G, D, qk, tile, pdl=True:
-                        274432 if tile == "256x8" and D >= 128 else 12288)
+    fake = lambda arch, G, D, qk, tile, pdl=True: 274432 if tile == "256x8" and D >= 128 else 12288  # noqa: E731
+    monkeypatch.setattr(space, "attention_smem", fake)
+    monkeypatch.setattr(space, "attention_needs", lambda arch, shapes: {
+        (t, G, D, qk): fake(arch, G, D, qk, t) for t in space.ATTN_TILES for G, D, qk in shapes})
     bad = space.pruned_tiles((90, 232448), [(1, 128, True)])
     assert list(bad) == ["256x8"] and "274,432 B" in bad["256x8"] and "232,448 B" in bad["256x8"]
     assert space.pruned_tiles(None, [(1, 128, True)]) == {}  # no device limit (CPU, the interpreter)

@@ -104,3 +104,36 @@ def test_perturbation_is_one_rounding_step_and_restores_nothing_else(rel):
     perturb_state([b], seed=0, rel=rel)
     r = (b / before - 1).abs()
     assert torch.allclose(r, torch.full_like(r, rel), rtol=1e-3)
+
+
+class JumpyCache(Jumpy):
+    """Its output is smooth; what jumps is the cache it writes (``written``), as a token routed to another
+    expert in one layer moves the K/V every later layer writes while the logits may stay within the bound."""
+
+    def __init__(self, tie: bool):
+        super().__init__(tie)
+        self.register_buffer("written", torch.zeros(4))
+
+
+def _writes(m, sign):
+    def fwd(x):
+        m.written.fill_(10 * float(sign(m)))
+        return x * 2
+    return fwd
+
+
+def test_a_jump_in_the_written_cache_alone_is_judged_by_the_same_rule():
+    ref_sign = lambda m: torch.sign(m.cache.sum())  # noqa: E731
+    flipped = lambda m: ref_sign(m) * (-1 if abs(float(m.cache.sum())) < 1e-2 else 1)  # noqa: E731
+    tie = JumpyCache(tie=True)
+    p = SimpleNamespace(meta={"device": "cpu"}, state=tie, inputs=lambda ph, b, g: tie.make(b, g),
+                        phases=["forward"], model=tie)
+    res = validate(p, {"forward": _writes(tie, ref_sign)}, {"forward": _writes(tie, flipped)}, BUCKETS, False,
+                   1e-4, 1e-4, 0, policy=_policy())
+    assert not res["ok"] and "no bucket could be judged" in res["reason"], res
+    clear = JumpyCache(tie=False)
+    q = SimpleNamespace(meta={"device": "cpu"}, state=clear, inputs=lambda ph, b, g: clear.make(b, g),
+                        phases=["forward"], model=clear)
+    wrong = validate(q, {"forward": _writes(clear, ref_sign)}, {"forward": _writes(clear, lambda m: -ref_sign(m))},
+                     BUCKETS, False, 1e-4, 1e-4, 0, policy=_policy())
+    assert not wrong["ok"] and "cache state" in wrong["reason"], wrong

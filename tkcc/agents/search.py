@@ -36,10 +36,12 @@ class SearchSpace:
 
     @classmethod
     def from_registry(cls, names: list[str] | None = None, exact_only: bool = True,
-                      exclude: tuple[str, ...] = ("sharding",), device: str | None = None) -> "SearchSpace":
+                      exclude: tuple[str, ...] = ("sharding",), device: str | None = None,
+                      program=None) -> "SearchSpace":
         """Registered passes (by default every exact one, less those a single engine cannot run:
         sharding needs one engine per rank, ``tkcc serve --tp N``). With ``device``, kernel-target values
-        that device cannot run (``target="cuda"`` on a CPU) are left out of the space."""
+        that device cannot run (``target="cuda"`` on a CPU) are left out of the space; with ``program`` too,
+        a pass prunes at that model's shapes only (fewer kernels to compile to find out)."""
         from tkcc.passes.base import all_passes
 
         reg = all_passes()
@@ -54,7 +56,7 @@ class SearchSpace:
         if device is not None:  # values a pass's kernels cannot run on this device, pruned (reason logged)
             over = dict(space.params_override or {})
             for p in chosen:
-                params, pruned = p.space(device)
+                params, pruned = p.space(device, program=program)
                 if pruned:
                     over[p.name] = {**over.get(p.name, {}), **{k: v for k, v in params.items()
                                                                if v != p.params[k]}}

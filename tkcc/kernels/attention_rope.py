@@ -128,18 +128,29 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     return out
 
 
-_SMEM: dict[tuple, int] = {}  # compile facts: (arch, G, D, qk_norm, block_s, warps, pdl) -> bytes (deterministic)
-
-
 def shared_memory(arch: int, G: int, D: int, qk_norm: bool, block_s: int, num_warps: int, pdl: bool = True) -> int:
     """Shared memory (bytes) one program of the kernel needs at this tile and head shape, compiled for
     ``sm_<arch>`` ahead of time (no GPU needed) with the JIT's specialisation (pointers and strides
     16-divisible): software pipelining of the cache loads is what makes large tiles large (256x8 at head
-    dim 128: 274,432 B, more than an H200 gives a block)."""
-    key = (arch, G, D, qk_norm, block_s, num_warps, pdl)
-    if key in _SMEM:
-        return _SMEM[key]
-    import triton
+    dim 128: 274,432 B, more than an H200 gives a block). Remembered per machine (``compile_facts``)."""
+    return shared_memory_many([(arch, G, D, qk_norm, block_s, num_warps, pdl)])[0]
+
+
+def shared_memory_many(keys: list[tuple]) -> list[int]:
+    """``shared_memory`` of each (arch, G, D, qk_norm, block_s, num_warps, pdl): the missing ones compiled in
+    parallel processes."""
+    from tkcc.kernels.compile_facts import facts, source_key
+    from tkcc.kernels.render import TEMPLATE_DIR
+
+    keys = [tuple(k) for k in keys]
+    src = source_key((TEMPLATE_DIR / "attention_rope.py.jinja").read_text())
+    got = facts("attn_rope_smem", src, keys, _compiled_smem)
+    return [got[k] for k in keys]
+
+
+def _compiled_smem(key: tuple) -> int:
+    """One compile of the kernel for ``sm_<arch>`` at ``key``; its shared memory in bytes."""
+    arch, G, D, qk_norm, block_s, num_warps, pdl = key
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -157,8 +168,7 @@ def shared_memory(arch: int, G: int, D: int, qk_norm: bool, block_s: int, num_wa
                   QK_NORM=qk_norm, SINGLE=False, BLOCK_SP=16, MERGE=True)
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    _SMEM[key] = int(k.metadata.shared)
-    return _SMEM[key]
+    return int(k.metadata.shared)
 
 
 def device_limits(device) -> tuple[int, int] | None:

@@ -473,7 +473,20 @@ class FusedDecoder:
         warps)."""
         S = self._span
         chunks = [c for c in ATTN_CHUNKS if c < S] + ([S] if S <= ATTN_SINGLE_MAX else [])
-        return {"attn_chunk": [(c,) for c in chunks], "attn_tile": list(ATTN_TILES)}
+        return {"attn_chunk": [(c,) for c in chunks], "attn_tile": self._tiles_that_fit()}
+
+    def _tiles_that_fit(self) -> list[tuple[int, int]]:
+        """``ATTN_TILES`` less those this device cannot run at these heads (found by compiling once per
+        machine: ``attention_rope.shared_memory``), so that tuning never tries them."""
+        from tkcc.kernels.attention_rope import device_limits, shared_memory_many
+
+        limits = device_limits(self.device) if self.fused_attention else None
+        if limits is None:
+            return list(ATTN_TILES)
+        qk = self.layers[0]["q_norm"] is not None
+        G = self.Hq // self.Hkv
+        needs = shared_memory_many([(limits[0], G, self.D, qk, bs, nw, True) for bs, nw in ATTN_TILES])
+        return [t for t, need in zip(ATTN_TILES, needs) if need <= limits[1]]
 
     def step_kinds(self) -> dict:
         """{kind: candidate configs} of the kernels this decoder's step launches with a tunable config."""

@@ -35,10 +35,13 @@ def perturb_state(buffers: list[torch.Tensor], seed: int, rel: float = PERTURB_R
                 b.copy_((b.float() * (1 + rel * (-sign if flip else sign))).to(b.dtype))
 
 
-def unstable_error(run_reference, inputs: tuple, guard, ref: list[torch.Tensor], scaled, seed: int) -> float | None:
+def unstable_error(run_reference, inputs: tuple, guard, ref: list[torch.Tensor], scaled, seed: int,
+                   ref_state: list[torch.Tensor] | None = None) -> float | None:
     """The reference's own scaled error under a one-rounding-step perturbation of its state when that exceeds
     ``scaled.bound`` (the input is near a discontinuity: do not judge a candidate here), else None.
-    Leaves the state restored."""
+    ``ref_state``: the cache the reference left at these inputs; the cache it leaves perturbed is held to it
+    too (a token routed to another expert in one layer moves the K/V every later layer writes, which is what
+    a candidate's cache is compared on). Leaves the state restored."""
     from tkcc.runtime.validation import clone_all, scaled_error, tensors_of
 
     if not guard.buffers:
@@ -49,7 +52,10 @@ def unstable_error(run_reference, inputs: tuple, guard, ref: list[torch.Tensor],
         perturb_state(guard.buffers, seed, flip=flip)
         with torch.no_grad():
             again = tensors_of(run_reference(*clone_all(inputs)))
-        for r, o in zip(ref, again):
+        pairs = list(zip(ref, again))
+        if ref_state is not None:
+            pairs += list(zip(ref_state, guard.current()))
+        for r, o in pairs:
             if r.is_floating_point() and r.numel():
                 worst = max(worst, scaled_error(r, o)[2])
     guard.restore()

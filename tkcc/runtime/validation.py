@@ -396,7 +396,8 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
                     if scaled is None or ref is None or not (e.mismatch or getattr(e, "greedy", False)):
                         raise
                     jump = unstable_error(reference[b.phase], inputs, guard, ref, scaled,
-                                          int(torch.randint(0, 2**31, (1,), generator=gen)))
+                                          int(torch.randint(0, 2**31, (1,), generator=gen)),
+                                          ref_state=(getattr(e, "reference", None) or (None, None))[1])
                     if jump is None:
                         raise
                     unstable.append(round(jump, 4))

@@ -64,16 +64,32 @@ def device_limits(device) -> tuple[int, int] | None:
     return limits(device)
 
 
+def attention_needs(arch: int, shapes) -> dict[tuple, int]:
+    """{(tile, G, D, qk_norm): shared memory in bytes} of every tile at every head shape, compiled at once
+    (in parallel, remembered per machine: ``tkcc.kernels.compile_facts``)."""
+    from tkcc.kernels.attention_rope import shared_memory_many
+
+    keys = [(tile, G, D, qk) for tile in ATTN_TILES for G, D, qk in shapes]
+    needs = shared_memory_many([(arch, G, D, qk, *parse_tile(tile), True) for tile, G, D, qk in keys])
+    return dict(zip(keys, needs))
+
+
 def pruned_tiles(limits: tuple[int, int] | None, shapes) -> dict[str, str]:
     """tile -> why the device cannot run it at one of ``shapes`` ((G, D, qk_norm)); {} without limits."""
     if limits is None:
         return {}
     arch, smem = limits
+    try:
+        needs = attention_needs(arch, shapes)
+    except Exception:  # noqa: BLE001 - the one that does not compile is found, and named, one by one below
+        needs = {}
     out = {}
     for tile in ATTN_TILES:
         for G, D, qk in shapes:
             try:
-                need = attention_smem(arch, G, D, qk, tile)
+                need = needs.get((tile, G, D, qk))
+                if need is None:
+                    need = attention_smem(arch, G, D, qk, tile)
             except Exception as e:  # noqa: BLE001 - a tile that does not compile cannot run either
                 out[tile] = f"does not compile for sm_{arch} at heads {G}x{D}: {type(e).__name__}: {e}"
                 break
