@@ -249,6 +249,9 @@ def worker(tmp_path_factory):
     try:
         yield runner, dev, tmp
     finally:
+        import gc
+
+        gc.unfreeze()  # the worker froze start-up's objects (for its ledger's collections): not this process's job
         fake_device.CURRENT = None
         del resident
         torch.set_num_threads(threads)

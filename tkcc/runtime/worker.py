@@ -206,6 +206,10 @@ class _Single:
 
             _preload()  # what any candidate's build imports, imported before the snapshot
             self.base = global_state.take()
+            import gc
+
+            gc.collect()
+            gc.freeze()  # start-up's objects leave the collector: the ledger's collections walk only what came since
             self.ledger = Ledger(self._measure, self._compare, cands.user_modules, cands.drop_user_modules)
             self.found = None          # what the audits of the current op found
             self.core.before_canary = self._audit  # restore first: the canary then sees only what could not be
