@@ -6,7 +6,8 @@ so one candidate's device memory is the next one's problem unless it is bounded 
 * **The limit** is a real allocator cap (``torch.cuda.set_per_process_memory_fraction``): an allocation past
   it raises ``torch.cuda.OutOfMemoryError`` in the candidate that asked, which is that candidate's failure,
   and the worker goes on. It is derived from the device and the model (``derived_limit``): what the engine
-  holds after start-up (weights, KV cache, the reference's captured graphs: ``resident``) plus a headroom of
+  holds from the device after start-up, its cache emptied (weights, KV cache, the reference's captured graphs
+  and their pools: ``resident``) plus a headroom of
   max(2 GiB, 2x the weights and cache, 2x the start-up's own transient peak), never more than the device less
   a reserve for what lives outside the caching allocator (the CUDA context, cuBLAS workspaces, NCCL buffers,
   loaded kernels). ``tkcc serve --device-max-mem GiB`` overrides it (``check_given``).
@@ -177,7 +178,9 @@ class DeviceBudget:
     def start(cls, reader, given: int, model_bytes: int, owned=lambda: 0, device: str = "cuda") -> "DeviceBudget":
         """After the engine's start-up: measure what it holds, derive (or check) the limit, and put the cap on."""
         r = reader.collect()
-        resident, transient = r.allocated, max(0, r.peak - r.allocated)
+        # resident: what the allocator holds from the device once its cache is emptied, the private pools of the
+        # captured graphs included (the cap counts them too); transient: the start-up's activations at its peak
+        resident, transient = r.reserved, max(0, r.peak - r.allocated)
         if given:
             if given < r.reserved:
                 raise EngineError(f"--device-max-mem {given / GiB:.2f} GiB is below what the engine already holds "
@@ -185,7 +188,7 @@ class DeviceBudget:
                                   "the reference's graphs)")
             limit, how = int(given), "--device-max-mem"
         else:
-            limit = max(derived_limit(r.total, resident, model_bytes, transient), r.reserved)
+            limit = derived_limit(r.total, resident, model_bytes, transient)
             how = (f"derived: resident {resident / GiB:.2f} GiB + max({MIN_HEADROOM / GiB:g} GiB, "
                    f"{RESIDENT_FACTOR}x weights and KV cache {model_bytes / GiB:.2f} GiB, {TRANSIENT_FACTOR}x start-up "
                    f"transient {transient / GiB:.2f} GiB), at most the device {r.total / GiB:.1f} GiB less "

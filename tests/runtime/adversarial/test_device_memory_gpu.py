@@ -70,7 +70,18 @@ def test_the_limit_is_derived_from_the_device_and_the_model_and_is_on(gpu):
     assert lim["how"].startswith("derived")
     # llama-tiny holds a few MiB: the limit is the 2 GiB floor above it, far below the device
     assert lim["resident_bytes"] + 2 * GiB <= lim["limit_bytes"] < lim["device_total_bytes"] // 2
-    assert lim["resident_bytes"] <= lim["allocated_bytes"] + 64 * MiB
+
+
+def test_a_limit_larger_than_the_device_is_refused_before_the_model_is_built(tmp_path):
+    import subprocess
+
+    from engine_helpers import HERE
+
+    proc = subprocess.run([sys.executable, "-m", "tkcc.cli", "serve", "--model", "llama-tiny", "--device", "cuda",
+                           "--device-max-mem", "100000", "--socket", str(tmp_path / "e.sock")],
+                          capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(HERE)))
+    assert proc.returncode != 0
+    assert "--device-max-mem 100000.0 GiB is more than cuda" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_candidate_that_allocates_past_the_limit_fails_as_memory_and_the_next_honest_one_measures(gpu):

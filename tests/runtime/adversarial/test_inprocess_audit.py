@@ -2,9 +2,9 @@
 state after each operation against a snapshot taken before any candidate was loaded.
 
 What can be put back is, and the candidate is refused (it was timed or checked under the change); what
-cannot (a dispatcher registration, a live thread, memory left where dropping the candidate's modules does not
-free it) restarts the worker, charged to the candidate that did it. After each, an honest candidate validates and measures as before. One engine on the
-small residual-MLP model serves the file.
+cannot (a dispatcher registration, a live thread, memory left where dropping the candidate's modules does
+not free it) restarts the worker, charged to the candidate that did it. After each, an honest candidate
+validates and measures as before. One engine on the small residual-MLP model serves the file.
 """
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ RESTARTED = {  # changes that cannot be proven undone: the worker is replaced
                            "        LIB.impl('silu', lambda t: t, 'CPU')\n        return base(x)", "dispatcher"),
     "leaks_a_thread": ("import threading, time\n        threading.Thread(target=lambda: time.sleep(3600), daemon=True)"
                        ".start()\n        return base(x)", "thread"),
-    "hides_memory": ("import collections\n        collections._tkcc_keep = [torch.ones(1 << 26)]\n        return base(x)",
-                     "MiB above"),  # outside its own module: dropping the candidate's modules cannot free it
+    "hides_memory": ("import collections\n        collections._tkcc_keep = [torch.ones(1 << 26)]\n"
+                     "        return base(x)", "MiB above"),  # outside its module: dropping its modules cannot free it
 }
 
 
