@@ -15,10 +15,11 @@ the worker's is derived from its size after start-up and the model's (see
 ``_derived_worker_limit``), each trial's from the model (the worker enforces
 it, idle or not), and on a GPU the device's (``tkcc.runtime.device_memory``:
 an allocator cap derived from the device and the resident model, and what a
-candidate leaves on the device charged to it). Between requests the watchdog checks the worker's memory
-and collects what the worker noticed meanwhile (``events``: a kept
-candidate's process lost, an orphan killed), so the journal and ``serving``
-say so before the next request.
+candidate leaves on the device charged to it). Between requests the watchdog
+checks the worker's memory (the device's too: the worker's ``ping``) and
+collects what the worker noticed meanwhile (``events``: a kept candidate's
+process lost, an orphan killed), so the journal and ``serving`` say so before
+the next request.
 """
 from __future__ import annotations
 
