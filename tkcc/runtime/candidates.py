@@ -422,3 +422,19 @@ def _import_tree(path: str, data: bytes, digest: str, snap: str) -> types.Module
             if k != name and isinstance(f, str) and f.startswith(prefix):
                 del sys.modules[k]
     return mod
+
+
+USER_PREFIX = "tkcc_user_"  # the modules a candidate's files are executed as (_import_file, _import_tree)
+
+
+def user_modules() -> set[str]:
+    """Names of the modules candidates' files were executed as, still in ``sys.modules``."""
+    return {k for k in list(sys.modules) if k.startswith(USER_PREFIX)}
+
+
+def drop_user_modules(names) -> None:
+    """Forget these candidate modules and clear their globals (what a candidate stashed there goes with them)."""
+    for name in names:
+        mod = sys.modules.pop(name, None)
+        if mod is not None and name.startswith(USER_PREFIX):
+            mod.__dict__.clear()

@@ -48,6 +48,12 @@ def register(subparsers) -> None:
     p.add_argument("--trial-max-rss", type=float, default=0.0,
                    help="GiB a candidate's own process may write before it is killed (process isolation; default "
                         "0: max(1 GiB, 4x the model and its KV cache), at most half the machine)")
+    p.add_argument("--device-max-mem", type=float, default=0.0,
+                   help="GiB of GPU memory the worker's caching allocator may hold (a real cap: a candidate that "
+                        "allocates past it fails as out of memory; device memory a candidate leaves behind is "
+                        "charged to it). Default 0: derived, what the engine holds after start-up (weights, KV "
+                        "cache, the reference's graphs) plus max(2 GiB, 2x the weights and cache, 2x the start-up's "
+                        "transient peak), at most the device less max(1 GiB, 5%%)")
     p.add_argument("--isolation", default="auto", choices=["auto", "process", "inprocess"],
                    help="process: every candidate runs in a clean process forked from the worker, which keeps the "
                         "clock, the reference and the checks; inprocess: candidates run in the worker, which "
@@ -116,6 +122,16 @@ def register(subparsers) -> None:
         q.set_defaults(func=fn)
 
 
+def _device_max_bytes(gib: float, device: str) -> int:
+    """--device-max-mem GiB in bytes, refused here if it makes no sense (before any engine starts)."""
+    from tkcc.runtime.supervisor import check_device_max
+
+    if not gib >= 0:
+        raise EngineError(f"--device-max-mem {gib:g}: must be 0 (derived from the device and the model) or a "
+                          "positive number of GiB")
+    return check_device_max(int(gib * (1 << 30)), device)
+
+
 def _address_args(p, serving: bool = False) -> None:
     p.add_argument("--socket", default=None, help="Unix socket path (default $TKCC_ENGINE_SOCKET or "
                                                   "/tmp/tkcc-<uid>/engine.sock)")
@@ -150,6 +166,10 @@ def cmd_serve(args):
         raise EngineError("--port needs --host (e.g. --host 127.0.0.1); without them the engine uses a Unix socket")
     dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     _check_tp(args.tp, args.device)
+    for flag, gib in (("--worker-max-rss", args.worker_max_rss), ("--trial-max-rss", args.trial_max_rss)):
+        if not gib >= 0:
+            raise EngineError(f"{flag} {gib:g}: must be 0 (derived from the machine and the model) or a positive "
+                              "number of GiB")
     if not args.tolerance_safety >= 1.0:
         raise EngineError(f"--tolerance-safety {args.tolerance_safety}: must be at least 1 (a bound below the "
                           "measured self-disagreement would reject the baseline against itself)")
@@ -166,6 +186,7 @@ def cmd_serve(args):
            "work_dir": os.path.join(state_dir, "candidates"), "timeout_s": args.timeout,
            "worker_max_rss_bytes": int(args.worker_max_rss * (1 << 30)), "isolation": args.isolation,
            "trial_max_bytes": int(args.trial_max_rss * (1 << 30)),
+           "device_max_bytes": _device_max_bytes(args.device_max_mem, args.device),
            "max_artifact_bytes": args.max_artifact_bytes, "threads": args.threads, "tp": args.tp,
            "validation": args.validation, "tolerance_safety": args.tolerance_safety,
            "compile_workers": args.compile_workers, "compile_executor": args.compile_executor,
@@ -187,7 +208,8 @@ def cmd_serve(args):
              "dtype": dtype, "tiers": {t: v["blocks"] for t, v in info["tiers"].items()},
              "startup_s": info.get("worker_start_s"), "tp": args.tp,
              "validation": {t: v.get("validation") for t, v in info["tiers"].items()},
-             "isolation": (info.get("isolation") or {}).get("mode"), "worker_max_rss_bytes": sup.max_rss}
+             "isolation": (info.get("isolation") or {}).get("mode"), "worker_max_rss_bytes": sup.max_rss,
+             "device_max_bytes": sup.device_max()}
     if args.tp > 1:
         ready["rank_pids"] = [r["pid"] for r in info.get("ranks", [])]
     if args.host is not None:

@@ -35,7 +35,7 @@ import torch
 from tkcc.errors import EngineError
 from tkcc.kernels.graph_replay import CapturedCall, GraphCaptureError
 from tkcc.runtime import candidates as cands
-from tkcc.runtime import determinism, prefetch
+from tkcc.runtime import determinism, device_memory, prefetch
 from tkcc.runtime.measurement import Measurement, environment
 from tkcc.runtime.programs import (build_tiers, check_device, check_tier, fast_blocks_for, load_program,
                                    parse_dtype)
@@ -99,6 +99,8 @@ class EngineCore:
         self.max_bytes = int(cfg.get("max_artifact_bytes", 256 << 20))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.device_memory = None  # the device-memory limit and account (tkcc.runtime.device_memory), once started
+        self.device_max_given = self._device_max(cfg)  # checked before the model is built: a bad value costs nothing
         self.isolation = resolve_isolation(cfg.get("isolation"), self.device, self.tp)
         self.threads = int(cfg["threads"]) if cfg.get("threads") else torch.get_num_threads()
         if self.isolation == "process":
@@ -146,6 +148,24 @@ class EngineCore:
         if self.tp == 1:
             self.op_startup()  # a rank group runs it on every rank at once (its checks call collectives)
 
+    def _device_max(self, cfg: dict) -> int | None:
+        """``cfg["device_max_bytes"]`` checked against the device: None (no cap: an in-process engine in a user's
+        own process, a CPU), 0 (derived after start-up) or the bytes given."""
+        given = cfg.get("device_max_bytes")
+        if given is None:
+            return None
+        if self.device.type != "cuda":
+            if given:
+                raise EngineError(f"--device-max-mem applies to a CUDA device; this engine runs on {self.device}")
+            return None
+        return device_memory.check_given(given, device_memory.CudaMemory(self.device).read().total, str(self.device))
+
+    def owned_device_bytes(self) -> int:
+        """Device bytes the engine's own caches hold (the reference's graphs and bank, the graphs and kept
+        replays of every tier): what a candidate's leak is measured net of."""
+        return device_memory.held_by([self.refbank, self.ref_graphs, self.replays, self.slots, self.canaries],
+                                     self.device.type)
+
     def op_startup(self) -> dict:
         """Checks of the baseline before any candidate code runs: reproducibility, canary outputs."""
         t0 = time.perf_counter()
@@ -160,6 +180,11 @@ class EngineCore:
             self.policies[t] = policy
             self.deterministic[t] = {**probe, "validation": policy.summary()}
         self.canaries = {t: self._canary_run(t) for t in self.programs}
+        if self.device_max_given is not None and self.device_memory is None:
+            mem = self.memory()  # after the checks: what the engine holds now is the resident model
+            self.device_memory = device_memory.DeviceBudget.start(
+                device_memory.CudaMemory(self.device), self.device_max_given, mem["model_bytes"] + mem["cache_bytes"],
+                owned=self.owned_device_bytes, device=str(self.device))
         self.startup["checks_s"] = time.perf_counter() - t0
         self.startup["total_s"] += self.startup["checks_s"]
         return {"deterministic": self.deterministic}
@@ -344,11 +369,11 @@ class EngineCore:
         cache_bytes = sum(b.numel() * b.element_size() for b in state.buffers()) if state is not None else 0
         out = {"model_bytes": model_bytes, "cache_bytes": cache_bytes}
         if self.device.type == "cuda":
-            out.update(allocated_bytes=torch.cuda.memory_allocated(self.device),
-                       max_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
-                       reserved_bytes=torch.cuda.memory_reserved(self.device))
-            free, total = torch.cuda.mem_get_info(self.device)
-            out.update(device_used_bytes=total - free, device_total_bytes=total)
+            r = device_memory.CudaMemory(self.device).read()
+            out.update(allocated_bytes=r.allocated, max_allocated_bytes=r.peak, reserved_bytes=r.reserved,
+                       device_used_bytes=r.total - r.free, device_total_bytes=r.total)
+            if self.device_memory is not None:
+                out["device_limit"] = self.device_memory.status()
         try:
             with open("/proc/self/status") as f:
                 for line in f:
@@ -360,7 +385,15 @@ class EngineCore:
 
     # ------------------------------------------------------------- operations
     def op_ping(self) -> dict:
-        return {"pid": os.getpid()}
+        """The supervisor's watchdog, between requests: the device-memory cap still holds (see DeviceBudget.idle)."""
+        out = {"pid": os.getpid()}
+        if self.device_memory is not None:
+            why, fatal = self.device_memory.idle()
+            if why:
+                loaded = sorted(c for c in self.candidates if c != "baseline")
+                out["device_memory"] = f"{why} between requests (candidates loaded: {loaded or 'none'})"
+                out["device_memory_fatal"] = fatal
+        return out
 
     def op_status(self) -> dict:
         return {

@@ -10,7 +10,7 @@ with a snapshot taken at start-up, before any candidate was imported, and puts b
 * the dispatcher: every registration of every operator (``torch._C._dispatch_dump``), and the torch
   function / dispatch mode stacks;
 * thread counts and backend flags (mkldnn, cuDNN, TF32, matmul precision, deterministic algorithms,
-  flush-denormal, grad mode), and the default dtype;
+  flush-denormal, grad mode), the default dtype, and the device-memory cap;
 * the interpreter: recursion limit, switch interval, trace and profile hooks, gc, ``sys.path`` and the
   import hooks, standard streams, signal handlers, warning filters, environment, working directory;
 * threads the candidate left running, and child processes it left behind.
@@ -19,7 +19,8 @@ What can be put back (a patched attribute, a flag, the default dtype) is, and th
 What cannot (a dispatcher registration, a new mode on the stack, a live thread, a changed code object the
 audit cannot restore) means the worker cannot be proven clean: it exits and the supervisor starts a fresh
 one. Memory above what the worker held before a candidate (after it is unloaded, and after ``gc`` and
-``malloc_trim``) is charged to that candidate the same way.
+``malloc_trim``; on the device, after ``empty_cache``) is charged to that candidate
+(``tkcc.runtime.memory_ledger``).
 
 A determined adversary in the same process can still hide from any audit (ctypes writes into memory);
 process isolation (``tkcc.runtime.trial``) is the design that rules that out, and the engine's default
@@ -114,8 +115,11 @@ def _flags() -> dict:
     }
     if hasattr(b, "opt_einsum"):
         out["opt_einsum.enabled"] = _getset(b.opt_einsum, "enabled")
-    if hasattr(torch._C, "_get_mkldnn_enabled"):
-        pass  # mkldnn.enabled reads it
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from tkcc.runtime.device_memory import CudaMemory
+
+        mem = CudaMemory(torch.cuda.current_device())  # the device-memory cap (tkcc.runtime.device_memory)
+        out["cuda.memory_fraction"] = (mem.fraction, mem.set_fraction)
     return out
 
 
@@ -209,7 +213,8 @@ def _own(snap: Snapshot, owner, d: dict) -> None:
 
 
 def memory_now() -> dict:
-    """This process's memory after a collection: RSS (after malloc_trim) and, on CUDA, allocated bytes."""
+    """This process's host memory after a collection: RSS after ``gc`` and ``malloc_trim`` (device memory is
+    ``tkcc.runtime.device_memory``'s)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -217,12 +222,7 @@ def memory_now() -> dict:
         pass
     from tkcc.runtime import procs
 
-    out = {"rss_bytes": procs.rss(os.getpid())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
-    return out
+    return {"rss_bytes": procs.rss(os.getpid())}
 
 
 # ------------------------------------------------------------------------------------ the audit
@@ -428,15 +428,14 @@ def _is_own_helper(pid: int) -> bool:
 
 
 def leaked(before: dict, after: dict) -> str:
-    """'' if ``after`` (memory_now) is within MEMORY_SLACK (or 10 %) of ``before``, else how much more."""
-    for key, what in (("rss_bytes", "host memory"), ("cuda_allocated_bytes", "device memory")):
-        if key not in before or key not in after:
-            continue
-        slack = max(MEMORY_SLACK, before[key] // 10) if key == "rss_bytes" else MEMORY_SLACK
-        grew = after[key] - before[key]
-        if grew > slack:
-            return (f"{what} is {grew / 2**20:.0f} MiB above what the worker held before the candidate was loaded "
-                    f"(allowed {slack / 2**20:.0f} MiB), after it was unloaded and memory collected")
+    """'' if host memory ``after`` (memory_now) is within MEMORY_SLACK (or 10 %) of ``before``, else how much more."""
+    if "rss_bytes" not in before or "rss_bytes" not in after:
+        return ""
+    slack = max(MEMORY_SLACK, before["rss_bytes"] // 10)
+    grew = after["rss_bytes"] - before["rss_bytes"]
+    if grew > slack:
+        return (f"host memory is {grew / 2**20:.0f} MiB above what the worker held before the candidate was loaded "
+                f"(allowed {slack / 2**20:.0f} MiB), after it was unloaded and memory collected")
     return ""
 
 

@@ -13,10 +13,13 @@ dies instead, and the worker reports it as that candidate's failure; the
 worker is replaced only if it fails itself. Memory limits are on by default:
 the worker's is derived from its size after start-up and the model's (see
 ``_derived_worker_limit``), each trial's from the model (the worker enforces
-it, idle or not). Between requests the watchdog checks the worker's memory
-and collects what the worker noticed meanwhile (``events``: a kept
-candidate's process lost, an orphan killed), so the journal and ``serving``
-say so before the next request.
+it, idle or not), and on a GPU the device's (``tkcc.runtime.device_memory``:
+an allocator cap derived from the device and the resident model, and what a
+candidate leaves on the device charged to it). Between requests the watchdog
+checks the worker's memory (the device's too: the worker's ``ping``) and
+collects what the worker noticed meanwhile (``events``: a kept candidate's
+process lost, an orphan killed), so the journal and ``serving`` say so before
+the next request.
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class Supervisor(Ahead):
         cfg["device"] = check_device(cfg["device"])
         cfg["validation"] = _check_validation(cfg.get("validation"))
         _check_isolation(cfg.get("isolation"), cfg["device"], int(cfg.get("tp") or 1))
+        cfg["device_max_bytes"] = check_device_max(cfg.get("device_max_bytes"), cfg["device"])
         self._setup(cfg, journal)
 
     def _setup(self, cfg: dict, journal: Journal) -> None:
@@ -158,13 +162,18 @@ class Supervisor(Ahead):
                 elif time.monotonic() - last_ping >= IDLE_PING_S:
                     last_ping = time.monotonic()
                     self.call("ping", timeout=30)
-            except CandidateFailed:
-                pass  # journaled by the recovery it caused
+            except CandidateFailed as e:
+                if not e.recovered:  # put back in place (a lifted device-memory cap): say so
+                    self.journal.append("device_memory", reason=e.reason)
             except Exception as e:  # noqa: BLE001 - the next request retries the start and reports why
                 self.journal.append("recovery_failed", reason=str(e))
                 self._kill()  # no worker: not retried here in a loop; the next request tries again
             finally:
                 self.lock.release()
+
+    def device_max(self) -> int | None:
+        """The worker's device-memory limit (bytes), as it reported at start-up; None on a CPU."""
+        return ((self.info.get("memory") or {}).get("device_limit") or {}).get("limit_bytes")
 
     def stop(self) -> None:
         self.stopping = True
@@ -254,6 +263,8 @@ class Supervisor(Ahead):
                 result = reply["result"]
                 if isinstance(result, dict) and result.get("tampered"):  # put back, but timed/checked under it
                     raise CandidateFailed("tampered", result["tampered"], result)
+                if isinstance(result, dict) and result.get("leaked"):  # memory it kept, given back in place
+                    raise CandidateFailed("memory", result["leaked"], result)
                 return result
             err = reply.get("error") or {}
             if err.get("invalid"):
@@ -337,6 +348,7 @@ class Supervisor(Ahead):
                           "recoveries": self.recoveries[-10:], "journal": self.journal.path,
                           "worker_pid": self.proc.pid if self.proc else None,
                           "isolation": getattr(self, "isolation", None), "worker_max_rss_bytes": self.max_rss,
+                          "device_max_bytes": self.device_max(),
                           "compile": self.ahead_status()},
                "serving": self.serving}
         if self.lock.acquire(timeout=0.5):
@@ -522,6 +534,22 @@ def _check_isolation(mode, device: str, tp: int) -> None:
             "--tp ranks share one group"
         raise EngineError(f"--isolation process needs a CPU engine with one rank ({why}); use --isolation auto or "
                           "inprocess")
+
+
+def check_device_max(given, device: str) -> int:
+    """``--device-max-mem`` (bytes; 0 or None: derived from the device and the model), checked before any worker
+    starts: a negative size, or one for a CPU engine, is refused. Larger than the device is the worker's check
+    (the supervisor does not touch CUDA): it runs before the model is built."""
+    try:
+        b = float(given or 0)
+    except (TypeError, ValueError):
+        raise EngineError(f"--device-max-mem {given!r}: expected a number of GiB") from None
+    if not b >= 0:
+        raise EngineError(f"--device-max-mem {b / 2**30:g} GiB: must be 0 (derived from the device and the model) "
+                          "or a positive size")
+    if b and not str(device).startswith("cuda"):
+        raise EngineError(f"--device-max-mem applies to a CUDA device; this engine runs on {device}")
+    return int(b)
 
 
 def _worker_entry(conn, cfg):

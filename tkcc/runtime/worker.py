@@ -126,7 +126,14 @@ def worker_main(conn, cfg: dict) -> None:
             conn.send({"ok": False, "error": _error(e, False), "fatal": False, "events": _events(runner)})
         except BaseException as e:  # noqa: BLE001 - a candidate's failure, of any kind
             err = _error(e, True)
-            fatal = "global state the audit cannot put back" if isinstance(e, Tampered) else runner.unhealthy(e)
+            note = getattr(runner, "memory_note", None)
+            err["message"] += note(e) if note is not None else ""
+            if isinstance(e, Tampered):
+                fatal = "global state the audit cannot put back"
+            elif isinstance(e, Leaked) and not e.charge.restored:
+                fatal = "memory the candidate left behind cannot be freed"
+            else:
+                fatal = runner.unhealthy(e)
             if fatal:
                 err["message"] += f" (device/weights unusable afterwards: {fatal}; the worker restarts)"
             try:
@@ -139,6 +146,17 @@ def worker_main(conn, cfg: dict) -> None:
 
 
 RANK_LOST = 72  # exit status of a worker whose rank group lost a rank (the supervisor names it)
+
+
+class Leaked(Exception):
+    """A candidate refused before it was registered left memory behind (``tkcc.runtime.memory_ledger``)."""
+
+    kind = "memory"
+
+    def __init__(self, charge, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}; and candidate {charge.candidate} left memory behind: "
+                         f"{charge.reason}")
+        self.charge = charge
 
 
 class Tampered(Exception):
@@ -172,7 +190,9 @@ class _Single:
     In-process isolation: after every op that may have run candidate code, the worker's global state is
     audited against its start-up snapshot (``tkcc.runtime.global_state``). A change the candidate made is put
     back where it can be, and the op's result is refused (``tampered``: timed or checked under the change);
-    a change that cannot be put back, or memory the candidate left behind, ends the worker (``fatal``)."""
+    a change that cannot be put back ends the worker (``fatal``). Memory a candidate leaves behind, host or
+    device, is charged to it when it is gone (``tkcc.runtime.memory_ledger``): refused as ``memory``, and the
+    worker restarts unless dropping the candidate's modules gave the memory back."""
 
     def __init__(self, cfg: dict):
         from tkcc.runtime.engine import EngineCore
@@ -180,14 +200,34 @@ class _Single:
         self.core = EngineCore(cfg)
         self.base = None
         if self.core.isolation == "inprocess" and cfg.get("audit", True):
+            from tkcc.runtime import candidates as cands
             from tkcc.runtime import global_state
+            from tkcc.runtime.memory_ledger import Ledger
 
             _preload()  # what any candidate's build imports, imported before the snapshot
             self.base = global_state.take()
-            self.clean = global_state.memory_now()  # memory with no candidate's garbage (after each unload)
-            self.loaded_at: dict = {}  # candidate -> memory before its first load
+            import gc
+
+            gc.collect()
+            gc.freeze()  # start-up's objects leave the collector: the ledger's collections walk only what came since
+            self.ledger = Ledger(self._measure, self._compare, cands.user_modules, cands.drop_user_modules)
             self.found = None          # what the audits of the current op found
             self.core.before_canary = self._audit  # restore first: the canary then sees only what could not be
+
+    def _measure(self) -> dict:
+        from tkcc.runtime import global_state
+
+        budget = self.core.device_memory
+        return {"host": global_state.memory_now(), "device": budget.held() if budget is not None else None}
+
+    def _compare(self, before: dict, after: dict) -> str:
+        from tkcc.runtime import global_state
+
+        budget = self.core.device_memory
+        why = [global_state.leaked(before["host"], after["host"])]
+        if budget is not None and before["device"] is not None:
+            why.append(budget.leak(before["device"], after["device"]))
+        return "; ".join(w for w in why if w)
 
     def _audit(self):
         from tkcc.runtime import global_state
@@ -201,11 +241,12 @@ class _Single:
         return self.found
 
     def run(self, op: str, params: dict):
+        if op == "ping":
+            return self._ping()
         audited = AUDITED_CUDA if self.core.device.type == "cuda" else AUDITED
         if self.base is None or op not in audited:
             return getattr(self.core, f"op_{op}")(**params)
-        from tkcc.runtime import global_state
-
+        cid = None
         if op in ("load", "discover"):
             from tkcc.runtime import candidates as cands
 
@@ -214,7 +255,9 @@ class _Single:
             except Exception:  # noqa: BLE001 - the op itself reports a bad spec
                 cid = None
             if cid and cid not in self.core.candidates:
-                self.loaded_at[cid] = self.clean
+                self.ledger.opened(cid)  # a fresh measurement: nothing before this candidate is charged to it
+            else:
+                cid = None
         self.found = None
         try:
             result = getattr(self.core, f"op_{op}")(**params)
@@ -222,16 +265,20 @@ class _Single:
             a = self._audit()
             if not a.clean:
                 raise Tampered(a, e) from e
+            if cid and cid not in self.core.candidates:  # refused before it was registered: gone already
+                charge = self.ledger.charge(cid)
+                if charge is not None:
+                    raise Leaked(charge, e) from e
             raise
         if op == "unload":  # unloading runs no candidate code: what is left is the memory it held
-            before = self.loaded_at.pop(params.get("candidate"), None)
-            if isinstance(result, dict) and result.get("unloaded") and before:
-                now = global_state.memory_now()
-                why = global_state.leaked(before, now)
-                if why:
-                    return {**result, "fatal": True, "leaked": why,
-                            "reason": f"candidate {params.get('candidate')}: {why}"}
-                self.clean = now
+            cand = params.get("candidate")
+            if isinstance(result, dict) and result.get("unloaded"):
+                charge = self.ledger.charge(cand)
+                if charge is not None:
+                    out = {**result, "leaked": f"candidate {cand}: {charge.reason}", "restored": charge.restored}
+                    if not charge.restored:
+                        out.update(fatal=True, reason=f"{out['leaked']} (it cannot be freed: the worker restarts)")
+                    return out
             return result
         a = self._audit()
         if a.restored or a.unproven:
@@ -242,6 +289,23 @@ class _Single:
                 out.update(fatal=True, reason=out["tampered"] + " (not all of it can be put back: the worker restarts)")
             return out
         return result
+
+    def _ping(self) -> dict:
+        """The supervisor's idle check: the device-memory cap holds; an allocator past the limit ends the worker,
+        charged to the candidates loaded (the only code that ran in it)."""
+        out = self.core.op_ping()
+        why = out.get("device_memory")
+        if why:
+            out["leaked"] = why
+            if out.get("device_memory_fatal"):
+                out.update(fatal=True, reason=f"{why} (the worker restarts)")
+        return out
+
+    def memory_note(self, exc: BaseException) -> str:
+        """What an out-of-memory error's message should say about the engine's limit."""
+        budget = self.core.device_memory
+        text = f"{type(exc).__name__} {exc}".lower()
+        return budget.explain_oom() if budget is not None and "out of memory" in text else ""
 
     def unhealthy(self, exc: BaseException) -> str:
         return _unhealthy(self.core, exc)

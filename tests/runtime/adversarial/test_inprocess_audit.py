@@ -2,9 +2,9 @@
 state after each operation against a snapshot taken before any candidate was loaded.
 
 What can be put back is, and the candidate is refused (it was timed or checked under the change); what
-cannot (a dispatcher registration, a live thread, memory left behind) restarts the worker, charged to the
-candidate that did it. After each, an honest candidate validates and measures as before. One engine on the
-small residual-MLP model serves the file.
+cannot (a dispatcher registration, a live thread, memory left where dropping the candidate's modules does
+not free it) restarts the worker, charged to the candidate that did it. After each, an honest candidate
+validates and measures as before. One engine on the small residual-MLP model serves the file.
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ RESTARTED = {  # changes that cannot be proven undone: the worker is replaced
                            "        LIB.impl('silu', lambda t: t, 'CPU')\n        return base(x)", "dispatcher"),
     "leaks_a_thread": ("import threading, time\n        threading.Thread(target=lambda: time.sleep(3600), daemon=True)"
                        ".start()\n        return base(x)", "thread"),
-    "keeps_memory": ("global KEEP\n        KEEP = [torch.ones(1 << 26)]\n        return base(x)", "MiB above"),
+    "hides_memory": ("import collections\n        collections._tkcc_keep = [torch.ones(1 << 26)]\n"
+                     "        return base(x)", "MiB above"),  # outside its module: dropping its modules cannot free it
 }
 
 
@@ -86,6 +87,18 @@ def test_a_change_that_cannot_be_undone_restarts_the_worker_charged_to_the_candi
         st = c.status()
     assert st["engine"]["restarts"] == before + 1
     assert st["engine"]["recoveries"][-1]["reason"].count(words) or words in res["reason"]
+    assert engine.honest / NOISE <= _honest(engine) <= engine.honest * NOISE
+
+
+def test_memory_kept_in_its_module_is_charged_to_the_candidate_and_given_back_in_place(engine):
+    with engine.client() as c:
+        before = c.status()["engine"]["restarts"]
+    res = _run(engine, "keeps_memory", "global KEEP\n        KEEP = [torch.ones(1 << 26)]\n        return base(x)")
+    assert not res["ok"] and res["unload"]["failure"] == "memory", res
+    assert "host memory is" in res["reason"] and "MiB above" in res["reason"], res["reason"]
+    assert "dropping its modules" in res["reason"], res["reason"]
+    with engine.client() as c:
+        assert c.status()["engine"]["restarts"] == before
     assert engine.honest / NOISE <= _honest(engine) <= engine.honest * NOISE
 
 
