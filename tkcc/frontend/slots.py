@@ -232,8 +232,90 @@ def _export_slots(prog) -> None:
 
     with torch.no_grad():
         gm, _spec = export_graph(prog.eager.slot_step, prog.example_inputs[PHASE], what="decode_slots step of")
+    use_slot_attention(gm, prog.meta.get("device", "cpu"))
     prog.graphs[PHASE] = gm
     prog.layer_map[PHASE] = layer_map(gm, prog.meta["block_container"])
+
+
+_VIEWS = {torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten.view.default, torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default}
+_ROW_WRITES = {torch.ops.aten.scatter_.src, torch.ops.aten.scatter.src}
+
+
+def _cache_row_source(node):
+    """Walk from an sdpa key/value argument back through ``repeat_kv``'s views to the cache rows the step wrote
+    ([B, Hkv, S, D]: the ``_RowLayer`` scatter); (node, views) or None."""
+    views = []
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+        views.append(node)
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _ROW_WRITES:
+        return node, views
+    return None
+
+
+def use_slot_attention(gm: torch.fx.GraphModule, device="cpu") -> int:
+    """Each layer's ``repeat_kv`` + sdpa over the whole cache rows becomes ``tkcc.kernels.slot_attention``: the
+    split-KV kernel over each row's positions ``<= slot_positions[b]`` where it runs (CUDA), the same sdpa
+    op for op elsewhere (bit-exact). Only the attentions whose mask is the step's own (built from
+    ``slot_positions``) and whose keys/values are the cache rows just written are rewritten; returns how many."""
+    from tkcc.kernels import slot_attention as sa
+
+    pos = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "slot_positions"), None)
+    if pos is None:
+        return 0
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.aten.scaled_dot_product_attention.default:
+            continue
+        if len(node.args) != 4 or set(node.kwargs) - {"scale"}:
+            continue  # dropout, is_causal, enable_gqa...: not the step HF writes; leave it
+        q, k, v, mask = node.args
+        ks, vs = _cache_row_source(k), _cache_row_source(v)
+        qv = q.meta.get("val") if isinstance(q, torch.fx.Node) else None
+        if ks is None or vs is None or qv is None or not isinstance(mask, torch.fx.Node) or not _derives(mask, pos):
+            continue
+        rows = ks[0].meta.get("val")
+        if rows is None or rows.dim() != 4 or qv.shape[1] % rows.shape[1]:
+            continue
+        scale = node.kwargs.get("scale")
+        scale = float(scale) if scale is not None else float(qv.shape[-1]) ** -0.5
+        chunk = _chunk(sa, rows.shape, device)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(sa.slot_attention, (q, ks[0], vs[0], pos, mask, scale, chunk))
+        new.meta = {k2: v2 for k2, v2 in node.meta.items() if k2 in ("val", "nn_module_stack", "stack_trace")}
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        for dead in ks[1] + vs[1]:  # the expanded copies nobody reads now
+            if not dead.users:
+                gm.graph.erase_node(dead)
+        done += 1
+    gm.recompile()
+    return done
+
+
+def _derives(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether ``source`` is among ``node``'s inputs, transitively."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is source:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _chunk(sa, rows_shape, device) -> int:
+    """Positions per split for cache rows [B, Hkv, S, D] on ``device``: by its SM count on a GPU (fixed per shape)."""
+    B, hkv, S = int(rows_shape[0]), int(rows_shape[1]), int(rows_shape[2])
+    dev = torch.device(device)
+    sms = 132
+    if dev.type == "cuda" and torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return sa.choose_chunk(S, B, hkv, sms)
 
 
 def _recapture_fn(prog, cache: SlotCache):

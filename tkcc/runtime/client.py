@@ -27,14 +27,8 @@ class EngineClient:
         self.socket_path = None if host else (socket_path or protocol.default_socket_path())
         if token is None:
             token_file = token_file or (protocol.token_path_for(self.socket_path) if self.socket_path else None)
-            if token_file is None:
-                raise EngineError("a TCP engine needs --token or --token-file (printed by tkcc serve)")
-            try:
-                with open(token_file) as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise EngineError(f"cannot read the engine token from {token_file!r} ({e.strerror}); is an engine "
-                                  f"running there (tkcc serve)?") from None
+            token = read_token(token_file, "the engine token", "a TCP engine needs --token or --token-file (printed "
+                               "by tkcc serve)", "is an engine running there (tkcc serve)?", EngineError)
         self.token = token
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
@@ -125,6 +119,18 @@ class EngineClient:
 
     def shutdown(self) -> dict:
         return self.call("shutdown")
+
+
+def read_token(path: str | None, what: str, missing: str, hint: str, error: type = EngineError) -> str:
+    """The secret a server wrote to ``path`` (0600, ``protocol.write_secret``), or ``error`` saying why not:
+    ``missing`` when no path was given, the OS's reason and ``hint`` when it cannot be read."""
+    if path is None:
+        raise error(missing)
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise error(f"cannot read {what} from {path!r} ({e.strerror}); {hint}") from None
 
 
 def _wl(workload):

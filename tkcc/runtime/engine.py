@@ -44,7 +44,7 @@ from tkcc.runtime.validation import (TOLERANCES, WEIGHTS_CHANGED, StateGuard, Va
                                      compare, pick_buckets, poison, tensors_of, validate, weights_checksum,
                                      changed_weight)
 from tkcc.runtime.stability import unstable_error
-from tkcc.runtime.workloads import check_buckets, default_workload, workload_from_json
+from tkcc.runtime.workloads import check_buckets, default_workload, for_program, workload_from_json
 
 HISTORY = 8  # earlier forwards kept per tier for revert
 MIN_GPU_REPS = 30  # the cap on timed repetitions per bucket on a GPU, at least (adaptive timing may stop earlier)
@@ -291,7 +291,7 @@ class EngineCore:
 
     # ---------------------------------------------------------------- helpers
     def _workload(self, workload):
-        w = self.default_workload if workload is None else workload_from_json(workload)
+        w = self.default_workload if workload is None else for_program(self.program, workload_from_json(workload))
         check_buckets(self.program, w)
         return w
 

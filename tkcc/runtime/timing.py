@@ -11,14 +11,14 @@ import torch
 
 from tkcc.runtime.measurement import BucketTiming, ci_tight
 from tkcc.runtime.validation import ValidationFailure, tensors_of
+from tkcc.runtime.workloads import input_bucket, serving_view
 
 _perf_counter_ns = time.perf_counter_ns
 _Event = torch.cuda.Event if hasattr(torch, "cuda") else None
 
 
 def bucket_inputs(program, bucket, gen, rotations: int) -> list[tuple]:
-    b = bucket if bucket.shapes or bucket.phase in ("prefill", "decode") else None
-    return [program.inputs(bucket.phase, b, gen) for _ in range(rotations)]
+    return [program.inputs(bucket.phase, input_bucket(bucket), gen) for _ in range(rotations)]
 
 
 class _Clock:
@@ -210,6 +210,6 @@ def objective_of(workload, medians: dict[str, float]) -> tuple[str, float | None
     from tkcc.traffic import metrics
 
     try:
-        return workload.objective, float(metrics.objective(workload, medians)), ""
+        return workload.objective, float(metrics.objective(*serving_view(workload, medians))), ""
     except TkccError as e:
         return workload.objective, None, f"objective not computed: {e}"

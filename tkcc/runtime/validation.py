@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 # (atol, rtol) per dtype for tolerance mode; a model/plan may declare its own.
 from tkcc.passes.lint import TOLERANCES  # noqa: E402,F401 - re-exported: one table for passes, golden, engine
 from tkcc.runtime.stability import MAX_DRAWS, unstable_error
+from tkcc.runtime.workloads import input_bucket
 
 
 WEIGHTS_CHANGED = "the candidate modified the model's weights"
@@ -326,8 +327,7 @@ def _draw_inputs(program, b, seed: int) -> tuple:
         with torch.no_grad():
             for buf in state.buffers():
                 buf.zero_()
-    return program.inputs(b.phase, b if b.shapes or b.phase in ("prefill", "decode") else None,
-                          torch.Generator().manual_seed(seed))
+    return program.inputs(b.phase, input_bucket(b), torch.Generator().manual_seed(seed))
 
 
 def _bank_entry(seed: int, guard: "StateGuard", reference: tuple):

@@ -3,10 +3,21 @@
 A Workload crosses the RPC boundary as JSON (buckets, objective, source);
 routing distributions stay on the traffic side (the engine measures the
 routing the inputs produce).
+
+A slots Program (``tkcc.frontend.slots``: ``tkcc.compile(model, batch=B)``)
+serves B requests at once: each request's prefill runs alone (batch 1), and
+every decode step of every live request is one ``decode_slots`` step of all B
+rows. ``for_program`` gives each batch-1 decode bucket its ``decode_slots``
+twin at batch B (same context, weight and tokens), so the engine validates and
+times that step like any phase; ``serving_view`` is what the objective is
+computed on: each decode step at a context costs what the ``decode_slots`` step
+costs there (every slot live, the server under load), the prefill what the
+batch-1 prefill costs. The batch-1 decode buckets are still validated and
+timed (one-token prompts are admitted through that step) and reported.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from tkcc.errors import EngineError
 from tkcc.traffic.workload import Bucket, Workload
@@ -58,6 +69,43 @@ def workload_from_json(d) -> Workload:
     return w
 
 
+SLOTS_PHASE = "decode_slots"  # tkcc.frontend.slots.PHASE (the runtime reads Programs, it does not build them)
+SIZED_PHASES = ("prefill", "decode", SLOTS_PHASE)  # phases whose inputs a bucket's context sets
+
+
+def input_bucket(b: Bucket) -> Bucket | None:
+    """What ``Program.inputs`` takes for bucket ``b``: the bucket where its shape or context sets the inputs."""
+    return b if b.shapes or b.phase in SIZED_PHASES else None
+
+
+def for_program(program, w: Workload) -> Workload:
+    """``w`` as ``program`` serves it: on a slots Program each batch-1 decode bucket gains its ``decode_slots``
+    twin at batch B (see the module docstring); any other Program, or a workload that names the slot step
+    itself, is returned as it is."""
+    n = int(program.meta.get("slots") or 0)
+    if n < 2 or SLOTS_PHASE not in program.graphs or any(b.phase == SLOTS_PHASE for b in w.buckets):
+        return w
+    twins = [Bucket(SLOTS_PHASE, n, b.context, b.new_tokens, b.weight) for b in w.buckets
+             if b.phase == "decode" and b.batch == 1]
+    if not twins:
+        return w
+    return replace(w, buckets=list(w.buckets) + twins, meta={**w.meta, "slots": n})
+
+
+def serving_view(w: Workload, medians: dict[str, float]) -> tuple[Workload, dict[str, float]]:
+    """The workload and per-bucket seconds the objective is computed on: with ``decode_slots`` buckets, the
+    decode step at each of their contexts costs the slot step's time there (the batch-1 decode buckets of those
+    contexts take its timing), and the slot buckets leave the workload (its request mix stays)."""
+    slot = {b.context: medians[b.key()] for b in w.buckets if b.phase == SLOTS_PHASE and b.key() in medians}
+    if not slot:
+        return w, medians
+    t = dict(medians)
+    for b in w.buckets:
+        if b.phase == "decode" and b.batch == 1 and b.context in slot:
+            t[b.key()] = slot[b.context]
+    return replace(w, buckets=[b for b in w.buckets if b.phase != SLOTS_PHASE]), t
+
+
 def default_workload(program) -> Workload:
     """A small workload for when the client gives none: short prefill plus decode at two contexts."""
     if "decode" in program.graphs:
@@ -71,7 +119,8 @@ def default_workload(program) -> Workload:
             buckets.append(Bucket("prefill", batch, p, 0, 0.2))
         buckets.append(Bucket("decode", batch, p, o, 0.4))
         buckets.append(Bucket("decode", batch, p + o - 1, o, 0.4))
-        return Workload(buckets=buckets, source="engine default", mix=[(p, o, 1.0)], representative=[(p, o)])
+        return for_program(program, Workload(buckets=buckets, source="engine default", mix=[(p, o, 1.0)],
+                                             representative=[(p, o)]))
     phase = next(iter(program.graphs))
     return Workload(buckets=[Bucket(phase, weight=1.0)], objective="mean_latency_s", source="engine default")
 
@@ -80,17 +129,22 @@ def check_buckets(program, workload: Workload) -> None:
     """Every bucket must name a phase the model serves and fit its cache and batch; else a clear error."""
     cap = program.meta.get("max_cache_len")
     max_batch = program.meta.get("batch")
+    slots = int(program.meta.get("slots") or 0)
     for i, b in enumerate(workload.buckets):
         where = f"workload bucket {i} ({b.key()})"
         if b.phase not in program.graphs:
             raise EngineError(f"{where}: phase {b.phase!r} is not served by this model; it has {program.phases}")
-        if cap is not None and b.phase in ("prefill", "decode"):
+        if b.phase == SLOTS_PHASE:
+            if b.batch != slots:
+                raise EngineError(f"{where}: the {SLOTS_PHASE} step of this model decodes {slots} slots, not "
+                                  f"batch {b.batch}")
+        if cap is not None and b.phase in SIZED_PHASES:
             # a decode step at context c writes cache position c; a prefill of c tokens fills 0..c-1
-            need = b.context + 1 if b.phase == "decode" else b.context
+            need = b.context if b.phase == "prefill" else b.context + 1
             if need > int(cap):
                 raise EngineError(f"{where}: needs {need} cache positions but the model was captured with "
                                   f"max_cache_len={cap}; restart the engine with a larger --max-cache-len")
             if b.phase == "prefill" and b.context < 1:
                 raise EngineError(f"{where}: a prefill bucket needs a prompt of at least 1 token")
-        if max_batch is not None and b.batch > int(max_batch):
+        if max_batch is not None and b.batch > int(max_batch) and b.phase != SLOTS_PHASE:
             raise EngineError(f"{where}: batch {b.batch} exceeds the engine's batch {max_batch}")

@@ -22,6 +22,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -137,24 +138,33 @@ def build_app(server) -> Starlette:
             raise RequestError(str(e), status=503, kind="server_error") from None
         return jobs
 
+    def completion_prompts(req: CompletionRequest) -> tuple[list[list[int]], int]:
+        prompts = _prompts(req.prompt, server.tokenizer, check_ids)
+        if len(prompts) > lim.max_prompts:
+            raise RequestError(f"{len(prompts)} prompts in one request; the limit is {lim.max_prompts}",
+                               param="prompt")
+        return prompts, req.max_tokens if req.max_tokens is not None else 16
+
+    def chat_prompts(req: ChatRequest) -> tuple[list[list[int]], int]:
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompts = [check_ids(chat_ids(server.tokenizer, msgs), "messages")]
+        room = server.max_cache_len - len(prompts[0]) + 1
+        return prompts, req.max_completion_tokens or req.max_tokens or max(1, min(lim.max_tokens, room))
+
+    # request body -> (id prefix, the field prompts come from, its prompts and max_tokens, chat or not)
+    kinds = {CompletionRequest: ("cmpl-", "prompt", completion_prompts, False),
+             ChatRequest: ("chatcmpl-", "messages", chat_prompts, True)}
+
     async def run_request(request: Request, kind: type):
+        """/v1/completions and /v1/chat/completions: one path, the body's kind says where the prompts are."""
         t_arrival = time.time()
+        prefix, field, prompts_of, chat = kinds[kind]
         try:
             check_key(request)
             req = parse(kind, await read_body(request))
             check_model(req.model)
-            if kind is CompletionRequest:
-                prompts = _prompts(req.prompt, server.tokenizer, check_ids)
-                if len(prompts) > lim.max_prompts:
-                    raise RequestError(f"{len(prompts)} prompts in one request; the limit is {lim.max_prompts}",
-                                       param="prompt")
-                max_tokens = req.max_tokens if req.max_tokens is not None else 16
-            else:
-                msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-                prompts = [check_ids(chat_ids(server.tokenizer, msgs), "messages")]
-                room = server.max_cache_len - len(prompts[0]) + 1
-                max_tokens = req.max_completion_tokens or req.max_tokens or max(1, min(lim.max_tokens, room))
-            check_lengths(prompts, max_tokens, "prompt" if kind is CompletionRequest else "messages")
+            prompts, max_tokens = prompts_of(req)
+            check_lengths(prompts, max_tokens, field)
             jobs = queue(prompts, max_tokens, req.stop_list())
         except RequestError as e:
             server.metrics.on_reject(e.status)
@@ -162,20 +172,12 @@ def build_app(server) -> Starlette:
             if e.status == 429:
                 headers = {"Retry-After": str(server.scheduler.retry_after())}
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
-        rid = ("cmpl-" if kind is CompletionRequest else "chatcmpl-") + uuid.uuid4().hex
-        meta = {"id": rid, "created": int(t_arrival), "model": server.model_name}
-        chat = kind is ChatRequest
+        meta = {"id": prefix + uuid.uuid4().hex, "created": int(t_arrival), "model": server.model_name}
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream(jobs, meta, chat, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _whole(request, jobs, meta, chat)
-
-    async def completions(request: Request):
-        return await run_request(request, CompletionRequest)
-
-    async def chat_completions(request: Request):
-        return await run_request(request, ChatRequest)
 
     async def models(request: Request):
         try:
@@ -200,54 +202,50 @@ def build_app(server) -> Starlette:
             raise RequestError("incorrect admin token (see the server's --admin-token-file)", status=401,
                                code="invalid_admin_token")
 
-    async def admin_swap(request: Request):
+    def json_body(data: bytes):
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+
+    def swap_call(data: bytes):
+        spec = json_body(data)
+        if server.swapper is None:
+            raise RequestError("this server cannot build forwards (started without a model to build from)",
+                               status=409)
+        return server.swapper.ship, (spec,)
+
+    def measure_call(data: bytes):
+        spec = json_body(data)
+        try:
+            return server.measure_step, (int(spec["context"]), int(spec.get("reps", 30)))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RequestError(f"the body must be {{\"context\": N, \"reps\": R}}: {e}") from None
+
+    async def admin(request: Request, call=None):
+        """Every /admin route: the admin token, then ``call(body) -> (fn, args)`` run off the event loop (the
+        builds and timings take seconds); without ``call``, the server's status."""
         try:
             check_admin(request)
-            try:
-                spec = json.loads(await read_body(request))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise RequestError(f"the body is not valid JSON: {e}") from None
-            if server.swapper is None:
-                raise RequestError("this server cannot build forwards (started without a model to build from)",
-                                   status=409)
-            res = await asyncio.to_thread(server.swapper.ship, spec)
+            if call is None:
+                return JSONResponse(server.status())
+            fn, args = call(await read_body(request))
+            res = await asyncio.to_thread(fn, *args)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
         except TkccError as e:
             return _error(400, str(e))
         return JSONResponse(res)
-
-    async def admin_measure(request: Request):
-        try:
-            check_admin(request)
-            try:
-                spec = json.loads(await read_body(request))
-                context, reps = int(spec["context"]), int(spec.get("reps", 30))
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
-                raise RequestError(f"the body must be {{\"context\": N, \"reps\": R}}: {e}") from None
-            res = await asyncio.to_thread(server.measure_step, context, reps)
-        except RequestError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        except TkccError as e:
-            return _error(400, str(e))
-        return JSONResponse(res)
-
-    async def admin_status(request: Request):
-        try:
-            check_admin(request)
-        except RequestError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        return JSONResponse(server.status())
 
     return Starlette(routes=[
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", partial(run_request, kind=CompletionRequest), methods=["POST"]),
+        Route("/v1/chat/completions", partial(run_request, kind=ChatRequest), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/admin/swap", admin_swap, methods=["POST"]),
-        Route("/admin/status", admin_status, methods=["GET"]),
-        Route("/admin/measure", admin_measure, methods=["POST"]),
+        Route("/admin/swap", partial(admin, call=swap_call), methods=["POST"]),
+        Route("/admin/status", admin, methods=["GET"]),
+        Route("/admin/measure", partial(admin, call=measure_call), methods=["POST"]),
     ], exception_handlers={404: _not_found, 405: _not_allowed})
 
 

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 
 from tkcc.errors import TkccError
+from tkcc.runtime.client import read_token
 from tkcc.serve.scheduler import warm_up
 
 MAX_PROGRAMS = 2  # the serving Program and the one the next candidate is built on
@@ -92,13 +93,9 @@ class AdminClient:
 
     def __init__(self, url: str, token: str | None = None, token_file: str | None = None, timeout_s: float = 3600):
         if token is None:
-            if token_file is None:
-                raise TkccError("the server's admin token is needed: give its --admin-token-file")
-            try:
-                with open(token_file) as f:
-                    token = f.read().strip()
-            except OSError as e:
-                raise TkccError(f"admin token file {token_file}: {e}") from None
+            token = read_token(token_file, "the server's admin token", "the server's admin token is needed: give "
+                               "its --admin-token-file", "is a server running with that --admin-token-file?",
+                               TkccError)
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
