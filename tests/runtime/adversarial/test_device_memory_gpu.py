@@ -11,6 +11,7 @@ After each, an honest candidate validates and measures. llama-tiny on cuda:0, on
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -43,7 +44,8 @@ class GpuAdversary(Adversary):
 
     def honest_measures(self) -> None:
         res = self.run({"source": self.source("honest", "return f(ids, pos)")})
-        assert res["ok"], res
+        assert res["ok"], json.dumps({t: {k: v for k, v in r.items() if k in ("reason", "verdict", "error", "ok")}
+                                      for t, r in (res.get("tiers") or {}).items()} | {"reason": res.get("reason")})
         assert res["tiers"]["fast"]["measurement"]["objective"] > 0
 
 
