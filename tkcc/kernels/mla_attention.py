@@ -45,22 +45,23 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: 
 def mla_absorbed_ref(q: torch.Tensor, ckv: torch.Tensor, kv_norm: torch.Tensor, kv_b: torch.Tensor,
                      k_cache: torch.Tensor, r_cache: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                      eps: float, scale: float, nope: int, interleave: bool) -> torch.Tensor:
-    """The kernels' arithmetic in PyTorch (fp32 inside): one token's q [H (N + R)] and latent + rope key
+    """The kernels' arithmetic in PyTorch (fp32 inside; fp64 for fp64 inputs): one token's q [H (N + R)] and latent + rope key
     ``ckv`` [C + R]; caches [S, C] / [S, R] (written at ``pos``); cos/sin [R] at ``pos``. Returns [H V]."""
     S, C = k_cache.shape
     R = r_cache.shape[-1]
     H = q.numel() // (nope + R)
     V = kv_b.shape[0] // H - nope
     dt = k_cache.dtype
-    x = ckv[:C].float()
+    acc = torch.float64 if dt == torch.float64 else torch.float32
+    x = ckv[:C].to(acc)
     c_new = kv_norm * (x * torch.rsqrt(x.pow(2).mean() + eps)).to(dt)
     k_cache[pos] = c_new.to(dt)
     r_cache[pos] = rope_ref(ckv[C:], cos, sin, interleave).to(dt)
     qh = q.view(H, nope + R)
-    q_rope = rope_ref(qh[:, nope:], cos, sin, interleave).float()
-    w = kv_b.view(H, nope + V, C).float()
-    q_lat = torch.einsum("hn,hnc->hc", qh[:, :nope].float(), w[:, :nope])
-    c, kr = k_cache[: pos + 1].float(), r_cache[: pos + 1].float()
+    q_rope = rope_ref(qh[:, nope:], cos, sin, interleave).to(acc)
+    w = kv_b.view(H, nope + V, C).to(acc)
+    q_lat = torch.einsum("hn,hnc->hc", qh[:, :nope].to(acc), w[:, :nope])
+    c, kr = k_cache[: pos + 1].to(acc), r_cache[: pos + 1].to(acc)
     p = torch.softmax((q_lat @ c.T + q_rope @ kr.T) * scale, dim=-1)
     return torch.einsum("hvc,hc->hv", w[:, nope:], p @ c).reshape(-1).to(dt)
 
