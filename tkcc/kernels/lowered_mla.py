@@ -123,7 +123,7 @@ def mla_attention(q: Tensor, ckv: Tensor, kv_norm: Tensor, kv_b: Tensor, k_cache
         R = r_cache.shape[-1]
         H = q.shape[-1] // (nope + R)
         V = kv_b.shape[0] // H - nope
-        ch, splits = attention_layout(S, chunk)
+        ch, splits = attention_layout(S, mk.layout(S, chunk))
         out = torch.empty(H * V, device=q.device, dtype=q.dtype)
         mk.launch(q.reshape(-1), ckv.reshape(-1), kv_norm, kv_b, k_cache[0, 0], r_cache[0, 0], cache_position,
                   inv_freq, out, eps=eps, scale=scale, nope=nope, interleave=interleave, chunk=ch, splits=splits,

@@ -28,6 +28,13 @@ from tkcc.kernels.render import load
 
 HEAD_BLOCK = 16      # heads per split program (the tl.dot's M: every head of the block shares the latent loads)
 TILE_ELEMS = 16384   # latent elements per loop step at most (positions x C): a tile of C = 512 is 32 positions
+MAX_SPLITS = 128     # splits at most: each covers every head, and the out kernel's programs each merge them all
+
+
+def layout(S: int, chunk: int) -> int:
+    """Positions per split over a cache of S: the layout's chunk, widened so that there are at most
+    ``MAX_SPLITS`` splits (a split program serves all heads, so fewer, longer splits than per-head attention)."""
+    return max(chunk, -(-S // MAX_SPLITS))
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -101,8 +108,38 @@ def launch(q, ckv, kv_norm, kv_b, k_cache, r_cache, pos, inv_freq, out, *, eps, 
         qlat, qr, k_cache, r_cache, po, plse, pos, scale * LOG2E, chunk, k_cache.stride(0), r_cache.stride(0), S,
         splits, H, C=C, C_P=C_P, R=R, R_P=R_P, HB=HEAD_BLOCK, BLOCK_S=tile(block_s, C), num_warps=num_warps,
         num_stages=2, **extra)
-    block_v = min(16, next_pow2(V))
+    block_v = min(32, next_pow2(V))
     mod.mla_out_kernel[(H, triton.cdiv(V, block_v))](
-        po, plse, kv_b, out, pos, chunk, splits, S, nope, V, kv_b.stride(0), C=C, C_P=C_P, BLOCK_V=block_v,
-        BLOCK_SP=min(16, max(2, next_pow2(splits))), num_warps=4, **extra)
+        po, plse, kv_b, out, pos, chunk, splits, S, nope, V, kv_b.stride(0), C=C, C_P=C_P, BLOCK_C=min(C_P, 128),
+        BLOCK_V=block_v, BLOCK_SP=min(16, max(2, next_pow2(splits))), num_warps=4, **extra)
+    return out
+
+
+def aot_variants(C: int = 512, R: int = 64, nope: int = 128, block_s: int = 32, num_warps: int = 4):
+    """(template, hooks, kernel, signature, constexprs) of the three kernels at DeepSeek's widths, bf16, for
+    ``tkcc.kernels.aot.compile_all`` (no GPU needed: the real compiler is stricter than the interpreter)."""
+    P, F32, I = "*bf16", "*fp32", "i32"
+    C_P, R_P = max(16, next_pow2(C)), max(16, next_pow2(R))
+    out = []
+    for pdl, interleave in ((True, True), (False, False)):
+        hooks = dict(pdl=pdl, rope_scale=False, interleave=interleave)
+        sig = {"q_ptr": P, "ckv_ptr": P, "nw_ptr": P, "w_ptr": P, "kc_ptr": P, "rc_ptr": P, "qlat_ptr": P, "qr_ptr": P,
+               "pos_ptr": "*i64", "inv_freq_ptr": F32, "eps": "fp32", "H": I, "N": I, "V": I, "stride_w": I,
+               "stride_ks": I, "stride_rs": I, "S_MAX": I, "NCB": I, "C": "constexpr", "R": "constexpr",
+               "HALF": "constexpr", "HALF_P": "constexpr", "BLOCK_N": "constexpr", "BLOCK_C": "constexpr",
+               "C_P": "constexpr"}
+        out.append(("mla_attention.py.jinja", hooks, "mla_prep_kernel", sig,
+                    dict(C=C, R=R, HALF=R // 2, HALF_P=next_pow2(R // 2), BLOCK_N=min(64, next_pow2(nope)),
+                         BLOCK_C=min(C_P, 64), C_P=C_P)))
+        sig = {"qlat_ptr": P, "qr_ptr": P, "kc_ptr": P, "rc_ptr": P, "po_ptr": F32, "plse_ptr": F32, "pos_ptr": "*i64",
+               "qk_scale": "fp32", "chunk": I, "stride_ks": I, "stride_rs": I, "S_MAX": I, "SPLITS": I, "H": I,
+               "C": "constexpr", "C_P": "constexpr", "R": "constexpr", "R_P": "constexpr", "HB": "constexpr",
+               "BLOCK_S": "constexpr"}
+        out.append(("mla_attention.py.jinja", hooks, "mla_split_kernel", sig,
+                    dict(C=C, C_P=C_P, R=R, R_P=R_P, HB=HEAD_BLOCK, BLOCK_S=tile(block_s, C))))
+        sig = {"po_ptr": F32, "plse_ptr": F32, "w_ptr": P, "out_ptr": P, "pos_ptr": "*i64", "chunk": I, "SPLITS": I,
+               "S_MAX": I, "N": I, "V": I, "stride_w": I, "C": "constexpr", "C_P": "constexpr",
+               "BLOCK_C": "constexpr", "BLOCK_V": "constexpr", "BLOCK_SP": "constexpr"}
+        out.append(("mla_attention.py.jinja", hooks, "mla_out_kernel", sig,
+                    dict(C=C, C_P=C_P, BLOCK_C=min(C_P, 128), BLOCK_V=32, BLOCK_SP=16)))
     return out
