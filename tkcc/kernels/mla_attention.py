@@ -52,8 +52,9 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: 
 def mla_absorbed_ref(q: torch.Tensor, ckv: torch.Tensor, kv_norm: torch.Tensor, kv_b: torch.Tensor,
                      k_cache: torch.Tensor, r_cache: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                      eps: float, scale: float, nope: int, interleave: bool) -> torch.Tensor:
-    """The kernels' arithmetic in PyTorch (fp32 inside; fp64 for fp64 inputs): one token's q [H (N + R)] and latent + rope key
-    ``ckv`` [C + R]; caches [S, C] / [S, R] (written at ``pos``); cos/sin [R] at ``pos``. Returns [H V]."""
+    """The kernels' arithmetic in PyTorch (fp32 inside; fp64 for fp64 inputs): one token's q [H (N + R)] and
+    latent + rope key ``ckv`` [C + R]; caches [S, C] / [S, R] (written at ``pos``); cos/sin [R] at ``pos``.
+    Returns [H V]."""
     S, C = k_cache.shape
     R = r_cache.shape[-1]
     H = q.numel() // (nope + R)
@@ -115,7 +116,7 @@ def launch(q, ckv, kv_norm, kv_b, k_cache, r_cache, pos, inv_freq, out, *, eps, 
     return out
 
 
-def aot_variants(C: int = 512, R: int = 64, nope: int = 128, block_s: int = 32, num_warps: int = 4):
+def aot_variants(C: int = 512, R: int = 64, nope: int = 128, block_s: int = 32):
     """(template, hooks, kernel, signature, constexprs) of the three kernels at DeepSeek's widths, bf16, for
     ``tkcc.kernels.aot.compile_all`` (no GPU needed: the real compiler is stricter than the interpreter)."""
     P, F32, I = "*bf16", "*fp32", "i32"
