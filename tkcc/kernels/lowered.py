@@ -533,3 +533,6 @@ def gemv_gather(table: Tensor, ids: Tensor, weight: Tensor, norm_weight: Optiona
 @gemv_gather.register_fake
 def _(table, ids, weight, norm_weight=None, eps=1e-6, config=None, pdl=False, bias=None):
     return (table.new_empty(*ids.shape, weight.shape[0]), table.new_empty(*ids.shape, table.shape[1]))
+
+
+from tkcc.kernels import lowered_mla  # noqa: E402,F401 - registers tkcc.mla_attention (DeepSeek's latent attention)

@@ -265,6 +265,15 @@ FAMILIES = {"norms": check_norms, "gemv": check_gemv, "gather": check_gather, "p
             "attention": check_attention, "moe": check_moe}
 
 
+def check_mla(device, dtype, g):
+    from tkcc.passes.lower.checks_mla import check_mla as check  # (imports this module: its cases are run_case's)
+
+    return check(device, dtype, g)
+
+
+FAMILIES["mla"] = check_mla
+
+
 def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None):
     g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, (1,))))
     rows = []
