@@ -533,3 +533,7 @@ def gemv_gather(table: Tensor, ids: Tensor, weight: Tensor, norm_weight: Optiona
 @gemv_gather.register_fake
 def _(table, ids, weight, norm_weight=None, eps=1e-6, config=None, pdl=False, bias=None):
     return (table.new_empty(*ids.shape, weight.shape[0]), table.new_empty(*ids.shape, table.shape[1]))
+
+
+# ops whose kernels live in their own modules (registered with the rest: an artifact imports only this module)
+from tkcc.kernels import linear_attention as _linear_attention  # noqa: E402,F401

@@ -1,0 +1,37 @@
+"""Checks of the rotary, sink and linear-attention rewrites (``checks.py``'s machinery, on their own regions):
+each region written as the model's code writes it, captured, lowered, and compared with its eager run on
+fresh random inputs and several shapes (caches and recurrent states compared too). ``checks.py`` imports
+this module, so it imports ``checks`` inside the functions."""
+from __future__ import annotations
+
+import torch
+
+
+
+def check_linear_attention(device, dtype, g, shapes=((3, 16, 16), (4, 32, 16), (2, 64, 32))):
+    """MiniMax's lightning decode step over the [2, B, H, D, D] state double buffer: both slots, position 0
+    (a fresh sequence reads zeros), one and several column blocks per head."""
+    from tkcc.passes.lower import linear_attention as la
+    from tkcc.passes.lower.checks import Region, _options, _rand, run_case
+
+    rows = []
+    for H, D, bv in shapes:
+        for act in ("silu", ""):
+            pattern = la._lightning_pattern(act)[0]
+            slope = (torch.rand(H, 1, 1, generator=g) * 0.5 + 0.01).to(device=device, dtype=dtype)
+            t = {"state": _rand((2, 1, H, D, D), g, device, dtype, 0.5), "slope": slope}
+
+            def fn(s, qkv, pos, pattern=pattern):
+                return pattern(qkv, s.state, pos, s.slope)[0]
+
+            def make(H=H, D=D):
+                pos = torch.randint(0, 3, (1,), generator=g).to(device)
+                return _rand((1, 1, 3 * H * D), g, device, dtype), pos
+
+            opts = dict(_options(), linear_block_v=bv)
+            rows += run_case(f"linear_attention[{H}x{D}, block_v={bv}{', ' + act if act else ''}]", Region(fn, t),
+                             make, "tkcc.linear_attention.default", False, dtype, opts, state=("state",))
+    return rows
+
+
+FAMILIES = {"linear_attention": check_linear_attention}
