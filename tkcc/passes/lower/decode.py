@@ -49,9 +49,9 @@ def stages():
     import tkcc.kernels.lowered  # noqa: F401 - registers torch.ops.tkcc (no triton needed until a kernel runs)
     from tkcc.passes.lower import attention, linear_attention, moe, norms, projections, rotary, routed_experts
 
-    return [("shared", attention.MASKS + rotary.REWRITES), ("moe", moe.REWRITES + routed_experts.REWRITES),
-            ("packing", projections.PACK),
-            ("gemv", projections.GEMV), ("attention", attention.ATTENTION),
+    return [("shared", attention.MASKS + rotary.REWRITES + rotary.CANONICAL),
+            ("moe", moe.REWRITES + routed_experts.REWRITES), ("packing", projections.PACK),
+            ("gemv", projections.GEMV), ("attention", attention.ATTENTION + rotary.ATTENTION),
             ("linear_attention", linear_attention.REWRITES), ("norms", norms.REWRITES)]
 
 
