@@ -96,21 +96,24 @@ class AttentionRope:
 
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
-           head_norm=False, window=0):
+           head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
     ``rope_scale``: cos and sin times this factor (scaled rotary), None for none. ``head_norm``: the q/k norms
     are per head (weights [D], Qwen3), not over the whole projection (OLMoE). ``window``: a sliding window
-    of that many positions (the current one included), 0 for none."""
+    of that many positions (the current one included), 0 for none. ``rotary_dim``: only the first this many
+    elements of each head rotate (partial rotary; 0: all), ``interleaved``: pairs (2i, 2i + 1) rotate (GPT-J,
+    GLM) instead of the halves. ``sinks``: [hq] learned logits in each head's softmax denominator (gpt-oss)."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
     G = hq // hkv
     qk_norm = q_norm is not None
     merge = splits <= MERGE_MAX_SPLITS
+    pairs = bool(interleaved) or bool(rotary_dim and rotary_dim != D)
     mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
-               window=bool(window))
+               window=bool(window), pairs=pairs, sinks=sinks is not None)
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
@@ -119,6 +122,8 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         SINGLE=splits == 1, BLOCK_SP=min(16, max(2, next_pow2(splits))), MERGE=merge,
         num_warps=num_warps, **({"rope_scale": float(rope_scale)} if rope_scale is not None else {}),
         **({"window": int(window)} if window else {}),
+        **({"ROT_DIM": int(rotary_dim or D), "INTERLEAVED": bool(interleaved)} if pairs else {}),
+        **({"sinks_ptr": sinks} if sinks is not None else {}),
         **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not merge:
         if seqlen is None:

@@ -108,6 +108,23 @@ def rope_ref(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def rope_pairs_ref(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """x [B, H, T, D] rotated on its first R elements by the table cos/sin [B, T, R] (``cat(f, f)``, as the rotary
+    embedding makes it), the rest passed through (partial rotary: Phi-3, StableLM, GPT-NeoX). ``interleaved``:
+    pairs (2i, 2i + 1) rotate, at frequency i (GLM's ``rotate_half_llm`` and its ``repeat_interleave``d table)."""
+    R = cos.shape[-1]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    xr, xp = x[..., :R], x[..., R:]
+    if interleaved:
+        c = c[..., : R // 2].repeat_interleave(2, dim=-1)
+        s = s[..., : R // 2].repeat_interleave(2, dim=-1)
+        rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        rot = rotate_half(xr)
+    out = xr * c + rot * s
+    return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+
 def causal_mask_ref(cache_position: Tensor, kv_len: int, window: int = 0) -> Tensor:
     """[1, 1, T, kv_len] bool: query i (at ``cache_position[0] + i``) sees cache positions <= its own, and with
     ``window`` only the last ``window`` of them (``transformers.masking_utils.sdpa_mask``, no padding)."""
@@ -131,11 +148,14 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 
 def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
                        rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
-                       scale: float, num_heads: int, window: int = 0, head_norm: bool = False) -> Tensor:
+                       scale: float, num_heads: int, window: int = 0, head_norm: bool = False, rotary_dim: int = 0,
+                       interleaved: bool = False, sinks: Optional[Tensor] = None) -> Tensor:
     """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
     [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
     rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
-    causal attention over the cache -> [B, T, Hq D]."""
+    causal attention over the cache -> [B, T, Hq D]. ``rotary_dim`` / ``interleaved``: partial and interleaved
+    rotary (``rope_pairs_ref``; ``inv_freq`` then has ``rotary_dim / 2`` entries); ``sinks`` [Hq]: a learned
+    logit per head in the softmax's denominator, as gpt-oss's eager attention computes it."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q, k, v = torch.split(qkv, [num_heads * D, hkv * D, hkv * D], -1)
@@ -150,14 +170,33 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     k = k.transpose(1, 2)
     v = v.view(B, T, -1, D).transpose(1, 2)
     cos, sin = rotary_cos_sin_ref(inv_freq, cache_position.unsqueeze(0).expand(B, -1), rope_scale, qkv.dtype)
-    q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    if rotary_dim or interleaved:
+        q, k = rope_pairs_ref(q, cos, sin, interleaved), rope_pairs_ref(k, cos, sin, interleaved)
+    else:
+        q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
     k_cache.index_copy_(2, cache_position, k)
     v_cache.index_copy_(2, cache_position, v)
     n_rep = num_heads // hkv
     mask = causal_mask_ref(cache_position, S, window)
+    if sinks is not None:
+        return sink_attention_ref(q, repeat_kv(k_cache, n_rep), repeat_kv(v_cache, n_rep), mask, sinks, scale) \
+            .transpose(1, 2).reshape(B, T, -1)
     o = F.scaled_dot_product_attention(q, repeat_kv(k_cache, n_rep), repeat_kv(v_cache, n_rep), attn_mask=mask,
                                        scale=scale)
     return o.transpose(1, 2).reshape(B, T, -1)
+
+
+def sink_attention_ref(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, sinks: Tensor, scale: float) -> Tensor:
+    """gpt-oss's ``eager_attention_forward``: scores + the additive mask (the dtype's minimum where masked), the
+    per-head sink logit as one more column, max-subtracted softmax in the scores' dtype, the sink's column
+    dropped. q [B, H, T, D], keys/values [B, H, S, D] -> [B, H, T, D]."""
+    w = torch.matmul(q, keys.transpose(2, 3)) * scale
+    w = w + torch.where(mask, torch.zeros((), dtype=w.dtype, device=w.device), torch.finfo(w.dtype).min)
+    sk = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    logits = torch.cat([w, sk], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)
+    return torch.matmul(probs[..., :-1], values)
 
 
 def pack_rows(weights: list[Tensor]) -> Tensor:
@@ -324,7 +363,8 @@ def _(cache_position, kv_len, window=0):
 
 
 def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
-                     block_s, num_warps, count, window, head_norm=False) -> str | None:
+                     block_s, num_warps, count, window, head_norm=False, rotary_dim=0, interleaved=False,
+                     sinks=None) -> str | None:
     """None when the fused attention kernel takes this call, else why not."""
     reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
     if reason is not None:
@@ -345,8 +385,13 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
     want = (D, D) if head_norm else (num_heads * D, hkv * D)
     if q_norm is not None and (q_norm.numel(), k_norm.numel()) != want:
         return f"q/k norm weights {tuple(q_norm.shape)}/{tuple(k_norm.shape)}, expected {want} elements"
-    if not inv_freq.is_floating_point() or inv_freq.numel() != D // 2 or not inv_freq.is_contiguous():
-        return f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype} (needs a float vector of {D // 2})"
+    R = rotary_dim or D
+    if R % 2 or R > D:
+        return f"rotary dim {R} of head dim {D}"
+    if not inv_freq.is_floating_point() or inv_freq.numel() != R // 2 or not inv_freq.is_contiguous():
+        return f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype} (needs a float vector of {R // 2})"
+    if sinks is not None and (sinks.numel() != num_heads or not sinks.is_contiguous()):
+        return f"sinks {tuple(sinks.shape)} for {num_heads} heads"
     if count.numel() < hkv or count.dtype != torch.int32:
         return f"arrival counters {tuple(count.shape)} {count.dtype} for {hkv} kv heads"
     if chunk < 16 or block_s < 16 or block_s & (block_s - 1) or num_warps not in (1, 2, 4, 8, 16):
@@ -375,14 +420,15 @@ def attention_layout(S: int, chunk: int) -> tuple[int, int]:
 def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
                    rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float, scale: float,
                    num_heads: int, window: int, chunk: int, block_s: int, num_warps: int, count: Tensor,
-                   pdl: bool = False, head_norm: bool = False) -> Tensor:
+                   pdl: bool = False, head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
+                   sinks: Optional[Tensor] = None) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split; ``block_s`` x ``num_warps``: the kernel's tile. The position is
     read on the device (no host synchronisation; a replayed graph advances with its input). A position at
     or past the cache writes and reads nothing there: the greedy loop refuses such a context first."""
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
-                              block_s, num_warps, count, window, head_norm)
+                              block_s, num_warps, count, window, head_norm, rotary_dim, interleaved, sinks)
     if reason is None:
         if cache_position.device.type == "cpu":  # free to check on the host (on a GPU: the greedy loop's check)
             _check_context(cache_position, k_cache.shape[2])
@@ -397,17 +443,18 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
         ar.launch(qkv.view(-1), k_cache[0], v_cache[0], cache_position, inv_freq, out, po, plse, count, hq=num_heads,
                   hkv=hkv, chunk=ch, splits=splits, q_norm=q_norm, k_norm=k_norm, eps=eps, scale=scale,
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
-                  rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window)
+                  rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window,
+                  rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     _check_context(cache_position, k_cache.shape[2])
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
-                              num_heads, window, head_norm)
+                              num_heads, window, head_norm, rotary_dim, interleaved, sinks)
 
 
 @attention_rope.register_fake
 def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
-      chunk, block_s, num_warps, count, pdl=False, head_norm=False):
+      chunk, block_s, num_warps, count, pdl=False, head_norm=False, rotary_dim=0, interleaved=False, sinks=None):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
 
 
@@ -535,4 +582,6 @@ def _(table, ids, weight, norm_weight=None, eps=1e-6, config=None, pdl=False, bi
     return (table.new_empty(*ids.shape, weight.shape[0]), table.new_empty(*ids.shape, table.shape[1]))
 
 
+# ops whose kernels live in their own modules (registered with the rest: an artifact imports only this module)
+from tkcc.kernels import linear_attention as _linear_attention  # noqa: E402,F401
 from tkcc.kernels import lowered_mla  # noqa: E402,F401 - registers tkcc.mla_attention (DeepSeek's latent attention)

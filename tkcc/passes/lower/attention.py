@@ -100,8 +100,13 @@ def repeat_kv(hidden_states, n_rep):
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
-def _attention_pattern(qk_norm: str):
-    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head)."""
+def rope_half(q, k, cos, sin):
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def _attention_pattern(qk_norm: str, rope=rope_half):
+    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head);
+    ``rope(q, k, cos, sin) -> (q, k)``: the rotation (``rotary.py`` has the partial and interleaved ones)."""
 
     def pattern(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *norms, scale, **kw):
         B, T = qkv.shape[0], qkv.shape[1]
@@ -121,8 +126,7 @@ def _attention_pattern(qk_norm: str):
         v = v.view(hidden_shape).transpose(1, 2)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
-        q = (q * cos) + (rotate_half(q) * sin)
-        k = (k * cos) + (rotate_half(k) * sin)
+        q, k = rope(q, k, cos, sin)
         keys = k_cache.index_copy_(2, cache_position, k)
         values = v_cache.index_copy_(2, cache_position, v)
         keys = repeat_kv(keys, hq // hkv)
@@ -137,7 +141,8 @@ def _attention_pattern(qk_norm: str):
         qn, kn = (norms[0], norms[1]) if qk_norm else (None, None)
         return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, qn, kn,
                                              kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
-                                             num_warps, count, pdl, qk_norm == "head")
+                                             num_warps, count, pdl, qk_norm == "head", kw.get("rotary_dim", 0),
+                                             kw.get("interleaved", False))
 
     return pattern, replacement
 

@@ -263,6 +263,9 @@ def check_deepseek_moe(device, dtype, g, shapes=((16, 64, 32, 4, 4, 2), (32, 48,
 
 FAMILIES = {"norms": check_norms, "gemv": check_gemv, "gather": check_gather, "packing": check_packing,
             "attention": check_attention, "moe": check_moe}
+from tkcc.passes.lower.checks_variants import FAMILIES as _VARIANTS  # noqa: E402 - rotary, sinks, linear attention
+
+FAMILIES.update(_VARIANTS)
 
 
 def check_mla(device, dtype, g):

@@ -50,6 +50,9 @@ def _val(n):
 
 
 def _is_noop(n: torch.fx.Node) -> bool:
+    if n.op == "call_function" and n.target is torch.ops.aten.dropout.default:  # eval: the identity
+        args = _all_args(n)
+        return args[2] is False or args[1] == 0.0
     if n.op != "call_function" or n.target not in _NOOP_CASTS or not n.args:
         return False
     src, out = _val(n.args[0]), _val(n)

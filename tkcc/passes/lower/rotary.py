@@ -1,4 +1,5 @@
-"""Rotary embedding: the cos/sin table of a step (``LlamaRotaryEmbedding.forward``), full or scaled.
+"""Rotary embedding: the cos/sin table of a step (``LlamaRotaryEmbedding.forward``), full or scaled, and the
+rotations that are not the full rotate-half one (partial, interleaved), each as its attention rewrite.
 
 The table is computed once per step from ``inv_freq`` and the positions, and shared by every layer; the
 rewrite names it ``tkcc.rotary_cos_sin`` (same arithmetic, bit-exact), so that the attention rewrite can
@@ -6,12 +7,26 @@ see what the rotation is (which ``inv_freq``, which positions, which ``attention
 inside the fused attention kernel instead; once every layer's attention is fused the table is dead code.
 Scaled variants whose scaling lives in ``inv_freq`` (Llama 3, linear, dynamic-at-capture) are this same
 pattern with another buffer; YaRN-style ``attention_scaling`` is its ``scale``.
+
+Rotations (``ATTENTION``: the attention block of ``attention.py`` with another rotation, lowered to the same
+fused ``tkcc.attention_rope`` with its ``rotary_dim`` / ``interleaved``):
+
+- partial (Phi-3, StableLM, GPT-NeoX, Qwen3-Next's ``partial_rotary_factor``): only the first ``rotary_dim``
+  elements of each head rotate, as halves of ``rotary_dim`` (the table is ``rotary_dim`` wide, ``inv_freq``
+  ``rotary_dim / 2``); the rest passes through;
+- interleaved (GLM; GPT-J's pairs): pairs ``(2i, 2i + 1)`` rotate at frequency i (the table's first half
+  ``repeat_interleave``d), full or partial.
+
+Only the packed-projection form of the block is matched: ``canonical_split`` first turns a projection's three
+slices that tile its last dim (Phi-3's ``qkv[..., :q]``, ...) into the one ``split`` the packer emits.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from tkcc.passes.lower.pattern import Rewrite
+from tkcc.passes.lower.pattern import Refused, Rewrite
 
 SCALE = 0.8125  # sentinel
 
@@ -54,3 +69,105 @@ REWRITES = [
     Rewrite("rotary_cos_sin[inv_freq in the model dtype]", cos_sin, _to_op, _example(None), region="rotary",
             exact=True, check=_check),
 ]
+
+
+# ---- rotations -------------------------------------------------------------------------------------------
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_pairs(x):
+    """GLM's ``rotate_half``: pairs (2i, 2i + 1) -> (-x_{2i+1}, x_{2i})."""
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rope_partial(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb`` with a partial rotary (Phi-3, StableLM, GPT-NeoX)."""
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
+
+
+def rope_interleaved(q, k, cos, sin):
+    """GLM's ``apply_rotary_pos_emb``: the table's first half repeated per pair, full or partial."""
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * cos) + (rotate_pairs(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_pairs(k_rot) * sin)
+    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
+
+
+ROPES = {"partial": (rope_partial, False), "interleaved": (rope_interleaved, True)}
+
+
+def _attention_rewrites():
+    from tkcc.passes.lower import attention
+
+    out = []
+    # the table over part of the head, or over all of it (the same code with nothing to pass through traces to
+    # other ops: its empty slices are gone)
+    for (kind, (rope, interleaved)), whole in itertools.product(ROPES.items(), (False, True)):
+        for qk_norm in ("full", "head", ""):
+            pattern, replacement = attention._attention_pattern(qk_norm, rope)
+            for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+                base = attention._example(qk_norm, hq, hkv)
+
+                def example(dt, base=base, whole=whole):
+                    ts, sc = base(dt)
+                    if whole:
+                        return ts, sc
+                    ts = list(ts)
+                    ts[4], ts[5] = ts[4][..., :8].clone(), ts[5][..., :8].clone()  # a table for half the head
+                    return tuple(ts), sc
+
+                def params(m, ctx, interleaved=interleaved):
+                    got = attention._params(m, ctx)
+                    D, R = m.val(1).shape[-1], m.val(4).shape[-1]
+                    if R % 2 or R > D:
+                        raise Refused(f"rotary table of {R} for heads of {D}")
+                    got.update(rotary_dim=0 if R == D else int(R), interleaved=interleaved)
+                    return got
+
+                name = f"attention[{heads}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}, {kind} rotary" \
+                       f"{' over the whole head' if whole else ''}]"
+                out.append(Rewrite(name, pattern, replacement, example, region="attention", check=attention._check,
+                                   params=params))
+    return out
+
+
+# ---- canonical form: a packed projection's slices -> one split ----------------------------------------------
+
+A, B = 40, 56  # sentinels (the example is 72 wide)
+
+
+def three_slices(x, *, a, b):
+    return x[..., :a], x[..., a:b], x[..., b:]
+
+
+def _to_split(x, *, a, b):
+    return torch.split(x, [a, b - a, x.shape[-1] - b], -1)
+
+
+def _check_slices(m) -> str | None:
+    n = m.val(0).shape[-1]
+    a, b = m.scalars["a"], m.scalars["b"]
+    if not 0 < a < b < n:
+        return f"slices at {a}, {b} of {n} do not tile the dim"
+    return None
+
+
+CANONICAL = [Rewrite("canonical_split[3 slices]", three_slices, _to_split,
+                     lambda dt: ((torch.empty(1, 1, 72, dtype=dt),), {"a": A, "b": B}), region="projection",
+                     exact=True, check=_check_slices)]
+ATTENTION = _attention_rewrites()

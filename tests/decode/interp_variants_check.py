@@ -1,0 +1,47 @@
+"""Run under TRITON_INTERPRET=1 (by test_lowered_variants.py): the linear-attention, rotary-variant and sink
+kernels against their references on fresh random inputs and several shapes, fp32 and fp16. One JSON line:
+{rows, fallbacks}. Arguments: the seed."""
+import json
+import sys
+
+import torch
+
+from tkcc.kernels.checks import TOL, rel_err
+from tkcc.kernels.common import fallbacks
+from tkcc.kernels.lowered import attention_rope_ref
+from tkcc.passes.lower.checks_variants import check_linear_attention, check_rotary
+
+SINK_SHAPES = ((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 0), (2, 1, 16, 300, 16, 0), (4, 2, 16, 64, 16, 12))
+
+
+def check_sinks(dtype, g, shapes=SINK_SHAPES, device="cpu"):
+    """tkcc.attention_rope with per-head sink logits (the kernel: split 0 enters them) against the eager
+    gpt-oss arithmetic: one split, several merged in the kernel, more than it merges (the combine launch)."""
+    rows = []
+    for hq, hkv, D, S, chunk, window in shapes:
+        for _ in range(2):
+            rnd = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+            qkv, kc, vc = rnd(1, 1, (hq + 2 * hkv) * D), rnd(1, hkv, S, D), rnd(1, hkv, S, D)
+            sinks = rnd(hq) * 2
+            inv = (1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(device)
+            pos = torch.randint(0, S, (1,), generator=g).to(device)
+            count = torch.zeros(hkv, dtype=torch.int32, device=device)
+            k2, v2 = kc.clone(), vc.clone()
+            ref = attention_rope_ref(qkv, kc, vc, pos, inv, 1.0, None, None, 1e-6, D ** -0.5, hq, window, sinks=sinks)
+            got = torch.ops.tkcc.attention_rope(qkv, k2, v2, pos, inv, 1.0, None, None, 1e-6, D ** -0.5, hq, window,
+                                                chunk, 16, 4, count, False, False, 0, False, sinks)
+            err = max(rel_err(got, ref), rel_err(k2, kc), rel_err(v2, vc))
+            rows.append({"case": f"sinks[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, window {window}]",
+                         "dtype": str(dtype), "rel_err": err, "ok": err <= TOL[dtype] and int(count.sum()) == 0})
+    return rows
+
+
+if __name__ == "__main__":
+    g = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    rows = []
+    for dt in (torch.float32, torch.float16):
+        fp32 = dt == torch.float32
+        rows += check_linear_attention("cpu", dt, g, shapes=((3, 16, 16), (4, 32, 16)) if fp32 else ((2, 64, 32),))
+        rows += check_rotary("cpu", dt, g, shapes=((4, 2, 32, 300, 16, 8, 0),) if fp32 else ((2, 1, 64, 48, 16, 32, 10),))
+        rows += check_sinks(dt, g, SINK_SHAPES if fp32 else SINK_SHAPES[1::2])
+    print(json.dumps({"rows": rows, "fallbacks": fallbacks()}, default=str))

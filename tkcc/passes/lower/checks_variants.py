@@ -1,0 +1,78 @@
+"""Checks of the rotary, sink and linear-attention rewrites (``checks.py``'s machinery, on their own regions):
+each region written as the model's code writes it, captured, lowered, and compared with its eager run on
+fresh random inputs and several shapes (caches and recurrent states compared too). ``checks.py`` imports
+this module, so it imports ``checks`` inside the functions."""
+from __future__ import annotations
+
+import torch
+
+
+
+def check_linear_attention(device, dtype, g, shapes=((3, 16, 16), (4, 32, 16), (2, 64, 32))):
+    """MiniMax's lightning decode step over the [2, B, H, D, D] state double buffer: both slots, position 0
+    (a fresh sequence reads zeros), one and several column blocks per head."""
+    from tkcc.passes.lower import linear_attention as la
+    from tkcc.passes.lower.checks import Region, _options, _rand, run_case
+
+    rows = []
+    for H, D, bv in shapes:
+        for act in ("silu", ""):
+            pattern = la._lightning_pattern(act)[0]
+            slope = (torch.rand(H, 1, 1, generator=g) * 0.5 + 0.01).to(device=device, dtype=dtype)
+            t = {"state": _rand((2, 1, H, D, D), g, device, dtype, 0.5), "slope": slope}
+
+            def fn(s, qkv, pos, pattern=pattern):
+                return pattern(qkv, s.state, pos, s.slope)[0]
+
+            def make(H=H, D=D):
+                pos = torch.randint(0, 3, (1,), generator=g).to(device)
+                return _rand((1, 1, 3 * H * D), g, device, dtype), pos
+
+            opts = dict(_options(), linear_block_v=bv)
+            rows += run_case(f"linear_attention[{H}x{D}, block_v={bv}{', ' + act if act else ''}]", Region(fn, t),
+                             make, "tkcc.linear_attention.default", False, dtype, opts, state=("state",))
+    return rows
+
+
+def check_rotary(device, dtype, g, shapes=((4, 2, 16, 40, 16, 8, 0), (4, 4, 32, 64, 64, 16, 0), (8, 1, 16, 100, 16, 16, 24),
+                                          (4, 2, 32, 300, 16, 8, 0), (2, 1, 64, 48, 16, 32, 10))):
+    """The fused attention under the partial and interleaved rotations (with and without q/k norms, scaled
+    tables, one and several splits, sliding windows): (hq, hkv, D, S, chunk, rotary dim, window)."""
+    from tkcc.passes.lower import attention, rotary
+    from tkcc.passes.lower.checks import Region, _options, _rand, run_case
+
+    rows = []
+    for i, (hq, hkv, D, S, chunk, R, window) in enumerate(shapes):
+        for j, (kind, qk_norm) in enumerate((("partial", ""), ("interleaved", "head"), ("partial", "full"),
+                                             ("interleaved", ""))):
+            rope = rotary.ROPES[kind][0]
+            R_ = D if (kind == "interleaved" and (i + j) % 3 == 0) else R  # interleaved over the whole head too
+            rope_scale = 1.0 if (i + j) % 2 == 0 else 0.75
+            pattern = attention._attention_pattern(qk_norm, rope)[0]
+            t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
+                 "inv_freq": 1.0 / (10000 ** (torch.arange(0, R_, 2, dtype=torch.float32) / R_)).to(device)}
+            if qk_norm:
+                t["qn"] = _rand((D if qk_norm == "head" else hq * D,), g, device, dtype, 0.5) + 1
+                t["kn"] = _rand((D if qk_norm == "head" else hkv * D,), g, device, dtype, 0.5) + 1
+
+            def fn(s, qkv, pos, pattern=pattern, qk_norm=qk_norm, S=S, D=D, rope_scale=rope_scale, window=window):
+                cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
+                mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
+                    attention.causal_mask(pos, kv_len=S)
+                norms = (s.qn, s.kn) if qk_norm else ()
+                kw = {"eps": 1e-5} if qk_norm else {}
+                return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, *norms, scale=D ** -0.5, **kw)
+
+            def make(hq=hq, hkv=hkv, D=D, S=S):
+                pos = torch.randint(0, S, (1,), generator=g).to(device)
+                return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype), pos
+
+            name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, {kind} rotary {R_}/{D}" \
+                   f"{', ' + qk_norm + ' qk_norm' if qk_norm else ''}{', rope x0.75' if rope_scale != 1.0 else ''}" \
+                   f"{f', window {window}' if window else ''}]"
+            rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype,
+                             _options(chunk=chunk), state=("kc", "vc"))
+    return rows
+
+
+FAMILIES = {"linear_attention": check_linear_attention, "rotary": check_rotary}

@@ -1,0 +1,45 @@
+"""Routed experts of an input normed already, for the router variants ``moe.py``'s normed-input rewrite lacks.
+
+A block whose norm output has other users than the MoE (MiniMax: the normed hidden state is also the residual,
+scaled; a shared expert) cannot take the norm into its region, so the region starts at the flattened normed
+input [T, H]: the top-k router (softmax in fp32 of the upcast logits, Mixtral/MiniMax, or with ``dtype=float``,
+OLMoE/Qwen; renormalised or not; weights kept fp32 or rounded to the dtype) and transformers' ``batched_mm``
+experts. It becomes ``tkcc.moe`` without the norm prologue: the routed kernels read only the k selected experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tkcc.passes.lower.moe import _experts, _params, _routed_check, _routed_example
+from tkcc.passes.lower.pattern import Rewrite
+
+
+def _routed_pattern(router: str, norm_topk: bool):
+    def pattern(xs, router_w, gate_up, down, *, top_k):
+        hidden_dim = xs.shape[-1]
+        router_logits = F.linear(xs.reshape(-1, hidden_dim), router_w)
+        if router == "softmax":
+            router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+        else:
+            router_probs = F.softmax(router_logits.float(), dim=-1)
+        router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
+        if norm_topk:
+            router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+        if router == "softmax":
+            router_top_value = router_top_value.to(router_logits.dtype)
+        return _experts(xs, router_top_value, router_indices, gate_up, down, top_k)
+
+    def replacement(xs, router_w, gate_up, down, *, top_k, count, configs, pdl):
+        return torch.ops.tkcc.moe(xs, None, 1e-6, router_w, gate_up, down, top_k, norm_topk, False, count, configs,
+                                  pdl, router)
+
+    return pattern, replacement
+
+
+# (moe.py has the softmax router without renormalisation, Qwen2-MoE's)
+REWRITES = [Rewrite(f"moe[{router}{'+renorm' if renorm else ''}-top-k, routed experts of a normed input]",
+                    *_routed_pattern(router, renorm), _routed_example, region="moe", check=_routed_check,
+                    params=_params)
+            for router, renorm in (("softmax_fp32", True), ("softmax_fp32", False), ("softmax", True))]
+
