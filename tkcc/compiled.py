@@ -326,11 +326,15 @@ class CompiledModel:
 def _settle_heap() -> None:
     """Collect once, then freeze what is alive: a compile leaves millions of long-lived Python objects (graphs,
     the engine's records) that the cyclic collector would otherwise re-scan in the middle of decode loops,
-    stalling the host long enough to drain the GPU's queue (the serving frameworks do the same at start-up)."""
+    stalling the host long enough to drain the GPU's queue (the serving frameworks do the same at start-up).
+    The device memory the compile's engine cached and no longer uses goes back to the device, so another
+    process (a server loading the saved artifact) can have it."""
     import gc
 
     gc.collect()
     gc.freeze()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _jsonable(obj):

@@ -152,6 +152,22 @@ def _is_cuda_call(args, kwargs) -> bool:
     return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in leaves)
 
 
+_CAPTURE_STREAMS: dict = {}
+
+
+def capture_stream(device) -> "torch.cuda.Stream":
+    """The one side stream of ``device`` every warm-up and capture runs on. Libraries keep state per stream for
+    the process's life (cuBLAS a 32 MiB workspace per handle and stream), so a new stream per capture made the
+    device memory grow by a workspace at each of the first captures (seen: 224 MiB over one candidate's); torch's
+    own ``torch.cuda.graph`` likewise keeps one default capture stream."""
+    dev = torch.device(device)
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    s = _CAPTURE_STREAMS.get(key)
+    if s is None:
+        s = _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
+    return s
+
+
 def new_pool():
     """A memory pool several graphs may share (None off CUDA)."""
     return torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
@@ -238,7 +254,7 @@ class CapturedCall:
         self.static_args, self.static_kwargs = s_args, s_kwargs  # what the graph reads: write into them in place
         versions = [self.static_leaves[i]._version for i in self._dev_idx]
         dev_inputs = [self.static_leaves[i] for i in self._dev_idx]
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         recorded = None
         with torch.cuda.stream(stream):

@@ -214,7 +214,8 @@ class DeviceBudget:
             return ""
         return (f"device memory ({self.device}) is {grew / MiB:.0f} MiB above what the worker held before the "
                 f"candidate was loaded (allowed {LEAK_SLACK / MiB:.0f} MiB), after it was unloaded and the "
-                f"allocator's cache emptied")
+                f"allocator's cache emptied (live tensors {(after.allocated - before.allocated) / MiB:+.0f} MiB, "
+                f"the engine's own caches {(after.owned - before.owned) / MiB:+.0f} MiB)")
 
     def idle(self) -> tuple[str, bool]:
         """The watchdog's check between requests: (why, fatal). A lifted cap is put back; an allocator holding
