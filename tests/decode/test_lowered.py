@@ -503,3 +503,21 @@ def test_the_space_is_the_ops_own_config_lists():
     assert LoweredDecode.params["gemv_config"] == ["auto"] + ["x".join(map(str, c)) for c in gemv.CONFIGS]
     assert all(space.parse_tile(t) for t in LoweredDecode.params["attn_tile"])
     assert [space.parse_gemv(c) for c in space.GEMV_CONFIGS[1:]] == [tuple(c) for c in gemv.CONFIGS]
+
+
+def test_a_head_shape_the_kernel_cannot_run_at_all_prunes_nothing(monkeypatch):
+    """DeepSeek-V3-tiny's 8-wide heads compile at no tile (tl.dot needs 16): that shape says nothing about the
+    tiles (its attention is MLA's, not this kernel's), so the space is pruned by the other shapes only."""
+    from tkcc.passes.lower import space
+
+    def smem(arch, G, D, qk, tile, pdl=True):
+        if D < 16:
+            raise RuntimeError("Input shapes should have M >= 1, N >= 1 and K >= 16")
+        return 274432 if tile == "256x8" else 12288
+
+    def needs(arch, shapes):
+        return {(t, G, D, qk): smem(arch, G, D, qk, t) for t in space.ATTN_TILES for G, D, qk in shapes}
+    monkeypatch.setattr(space, "attention_smem", smem)
+    monkeypatch.setattr(space, "attention_needs", needs)
+    assert space.pruned_tiles((90, 232448), [(1, 8, False)]) == {}
+    assert list(space.pruned_tiles((90, 232448), [(1, 8, False), (1, 128, True)])) == ["256x8"]

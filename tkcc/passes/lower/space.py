@@ -74,6 +74,24 @@ def attention_needs(arch: int, shapes) -> dict[tuple, int]:
     return dict(zip(keys, needs))
 
 
+def _some_tile_compiles(arch: int, shape, needs: dict) -> bool:
+    """Whether the fused attention can run at this head shape at all (heads narrower than the kernel's dot
+    products, e.g. DeepSeek's 8-wide rope part on a tiny config, compile at no tile): a shape it cannot run
+    prunes nothing, its regions are not this kernel's."""
+    G, D, qk = shape
+    if any((t, G, D, qk) in needs for t in ATTN_TILES):
+        return True
+    for tile in ATTN_TILES:
+        try:
+            attention_smem(arch, G, D, qk, tile)
+            return True
+        except Exception:  # noqa: BLE001 - this tile does not compile here; another may
+            continue
+    log.info("lowered_decode: the fused attention compiles at no tile for heads %dx%d: not pruned by that shape",
+             G, D)
+    return False
+
+
 def pruned_tiles(limits: tuple[int, int] | None, shapes) -> dict[str, str]:
     """tile -> why the device cannot run it at one of ``shapes`` ((G, D, qk_norm)); {} without limits."""
     if limits is None:
@@ -84,6 +102,7 @@ def pruned_tiles(limits: tuple[int, int] | None, shapes) -> dict[str, str]:
     except Exception:  # noqa: BLE001 - the one that does not compile is found, and named, one by one below
         needs = {}
     out = {}
+    shapes = [sh for sh in shapes if _some_tile_compiles(arch, sh, needs)]
     for tile in ATTN_TILES:
         for G, D, qk in shapes:
             try:
