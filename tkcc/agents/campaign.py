@@ -683,12 +683,21 @@ def _search_pool(run: _Run, target: int, can_ship: bool) -> None:
         return False
 
     def next_job(engine: str) -> Job | None:
-        if st.stopped:
-            return None
         decides = ev.can_decide(engine)
         if pool.ship_to is not None and decides and (pool.ship_to == engine or pool.ship_to not in ev.engines()):
-            pool.ship_to = None
+            pool.ship_to = None  # a ship decided is carried out even when the budget stops the search: it fitted
             return pool.ship[0]
+        if st.stopped:
+            return None
+        if decides and pool.pending and pool.decide is None and st.noise.calibrated and not run.two_tier:
+            obj, cand = pool.pending.pop(0)  # one tier: the screening measurement decides; no confirmation
+            if not run.budget.fits("ship"):
+                stop(_no_room(run, "ship", what=f"shipping {cand.key}"))
+                return None
+            _pool_decide(run, pool, cand, engine, obj, None, pool.screened[cand.key][1])
+            if pool.ship_to == engine:
+                pool.ship_to = None
+                return pool.ship[0]
         if decides and pool.pending and pool.decide is None and st.noise.calibrated:
             others = [e for e in ev.engines() if e != engine and ev.can_decide(e) and ev.has_reference(e, "slow")]
             if ev.has_reference(engine, "slow") or not others:
@@ -750,7 +759,8 @@ def _search_pool(run: _Run, target: int, can_ship: bool) -> None:
         elif kind == "confirm":
             pool.decide = None
             if obj is not None:
-                _pool_decide(run, pool, r, obj, rid)
+                _pool_decide(run, pool, r.candidate, r.engine, obj, rid,
+                             (r.result.measurement or {}).get("raw_objective", obj))
     if not st.stopped:
         st.stopped = "no engine left could take the next step"
 
@@ -773,22 +783,18 @@ def _pool_screened(run: _Run, pool: _Pool, r: BatchResult, obj, rid, can_ship: b
         return
     if run.two_tier:
         pool.pending += _promote(run, rnd["best"], can_ship)
-    elif can_ship and st.noise.calibrated:  # one tier: the screening measurement decides
-        best = max(rnd["best"], key=lambda t: t[0], default=None)
-        if best is not None and best[0] > _serving_screen_ref(run):
-            _pool_decide(run, pool, BatchResult(best[1], None, EvalResult("measured", best[0]),
-                                                pool.screened[best[1].key][0], 0.0), best[0], None)
+    elif can_ship:  # one tier: the round's best is decided on its screening measurement
+        pool.pending += [t for t in sorted(rnd["best"], key=lambda t: -t[0])[:1] if t[0] > _serving_screen_ref(run)]
 
 
-def _pool_decide(run: _Run, pool: _Pool, r: BatchResult, obj: float, rid) -> None:
-    """A confirmation is back: ship (on the engine that confirmed it) or record why not."""
-    d = _decision(run, r.candidate, obj, rid)
+def _pool_decide(run: _Run, pool: _Pool, cand: Candidate, engine: str, obj: float, rid, raw: float) -> None:
+    """A confirmation is back (``obj`` on ``engine``, ``raw`` unscaled): ship there, or record why not."""
+    d = _decision(run, cand, obj, rid)
     if not d["ship"]:
-        _ship_done(run, r.candidate, obj, d)
+        _ship_done(run, cand, obj, d)
         return
-    job = Job(r.candidate, "slow", "ship")
-    pool.decide, pool.ship_to = job, r.engine
-    pool.ship = (job, d, obj, (r.result.measurement or {}).get("raw_objective", obj))
+    job = Job(cand, "slow", "ship")
+    pool.decide, pool.ship_to, pool.ship = job, engine, (job, d, obj, raw)
 
 
 def _pool_shipped(run: _Run, pool: _Pool, r: BatchResult) -> None:

@@ -3,18 +3,23 @@
 Why this shape: the engine stays the one validating and measuring process (same rules as a single-engine
 campaign); Ray only places the engines, carries candidates to them and results back, and says when one
 is lost. The driver keeps the proposer, the ship rule and the SQLite store, so every row is written on one
-machine as it arrives (``tkcc.agents.campaign._screen_batch``).
+machine as it arrives (``tkcc.agents.campaign._record_pool_result``).
 
-* **Screening is parallel, deciding is not.** A round's candidates are measured one per engine at once
-  (``RayEvaluator.measure_batch``). The serving reference, the A/A pairs, confirmations and ships run on one
-  engine, the *home* engine, so the ship rule's noise is that engine's own, calibrated on it.
-* **Each engine is compared with itself.** Before an engine screens, it measures the serving candidate
-  (recorded, ``proposer="engine-reference"``); its candidates' objectives are scaled by the home engine's
-  reference over its own, so a slower GPU (or a busier CPU) neither wins nor loses by its speed. The raw
-  objective, the reference and the scale are in each row's measurement.
-* **Faults.** An actor whose engine died (or that Ray lost) is retired; its in-flight experiment is retried
-  once on another engine (the row says so) and a replacement actor is started; the campaign goes on with
-  the rest. The home engine's loss moves the sequential steps to another engine (said in the log).
+* **Every engine takes any job.** The campaign loop (``tkcc.agents.campaign._search_pool``) gives each
+  free engine its next job (``RayEvaluator.run_jobs``): a proposal to screen, an A/A measurement, a
+  confirmation on the slow tier or a ship, so no engine waits while another decides. A/A pairs,
+  confirmations and ships go to engines of the home engine's device model only.
+* **Each engine is compared with itself.** Before an engine's first job on a tier it measures what serves
+  there (recorded, ``proposer="engine-reference"``); its candidates' objectives are scaled by what serves
+  (in the campaign's units) over its own measurements of it, so a slower GPU (or a busier CPU) neither wins
+  nor loses by its speed; an A/A pair is two measurements on one engine. The raw objective and the scale
+  are in each row's measurement.
+* **Tensor-parallel engines** (``tp`` > 1): each engine is ``tkcc serve --tp N``, its actor in a placement
+  group of N bundles (``STRICT_PACK``: one node), the other bundles' GPUs held by ``RankSlot`` actors and
+  given to the engine's ranks; plans are sharded N ways first (``EngineActor._laid_out``).
+* **Faults.** An actor whose engine died (or that Ray lost) is retired; its in-flight job is retried once
+  on another engine (the row says so) and a replacement actor is started (a tensor-parallel one in the same
+  placement group); the campaign goes on with the rest.
 """
 from __future__ import annotations
 
@@ -211,19 +216,9 @@ class RayEvaluator:
             raise TkccError(f"--engines must be at least 1, got {engines}")
         if tp < 1:
             raise TkccError(f"--tp must be at least 1, got {tp}")
-        self._ray, self.tp, self._gpu = ray, tp, gpus_per_engine > 0
-        self._actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_engine, max_restarts=0)(EngineActor)
-        self._args = dict(model=model, device=device, extra=tuple(extra), start_timeout_s=start_timeout_s, tp=tp)
-        self.reps, self.pass_modules, self.out = reps, list(pass_modules), out
-        self.deaths: list[dict] = []  # {engine, why, time}
-        self._handles: dict[str, object] = {}
-        self._groups: dict[str, tuple] = {}  # engine -> (placement group, its rank slots): tensor-parallel engines
-        self._info: dict[str, dict] = {}
-        self._refs: dict[tuple[str, str, str], list[float]] = {}  # (engine, tier, serving key) -> its raw measurements
-        self._serving: dict[str, tuple[Candidate, float | None]] = {}  # tier -> (what serves, its objective)
-        self._starting: dict[object, str] = {}  # set_workload future -> engine name (replacements)
-        self._restarts = 0
-        self._built: dict[str, tuple[Candidate, str]] = {}  # artifact hash -> what built it (to rebuild elsewhere)
+        self._init_pool(ray, tp, gpus_per_engine, dict(model=model, device=device, extra=tuple(extra),
+                                                       start_timeout_s=start_timeout_s, tp=tp),
+                        reps, pass_modules, out)
         names = [f"engine-{i}" + (f"-tp{tp}" if tp > 1 else "") for i in range(engines)]
         try:
             for n in names:
@@ -235,8 +230,28 @@ class RayEvaluator:
         except BaseException:
             self.close()
             raise
+        self._adopt(infos)
+
+    def _init_pool(self, ray, tp: int, gpus_per_engine: float, args: dict, reps: int, pass_modules, out) -> None:
+        """The pool's bookkeeping, before any engine has started."""
+        self._ray, self.tp, self._gpu = ray, tp, gpus_per_engine > 0
+        self._actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_engine, max_restarts=0)(EngineActor)
+        self._args = args
+        self.reps, self.pass_modules, self.out = reps, list(pass_modules), out
+        self.deaths: list[dict] = []  # {engine, why, time}
+        self._handles: dict[str, object] = {}
+        self._groups: dict[str, tuple] = {}  # engine -> (placement group, its rank slots): tensor-parallel engines
+        self._info: dict[str, dict] = {}
+        self._refs: dict[tuple[str, str, str], list[float]] = {}  # (engine, tier, serving key) -> its raw measurements
+        self._serving: dict[str, tuple[Candidate, float | None]] = {}  # tier -> (what serves, its objective)
+        self._starting: dict[object, str] = {}  # set_workload future -> engine name (replacements)
+        self._restarts = 0
+        self._built: dict[str, tuple[Candidate, str]] = {}  # artifact hash -> what built it (to rebuild elsewhere)
+
+    def _adopt(self, infos: list[dict]) -> None:
+        """The started engines (their ``info()``): the first is the home engine, whose device model decides."""
         self._info = {i["name"]: i for i in infos}
-        self.engine = names[0]  # the home engine: the campaign's first steps; its device model decides
+        self.engine = infos[0]["name"]
         home = self._info[self.engine]
         self.model, self.device, self.device_type = home["model"], home["device"], home["device_type"]
         self.validation, self.tier_scale = home["validation"], home["tier_scale"]
