@@ -69,7 +69,10 @@ def run_one(k: int, args, trace, tmp: Path) -> dict:
             "per_engine": per_engine, "loop_s": round(loop, 1), "startup_s": round(startup, 1),
             "experiments_per_hour": round(len(rows) / loop * 3600),
             "screened_per_hour": round(screened / loop * 3600),
-            "mean_step_s": _mean_steps(rows), "actor_call_ms": call_ms,
+            "mean_step_s": _mean_steps(rows), "actor_call_ms": call_ms, "stopped": state.stopped,
+            # seconds each engine spent on its experiments over the loop's: 1.0 is an engine that never waited
+            "busy_share": {e: round(sum(r.finished - r.started for r in rows if r.engine == e) / loop, 2)
+                           for e in sorted(per_engine)},
             "row_bytes_mean": round(sum(len(json.dumps(r.measurement or {})) for r in rows) / max(1, len(rows))),
             "budget": state.budget}
 
@@ -137,7 +140,8 @@ def main() -> None:
                 rows.append(r)
                 print(f"{k} engine(s): {r['experiments']} experiments in {r['loop_s']} s of loop "
                       f"({r['experiments_per_hour']}/h; {r['screened_per_hour']} screened candidates/h); "
-                      f"start-up {r['startup_s']} s; per engine {r['per_engine']}; load {r['load_average_1m']}",
+                      f"start-up {r['startup_s']} s; per engine {r['per_engine']}, busy {r['busy_share']}; "
+                      f"load {r['load_average_1m']}; stopped: {r['stopped']}",
                       flush=True)
     finally:
         ray.shutdown()
