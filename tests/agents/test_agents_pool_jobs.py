@@ -57,13 +57,14 @@ class _Engine:
         from tkcc.agents.campaign import EvalResult
 
         self.sim.built[f"{tier}-{cand.key}"] = cand
-        return (f"{tier}-{cand.key}", EvalResult("measured", self._result(cand, tier)), SECONDS[tier]), SECONDS[tier]
+        t = self.sim.seconds[tier]
+        return (f"{tier}-{cand.key}", EvalResult("measured", self._result(cand, tier)), t), t
 
     def _ship_candidate(self, cand):
         from tkcc.agents.campaign import EvalResult
 
         self.sim.ships.append((self.name, cand.key))
-        return (f"slow-{cand.key}", EvalResult("shipped"), SECONDS["ship"]), SECONDS["ship"]
+        return (f"slow-{cand.key}", EvalResult("shipped"), self.sim.seconds["ship"]), self.sim.seconds["ship"]
 
     def _build(self, cand, tier):
         self.sim.built[f"{tier}-{cand.key}"] = cand
@@ -72,11 +73,11 @@ class _Engine:
     def _measure(self, key, tier):
         from tkcc.agents.campaign import EvalResult
 
-        return EvalResult("measured", self._result(self.sim.built[key], tier)), SECONDS[tier]
+        return EvalResult("measured", self._result(self.sim.built[key], tier)), self.sim.seconds[tier]
 
     def _ship(self, key):
         self.sim.ships.append((self.name, self.sim.built[key].key))
-        return None, SECONDS["ship"]
+        return None, self.sim.seconds["ship"]
 
     def _stop(self):
         return None, 0.0
@@ -92,8 +93,8 @@ class Sim:
 
     exceptions = types.SimpleNamespace(RayActorError=type("RayActorError", (Exception,), {}))
 
-    def __init__(self):
-        self.now, self.rng = 0.0, random.Random(0)
+    def __init__(self, seconds=SECONDS):
+        self.now, self.rng, self.seconds = 0.0, random.Random(0), dict(seconds)
         self.free = dict.fromkeys(SPEED, 0.0)
         self.busy: dict[str, list] = {n: [] for n in SPEED}  # (start, end) of each call
         self.built, self.ships = {}, []
@@ -185,3 +186,21 @@ def test_every_engine_takes_screening_aa_pairs_and_confirmations_so_none_waits(t
     assert sim.ships == [(confirm.engine, good)]
     (d,) = [d for d in state.decisions if d["action"] == "ship"]
     assert d["candidate"] == good and d["engine"] == confirm.engine and abs(d["gain"] - (GAIN - 1)) < 0.01
+
+
+def test_a_confirmation_that_does_not_fit_is_dropped_and_the_engines_screen_to_the_end(tmp_path):
+    # a slow tier so slow that a ship is reachable when the search starts, but not once a candidate is promoted
+    slow = {"reference:slow": 16.5, "candidate:slow": 16.5, "ship": 1.5}
+    sim = Sim({**SECONDS, "slow": 16.5})
+    ev = _pool(sim)
+    store = ExperimentStore(tmp_path / "store.db")
+    cfg = CampaignConfig(name="tail", model="sim", budget_s=40, batch=4, aa_pairs=3)
+    lines = []
+    state = run_campaign(cfg, store, Plans(), ev, progress=lines.append, clock=lambda: sim.now,
+                         costs=slow)
+    rows = store.experiments(state.campaign_id)
+    assert not [r for r in rows if r.tier == "slow" and r.proposer == "search"] and sim.ships == []
+    assert any(line.startswith(f"not confirmed {PassPlan.of(('p', {'i': GOOD})).hash()}") for line in lines), lines
+    end = max(e for spans in sim.busy.values() for _, e in spans)
+    assert end > 40 - 2 * SECONDS["fast"], (end, state.stopped)  # both engines went on screening to the end
+    assert state.stopped.startswith("budget spent: another candidate on the fast tier")

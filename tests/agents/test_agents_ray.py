@@ -161,3 +161,11 @@ def test_a_tensor_parallel_engine_is_one_actor_whose_ranks_are_packed_on_one_nod
     for r in measured:  # the plan ran sharded over both ranks, validated against the unsharded model
         assert r.measurement["env"]["tp"] == 2 and [x["rank"] for x in r.measurement["env"]["tp_ranks"]] == [0, 1]
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"  # the group goes with the campaign
+
+
+def test_a_tensor_parallel_engine_no_node_can_hold_is_refused_before_anything_starts(cluster):
+    from tkcc.agents.ray_pool import RayEvaluator
+    from tkcc.errors import TkccError
+
+    with pytest.raises(TkccError, match=r"--tp 3: no node of the Ray cluster has 3 CPUs \(the most is 2\)"):
+        RayEvaluator("llama-tiny", 1, lambda c: None, tp=3)

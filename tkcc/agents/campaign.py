@@ -692,21 +692,23 @@ def _search_pool(run: _Run, target: int, can_ship: bool) -> None:
         if decides and pool.pending and pool.decide is None and st.noise.calibrated and not run.two_tier:
             obj, cand = pool.pending.pop(0)  # one tier: the screening measurement decides; no confirmation
             if not run.budget.fits("ship"):
-                stop(_no_room(run, "ship", what=f"shipping {cand.key}"))
-                return None
-            _pool_decide(run, pool, cand, engine, obj, None, pool.screened[cand.key][1])
-            if pool.ship_to == engine:
-                pool.ship_to = None
-                return pool.ship[0]
+                run.say(f"not shipped {cand.key}: {_no_room(run, 'ship', what=f'shipping it')}; screening goes on")
+            else:
+                _pool_decide(run, pool, cand, engine, obj, None, pool.screened[cand.key][1])
+                if pool.ship_to == engine:
+                    pool.ship_to = None
+                    return pool.ship[0]
         if decides and pool.pending and pool.decide is None and st.noise.calibrated:
             others = [e for e in ev.engines() if e != engine and ev.can_decide(e) and ev.has_reference(e, "slow")]
             if ev.has_reference(engine, "slow") or not others:
                 steps = ([] if ev.has_reference(engine, "slow") else ["reference:slow"]) + ["candidate:slow", "ship"]
-                if not run.budget.fits(*steps):
-                    stop(_no_room(run, *steps, what=f"confirming and shipping {pool.pending[0][1].key}"))
-                    return None
-                pool.decide = Job(pool.pending.pop(0)[1], "slow", "confirm")
-                return pool.decide
+                cand = pool.pending.pop(0)[1]
+                if run.budget.fits(*steps):
+                    pool.decide = Job(cand, "slow", "confirm")
+                    return pool.decide
+                # the other engines need not stop for it: screening goes on while a screening step fits
+                run.say(f"not confirmed {cand.key}: {_no_room(run, *steps, what='confirming and shipping it')}; "
+                        f"screening goes on")
         pairs = len(st.noise.aa_diffs) + pool.aa
         wants_aa = (pool.pending and not st.noise.calibrated and pairs < max(target, cfg.aa_pairs)) or (
             pairs < target and pool.since_aa >= (1 if pairs < cfg.aa_pairs else cfg.batch))

@@ -216,6 +216,8 @@ class RayEvaluator:
             raise TkccError(f"--engines must be at least 1, got {engines}")
         if tp < 1:
             raise TkccError(f"--tp must be at least 1, got {tp}")
+        if tp > 1:
+            _check_placeable(ray, tp, "GPU" if gpus_per_engine > 0 else "CPU")
         self._init_pool(ray, tp, gpus_per_engine, dict(model=model, device=device, extra=tuple(extra),
                                                        start_timeout_s=start_timeout_s, tp=tp),
                         reps, pass_modules, out)
@@ -552,6 +554,14 @@ class _StatusOf:
 
     def status(self) -> dict:
         return self._ray.get(self._handle.status.remote())
+
+
+def _check_placeable(ray, tp: int, kind: str) -> None:
+    """A tensor-parallel engine's N bundles must fit on one node: say so now, not by waiting for ever."""
+    most = max((n.get("Resources", {}).get(kind, 0) for n in ray.nodes() if n.get("Alive")), default=0)
+    if most < tp:
+        raise TkccError(f"--tp {tp}: no node of the Ray cluster has {tp} {kind}s (the most is {most:g}); a "
+                        f"tensor-parallel engine's ranks are placed together on one node")
 
 
 def _death(ray, e: BaseException) -> str | None:
