@@ -7,7 +7,7 @@ counted from the store, per engine.
 
   PYTHONPATH=. python benchmarks/ray_scaling.py --out benchmarks/results/ray_scaling.json     # CPU, ~3 min
   PYTHONPATH=. python benchmarks/ray_scaling.py --device cuda --model olmoe-16l --engines 1,2 --budget 120
-  PYTHONPATH=. python benchmarks/ray_scaling.py --device cuda --model olmoe-16l --tp 2 --engines 1,2 --budget 120  # 4 GPUs
+  PYTHONPATH=. python benchmarks/ray_scaling.py --device cuda --model olmoe-16l --tp 2 --engines 1,2 --budget 90  # 4 GPUs
 
 On CPU the engines share the machine's cores, so the figure is a stand-in for separate GPUs: K engines on
 fewer than K free cores cannot scale.

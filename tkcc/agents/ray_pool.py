@@ -485,6 +485,8 @@ class RayEvaluator:
         self.deaths.append({"engine": name, "why": why, "time": time.time()})
         self._info.pop(name)
         handle = self._handles.pop(name)
+        if name == self.engine and self._info:  # the home engine's role (naming the units) moves on
+            self.engine = next(iter(self._info))
         if kill:
             try:
                 self._ray.kill(handle, no_restart=True)
