@@ -7,6 +7,7 @@ counted from the store, per engine.
 
   PYTHONPATH=. python benchmarks/ray_scaling.py --out benchmarks/results/ray_scaling.json     # CPU, ~3 min
   PYTHONPATH=. python benchmarks/ray_scaling.py --device cuda --model olmoe-16l --engines 1,2 --budget 120
+  PYTHONPATH=. python benchmarks/ray_scaling.py --device cuda --model olmoe-16l --tp 2 --engines 1,2 --budget 90  # 4 GPUs
 
 On CPU the engines share the machine's cores, so the figure is a stand-in for separate GPUs: K engines on
 fewer than K free cores cannot scale.
@@ -31,7 +32,7 @@ def run_one(k: int, args, trace, tmp: Path) -> dict:
 
     t0 = time.monotonic()
     ev = RayEvaluator(args.model, k, lambda c: _workload_for(c, trace), device=args.device, reps=args.reps,
-                      gpus_per_engine=0.0 if args.device == "cpu" else 1.0)
+                      gpus_per_engine=0.0 if args.device == "cpu" else 1.0, tp=args.tp)
     startup = time.monotonic() - t0
     import ray
 
@@ -44,7 +45,7 @@ def run_one(k: int, args, trace, tmp: Path) -> dict:
     try:
         store = ExperimentStore(tmp / f"k{k}.db")
         cfg = CampaignConfig(name=f"k{k}", model=args.model, budget_s=args.budget, batch=max(4, k))
-        t1 = time.monotonic()
+        load0, t1 = os.getloadavg()[0], time.monotonic()
         state = run_campaign(cfg, store, BayesianSearch(SearchSpace.from_registry(exact_only=True,
                                                                                   device=ev.device_type),
                                                         seed=0), ev, progress=False)
@@ -56,13 +57,34 @@ def run_one(k: int, args, trace, tmp: Path) -> dict:
     for r in rows:
         per_engine[r.engine] = per_engine.get(r.engine, 0) + 1
     screened = sum(r.proposer == "search" and r.tier == cfg.tiers[0] for r in rows)
-    return {"engines": k, "experiments": len(rows), "screened_candidates": screened,
+    cores = os.cpu_count() or 1
+    by_kind: dict[str, int] = {}
+    for r in rows:
+        by_kind[r.proposer] = by_kind.get(r.proposer, 0) + 1
+    return {"engines": k, "experiments": len(rows), "screened_candidates": screened, "rows_by_proposer": by_kind,
+            "ships": sum(s["action"] == "ship" for s in store.ships(state.campaign_id)) - 1,
+            # CPU stand-in: K engines get at most min(K, cores) cores, so this is the figure that can stay flat
+            "experiments_per_hour_per_engine_core": round(len(rows) / loop * 3600 / min(k, cores)),
+            "load_average_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "per_engine": per_engine, "loop_s": round(loop, 1), "startup_s": round(startup, 1),
             "experiments_per_hour": round(len(rows) / loop * 3600),
             "screened_per_hour": round(screened / loop * 3600),
-            "mean_step_s": _mean_steps(rows), "actor_call_ms": call_ms,
+            "mean_step_s": _mean_steps(rows), "actor_call_ms": call_ms, "stopped": state.stopped,
+            # seconds each engine spent on its experiments over the loop's: 1.0 is an engine that never waited
+            "busy_share": {e: round(sum(r.finished - r.started for r in rows if r.engine == e) / loop, 2)
+                           for e in sorted(per_engine)},
             "row_bytes_mean": round(sum(len(json.dumps(r.measurement or {})) for r in rows) / max(1, len(rows))),
             "budget": state.budget}
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
 
 
 def _mean_steps(rows) -> dict:
@@ -97,6 +119,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=25.0, help="loop budget of each campaign, seconds")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--trace", default="azure-conv")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of each engine (GPUs per engine)")
     ap.add_argument("--out", default="benchmarks/results/ray_scaling.json")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -108,7 +131,7 @@ def main() -> None:
 
     ks = [int(k) for k in args.engines.split(",")]
     trace = load_named_trace(args.trace)
-    init_ray(None, num_cpus=max(ks) + 1)
+    init_ray(None, num_cpus=max(ks) * args.tp + 1)
     rows = []
     try:
         with tempfile.TemporaryDirectory(prefix="tkcc-ray-scaling-") as tmp:
@@ -117,7 +140,9 @@ def main() -> None:
                 rows.append(r)
                 print(f"{k} engine(s): {r['experiments']} experiments in {r['loop_s']} s of loop "
                       f"({r['experiments_per_hour']}/h; {r['screened_per_hour']} screened candidates/h); "
-                      f"start-up {r['startup_s']} s; per engine {r['per_engine']}", flush=True)
+                      f"start-up {r['startup_s']} s; per engine {r['per_engine']}, busy {r['busy_share']}; "
+                      f"load {r['load_average_1m']}; stopped: {r['stopped']}",
+                      flush=True)
     finally:
         ray.shutdown()
     with tempfile.TemporaryDirectory(prefix="tkcc-ray-store-") as tmp:
@@ -125,7 +150,8 @@ def main() -> None:
     base = rows[0]["experiments_per_hour"] if rows else 0
     for r in rows:
         r["speedup_vs_first"] = round(r["experiments_per_hour"] / base, 2) if base else None
-    out = {"model": args.model, "device": args.device, "budget_s": args.budget, "reps": args.reps,
+    out = {"model": args.model, "device": args.device, "budget_s": args.budget, "reps": args.reps, "tp": args.tp,
+           "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
            "trace": args.trace, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
            "note": ("CPU engines as a stand-in for GPUs: the engines share this machine's cores (and other work), "
                     "so K engines on fewer than K free cores cannot scale"

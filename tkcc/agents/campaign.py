@@ -62,9 +62,10 @@ class Evaluator(Protocol):
     def workload_fingerprint(self) -> str: ...
 
     # Optional:
-    #   measure_batch(cands, tier, reference, reference_objective) -> iterable of BatchResult, as they finish;
-    #       with ``parallel`` (how many at once): screening candidates are measured on several engines at once
-    #       (``tkcc.agents.ray_pool``); ``engine``: the name of the engine the sequential steps run on.
+    #   run_jobs(next_job) -> iterable of BatchResult, as they finish, with ``parallel`` (engines), ``set_serving``,
+    #       ``has_reference`` and ``can_decide``: a pool of engines (``tkcc.agents.ray_pool``) that takes every
+    #       job of the search (screening, A/A pairs, confirmations, ships) on whichever engine is free;
+    #       ``engine``: the name of the engine the first, sequential steps run on.
     #   conditions() -> dict: what else decides a measurement (engine session, repetitions, device);
     #       results are reused only under equal conditions.
     #   tier_scale -> {tier: relative cost}: lets the budget estimate a tier it has not measured yet.
@@ -72,9 +73,20 @@ class Evaluator(Protocol):
 
 
 @dataclass
+class Job:
+    """One step of the search a pool runs on a free engine: ``kind`` screen (a proposal on the screening
+    tier), aa (what serves, measured again), confirm (a promoted candidate on the slow tier) or ship."""
+
+    candidate: Candidate
+    tier: str
+    kind: str
+    retry: dict | None = None  # {engine, why}: the engine that died running it
+
+
+@dataclass
 class BatchResult:
-    """One result of ``Evaluator.measure_batch``: a screened candidate, or (``proposer`` set) a measurement the
-    evaluator needed to compare it with, e.g. the serving candidate on an engine that had not measured it."""
+    """One result of ``Evaluator.run_jobs``: a job's, or (``proposer`` set) a measurement the evaluator
+    needed to compare it with, e.g. the serving candidate on an engine that had not measured it."""
 
     candidate: Candidate
     artifact_hash: str | None
@@ -83,6 +95,7 @@ class BatchResult:
     seconds: float
     proposer: str | None = None
     note: str = ""
+    job: Job | None = None
 
 
 @dataclass
@@ -525,6 +538,11 @@ def _search(run: _Run) -> None:
     can_ship = st.noise.calibrated or target > len(st.noise.aa_diffs)
     if not can_ship:
         run.say(f"no A/A pairs this session: {_ship_unreachable(run)}; candidates are screened only")
+    if _pooled(run):
+        _search_pool(run, target, can_ship)
+        if st.stopped:
+            run.say(f"stopped: {st.stopped}")
+        return
     while True:
         pairs = len(st.noise.aa_diffs)
         if pending and not st.noise.calibrated:
@@ -560,20 +578,14 @@ def _search(run: _Run) -> None:
             st.stopped = _no_room(run, f"candidate:{screen}")
             break
         ref = _serving_screen_ref(run)
-        if _parallel(run) > 1:  # one candidate per engine, measured at once
-            wave, queue = [cand, *queue[:_parallel(run) - 1]], queue[_parallel(run) - 1:]
-            screened = _screen_batch(run, wave, ref, can_ship)
-        else:
-            obj, _ = _evaluate(run, cand, screen, judge=lambda o: _screen_verdict(run, o, ref, can_ship))
-            screened = [(cand, obj)]
-        for cand, obj in screened:
-            st.tried += 1
-            since_aa += 1
-            if obj is not None:
-                if run.two_tier:
-                    round_best.append((obj, cand))
-                elif obj > ref and can_ship:
-                    pending.append((obj, cand))
+        obj, _ = _evaluate(run, cand, screen, judge=lambda o: _screen_verdict(run, o, ref, can_ship))
+        st.tried += 1
+        since_aa += 1
+        if obj is not None:
+            if run.two_tier:
+                round_best.append((obj, cand))
+            elif obj > ref and can_ship:
+                pending.append((obj, cand))
     if st.stopped:
         run.say(f"stopped: {st.stopped}")
 
@@ -624,46 +636,220 @@ def _cancel_prepared(run: _Run) -> None:
     run.prepared.clear()
 
 
-def _parallel(run: _Run) -> int:
-    """How many screening candidates the evaluator measures at once (1 unless it has ``measure_batch``)."""
-    if not callable(getattr(run.evaluator, "measure_batch", None)):
-        return 1
-    return max(1, int(getattr(run.evaluator, "parallel", 1)))
+def _pooled(run: _Run) -> bool:
+    """Does the evaluator run jobs on a pool of engines (``run_jobs``)?"""
+    return callable(getattr(run.evaluator, "run_jobs", None))
 
 
-def _screen_batch(run: _Run, cands: list[Candidate], ref: float, can_ship: bool) -> list:
-    """Screen candidates on several engines at once; each row is recorded as it arrives, naming its engine.
-    Returns [(candidate, objective | None)] of the proposed candidates (not of the evaluator's references)."""
-    st, tier, out = run.state, run.screen, []
-    for r in run.evaluator.measure_batch(cands, tier, reference=run.serving_cand, reference_objective=ref):
-        cand, res, proposer = r.candidate, r.result, r.proposer or r.candidate.proposer
-        run.budget.charge(step_kind(proposer, tier), r.seconds)
+@dataclass
+class _Pool:
+    """What the search on a pool has in flight (``_search_pool``)."""
+
+    queue: list = field(default_factory=list)  # proposed, not sent yet
+    rounds: dict = field(default_factory=dict)  # round -> {"left": screenings not back, "best": [(obj, cand)]}
+    round_of: dict = field(default_factory=dict)  # candidate key -> its round
+    pending: list = field(default_factory=list)  # [(screening objective, cand)] promoted, waiting to be confirmed
+    in_flight: dict = field(default_factory=dict)  # candidate key -> Candidate, screening now
+    aa: int = 0  # A/A measurements in flight
+    decide: Job | None = None  # the confirmation or ship in flight (one at a time: each follows what serves)
+    ship: tuple | None = None  # (Job, decision, slow objective, its raw measurement) of the ship decided
+    ship_to: str | None = None  # the engine the decided ship waits for (the one that confirmed it)
+    since_aa: int = 0
+    screened: dict = field(default_factory=dict)  # candidate key -> (engine, raw screening objective)
+
+
+def _search_pool(run: _Run, target: int, can_ship: bool) -> None:
+    """The search on a pool of engines: every free engine is given the next job, so none waits for another.
+
+    Which job, in order: a ship waiting for that engine; a confirmation, on an engine of the home engine's
+    device model that has measured what serves on the slow tier (or on any of them when none has); an A/A
+    measurement when the noise needs one; else the next proposal. A/A pairs are measured on every engine of
+    that device model, each paired with that engine's own previous measurement; a candidate's objective is
+    scaled by what serves measured on its own engine (``RayEvaluator``), so engines compare with themselves."""
+    ev, st, cfg, screen, pool = run.evaluator, run.state, run.cfg, run.screen, _Pool()
+    ev.set_serving(screen, run.serving_cand, _serving_screen_ref(run), {ev.engine: run.serving_screen[-1]})
+    if run.two_tier:
+        ev.set_serving("slow", run.serving_cand, run.serving_slow,
+                       {ev.engine: run.serving_slow} if run.serving_slow is not None else None)
+
+    def stop(why: str) -> None:
+        st.stopped = st.stopped or why
+
+    def fits(engine: str, tier: str, kind: str) -> bool:
+        steps = ([] if ev.has_reference(engine, tier) else [f"reference:{tier}"]) + [kind]
+        if run.budget.fits(*steps):
+            return True
+        stop(_no_room(run, *steps))
+        return False
+
+    def next_job(engine: str) -> Job | None:
+        decides = ev.can_decide(engine)
+        if pool.ship_to is not None and decides and (pool.ship_to == engine or pool.ship_to not in ev.engines()):
+            pool.ship_to = None  # a ship decided is carried out even when the budget stops the search: it fitted
+            return pool.ship[0]
+        if st.stopped:
+            return None
+        if decides and pool.pending and pool.decide is None and st.noise.calibrated and not run.two_tier:
+            obj, cand = pool.pending.pop(0)  # one tier: the screening measurement decides; no confirmation
+            if not run.budget.fits("ship"):
+                run.say(f"not shipped {cand.key}: {_no_room(run, 'ship', what=f'shipping it')}; screening goes on")
+            else:
+                _pool_decide(run, pool, cand, engine, obj, None, pool.screened[cand.key][1])
+                if pool.ship_to == engine:
+                    pool.ship_to = None
+                    return pool.ship[0]
+        if decides and pool.pending and pool.decide is None and st.noise.calibrated:
+            others = [e for e in ev.engines() if e != engine and ev.can_decide(e) and ev.has_reference(e, "slow")]
+            if ev.has_reference(engine, "slow") or not others:
+                steps = ([] if ev.has_reference(engine, "slow") else ["reference:slow"]) + ["candidate:slow", "ship"]
+                cand = pool.pending.pop(0)[1]
+                if run.budget.fits(*steps):
+                    pool.decide = Job(cand, "slow", "confirm")
+                    return pool.decide
+                # the other engines need not stop for it: screening goes on while a screening step fits
+                run.say(f"not confirmed {cand.key}: {_no_room(run, *steps, what='confirming and shipping it')}; "
+                        f"screening goes on")
+        pairs = len(st.noise.aa_diffs) + pool.aa
+        wants_aa = (pool.pending and not st.noise.calibrated and pairs < max(target, cfg.aa_pairs)) or (
+            pairs < target and pool.since_aa >= (1 if pairs < cfg.aa_pairs else cfg.batch))
+        if decides and wants_aa:
+            if not fits(engine, screen, f"reference:{screen}"):
+                return None
+            pool.aa, pool.since_aa = pool.aa + 1, 0
+            return Job(Candidate("aa", run.serving_cand.plan, run.serving_cand.artifact_dir), screen, "aa")
+        if not pool.queue:
+            queued = [Outcome(c.plan, None, screen, key=c.key, pending=True) for c in pool.in_flight.values()]
+            pool.queue = list(run.proposer.propose(cfg.batch, st.history + queued))
+            if not pool.queue:
+                if not (pool.in_flight or pool.pending or pool.decide or pool.aa):
+                    stop("the proposer has nothing new")
+                    run.say(f"{st.stopped}; stopping early")
+                return None
+            r = len(pool.rounds)
+            pool.rounds[r] = {"left": len(pool.queue), "best": []}
+            pool.round_of.update({c.key: r for c in pool.queue})
+            _prepare(run, pool.queue)
+        if not fits(engine, screen, f"candidate:{screen}"):
+            return None
+        cand = pool.queue.pop(0)
+        pool.in_flight[cand.key] = cand
+        return Job(cand, screen, "screen")
+
+    for r in ev.run_jobs(next_job):
+        kind = r.job.kind if r.job is not None and r.proposer is None else "reference"
+        if kind == "ship":
+            _pool_shipped(run, pool, r)
+            continue
+        obj, rid = _record_pool_result(run, r, kind, can_ship)
+        if kind == "reference" and r.result.verdict == "measured" and r.candidate.key == run.serving_cand.key:
+            if r.job.tier == "slow" and run.serving_slow is None:  # the first slow measurement sets its units
+                run.serving_slow = obj
+                st.shipped = (st.shipped[0], obj)
+                if not run.serving_cand.plan.steps:
+                    st.baseline = obj
+        elif kind == "aa":
+            pool.aa -= 1
+            if obj is None and r.job.retry:  # its engine died: another A/A measurement takes its place
+                continue
+            if obj is None:
+                raise TkccError(f"A/A calibration failed: the serving candidate did not measure on {r.engine} "
+                                f"({r.result.verdict}: {r.result.reason})")
+            m = r.result.measurement
+            st.noise.add_pair(m["a"], m["b"])
+        elif kind == "screen":
+            _pool_screened(run, pool, r, obj, rid, can_ship)
+        elif kind == "confirm":
+            pool.decide = None
+            if obj is not None:
+                _pool_decide(run, pool, r.candidate, r.engine, obj, rid,
+                             (r.result.measurement or {}).get("raw_objective", obj))
+    if not st.stopped:
+        st.stopped = "no engine left could take the next step"
+
+
+def _pool_screened(run: _Run, pool: _Pool, r: BatchResult, obj, rid, can_ship: bool) -> None:
+    """A screening result: count it, and once its round is back, promote the round's best."""
+    st, cand = run.state, r.candidate
+    st.tried += 1
+    pool.since_aa += 1
+    pool.in_flight.pop(cand.key, None)
+    if obj is not None:
+        pool.screened[cand.key] = (r.engine, (r.result.measurement or {}).get("raw_objective", obj))
+    rnd = pool.rounds.get(pool.round_of.pop(cand.key, None))
+    if rnd is None:
+        return
+    rnd["left"] -= 1
+    if obj is not None:
+        rnd["best"].append((obj, cand))
+    if rnd["left"] > 0:
+        return
+    if run.two_tier:
+        pool.pending += _promote(run, rnd["best"], can_ship)
+    elif can_ship:  # one tier: the round's best is decided on its screening measurement
+        pool.pending += [t for t in sorted(rnd["best"], key=lambda t: -t[0])[:1] if t[0] > _serving_screen_ref(run)]
+
+
+def _pool_decide(run: _Run, pool: _Pool, cand: Candidate, engine: str, obj: float, rid, raw: float) -> None:
+    """A confirmation is back (``obj`` on ``engine``, ``raw`` unscaled): ship there, or record why not."""
+    d = _decision(run, cand, obj, rid)
+    if not d["ship"]:
+        _ship_done(run, cand, obj, d)
+        return
+    job = Job(cand, "slow", "ship")
+    pool.decide, pool.ship_to, pool.ship = job, engine, (job, d, obj, raw)
+
+
+def _pool_shipped(run: _Run, pool: _Pool, r: BatchResult) -> None:
+    """A ship is back: record it; what serves moves to the new candidate on every engine."""
+    _, d, obj, raw_slow = pool.ship
+    pool.decide, pool.ship = None, None
+    run.budget.charge("ship", r.seconds)
+    d["ship_s"], d["engine"] = r.seconds, r.engine
+    err = None if r.result.verdict == "shipped" else (r.result.reason or r.result.verdict)
+    _ship_done(run, r.candidate, obj, d, err)
+    if err is None:
+        ev, cand = run.evaluator, r.candidate
+        engine, raw = pool.screened.get(cand.key, (None, None))
+        ev.set_serving(run.screen, cand, _serving_screen_ref(run), {engine: raw} if engine else None)
+        if run.two_tier:
+            ev.set_serving("slow", cand, obj, {r.engine: raw_slow})
+
+
+def _record_pool_result(run: _Run, r: BatchResult, kind: str, can_ship: bool):
+    """Record one result of the pool as it arrives, naming its engine; returns (objective | None, row id)."""
+    st, cand, res, tier = run.state, r.candidate, r.result, r.job.tier
+    proposer = r.proposer or ("aa" if kind == "aa" else cand.proposer)
+    run.budget.charge(step_kind("reference" if kind == "reference" else proposer, tier), r.seconds)
+    if kind == "screen":
         run.prepared.pop(cand.key, None)
-        res.timing = _timing(res.timing, r.seconds)
-        run.throughput.add(tier, res.timing, r.seconds)
-        measured = res.verdict == "measured" and res.objective is not None
-        meas = {**(res.measurement or {}), "conditions": run.conditions}
-        if r.proposer is None and measured:
-            reason = _screen_verdict(run, res.objective, ref, can_ship)
-        else:
-            reason = res.reason
-        reason = "; ".join(x for x in (reason, r.note) if x)
-        run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
-                         workload_fp=run.wfp, tier=tier, verdict=res.verdict, objective=res.objective,
-                         measurement=meas, artifact_hash=r.artifact_hash, reason=reason,
-                         started=time.time() - r.seconds, engine=r.engine, timing=res.timing)
-        st.evaluated[tier] = st.evaluated.get(tier, 0) + 1
+    res.timing = _timing(res.timing, r.seconds)
+    run.throughput.add(tier, res.timing, r.seconds)
+    measured = res.verdict == "measured" and res.objective is not None
+    meas = {**(res.measurement or {}), "conditions": run.conditions}
+    reason = res.reason
+    if measured and kind == "screen":
+        reason = _screen_verdict(run, res.objective, _serving_screen_ref(run), can_ship)
+    elif measured and kind == "aa":
+        reason = (f"A/A pair {len(st.noise.aa_diffs) + 1} on {r.engine}: {meas['b']:.4g} vs its previous "
+                  f"{meas['a']:.4g} ({meas['aa_pair'] * 100:+.2f}%)")
+    elif measured and kind == "confirm":
+        reason = "confirmation: " + st.noise.explain(res.objective, run.serving_slow)["why"]
+    reason = "; ".join(x for x in (reason, r.note) if x)
+    rid = run.store.record(st.campaign_id, candidate=cand.key, plan=cand.plan.to_json(), proposer=proposer,
+                           workload_fp=run.wfp, tier=tier, verdict=res.verdict, objective=res.objective,
+                           measurement=meas, artifact_hash=r.artifact_hash, reason=reason,
+                           started=time.time() - r.seconds, engine=r.engine, timing=res.timing)
+    st.evaluated[tier] = st.evaluated.get(tier, 0) + 1
+    if kind in ("screen", "confirm"):
         st.history.append(Outcome(cand.plan, res.objective if measured else None, tier, key=cand.key,
                                   start=cand.eager))
-        if run.bar is not None:
-            run.bar.update(1)
-        if not measured:
-            run.say(f"[{tier}] {cand.key} on {r.engine} {res.verdict}: {reason}")
-        elif r.note:
-            run.say(f"[{tier}] {cand.key} on {r.engine}: {r.note}")
-        if r.proposer is None:
-            out.append((cand, res.objective if measured else None))
-    return out
+    if run.bar is not None:
+        run.bar.update(1)
+    if not measured:
+        run.say(f"[{tier}] {cand.key} on {r.engine} {res.verdict}: {reason}")
+    elif r.note:
+        run.say(f"[{tier}] {cand.key} on {r.engine}: {r.note}")
+    return (res.objective if measured else None), rid
 
 
 def _serving_screen_ref(run: _Run) -> float:
@@ -718,36 +904,42 @@ def _confirm(run: _Run, cand: Candidate, screen_obj: float) -> bool:
 
 def _decide_ship(run: _Run, cand: Candidate, obj: float, exp_id: int | None = None) -> None:
     """Ship ``cand`` if its gain beats the noise; record the decision, its reason and numbers, either way."""
-    st = run.state
-    cur_key, cur_obj = st.shipped[0], run.serving_slow
-    d = st.noise.explain(obj, cur_obj)
-    d.update(candidate=cand.key, serving=cur_key, experiment=exp_id, aa_tier=run.screen)
+    d = _decision(run, cand, obj, exp_id)
+    err = None
     if d["ship"]:
         t0 = run.budget.clock()
         try:  # the engine validates it again, on fresh inputs and shapes, before it serves
             run.evaluator.ship(run.evaluator.build(cand, "slow"))
         except TkccError as e:
-            run.budget.charge("ship", run.budget.clock() - t0)
-            d.update(action="refused", why=f"{d['why']}, but re-validation before serving failed: {e}")
-            run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), obj, "refused", d["why"], d)
-            st.decisions.append(d)
-            run.say(f"not shipped {cand.key}: {d['why']}")
-            return
+            err = str(e)
         d["ship_s"] = run.budget.clock() - t0
         run.budget.charge("ship", d["ship_s"])
+    _ship_done(run, cand, obj, d, err)
+
+
+def _decision(run: _Run, cand: Candidate, obj: float, exp_id: int | None) -> dict:
+    """The ship rule's verdict on ``cand`` (slow objective ``obj``) against what serves, with its numbers."""
+    d = run.state.noise.explain(obj, run.serving_slow)
+    d.update(candidate=cand.key, serving=run.state.shipped[0], experiment=exp_id, aa_tier=run.screen)
+    return d
+
+
+def _ship_done(run: _Run, cand: Candidate, obj: float, d: dict, err: str | None = None) -> None:
+    """Record a ship decision (ship, stay, or refused when re-validating it before serving failed)."""
+    st = run.state
+    if d["ship"] and err is not None:
+        d.update(action="refused", why=f"{d['why']}, but re-validation before serving failed: {err}")
+    elif d["ship"]:
         d["action"] = "ship"
-        run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), obj, "ship", d["why"], d)
         st.shipped = (cand.key, obj)
         run.serving_slow, run.serving_cand = obj, cand
         run.serving_screen = [o.objective for o in st.history if o.tier == run.screen and o.objective
                               and o.plan.hash() == cand.plan.hash()][-1:] or run.serving_screen
-        st.decisions.append(d)
-        run.say(f"shipped {cand.key}: {d['why']}")
-        return
-    d["action"] = "stay"
-    run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), obj, "stay", d["why"], d)
+    else:
+        d["action"] = "stay"
+    run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), obj, d["action"], d["why"], d)
     st.decisions.append(d)
-    run.say(f"not shipped {cand.key}: {d['why']}")
+    run.say(f"{'shipped' if d['action'] == 'ship' else 'not shipped'} {cand.key}: {d['why']}")
 
 
 def _est(run: _Run, *kinds: str) -> str:
@@ -777,5 +969,5 @@ def _progress(cfg: CampaignConfig, progress):
     return (lambda msg: bar.write(msg, file=sys.stderr)), bar
 
 
-__all__ = ["BatchResult", "CampaignConfig", "CampaignState", "EvalResult", "Evaluator", "run_campaign", "validation_modes",
+__all__ = ["BatchResult", "CampaignConfig", "Job", "CampaignState", "EvalResult", "Evaluator", "run_campaign", "validation_modes",
            "conditions_of"]

@@ -40,7 +40,10 @@ def register(sub) -> None:
                    help="one engine per Ray actor, screening in parallel; ADDRESS: a running Ray cluster "
                         "(default: start a local one)")
     c.add_argument("--engines", type=int, default=None,
-                   help="with --ray: engine actors (default: one per GPU of the cluster; 2 on CPU)")
+                   help="with --ray: engine actors (default: one per GPU of the cluster, or per --tp GPUs; 2 on CPU)")
+    c.add_argument("--tp", type=int, default=1,
+                   help="with --ray: each engine is `tkcc serve --tp N` (N ranks: GPUs, or gloo processes on a CPU), "
+                        "placed in a placement group that keeps its ranks on one node; plans shard N ways first")
     _proposer_args(c)
     add_json_flag(c)
     c.set_defaults(func=cmd_campaign)
@@ -212,6 +215,10 @@ def cmd_campaign(args):
     from tkcc.cli import builtin_models, command_started
     from tkcc.traffic.names import load_named_trace
 
+    if args.tp != 1 and args.ray is None:
+        raise TkccError(f"--tp {args.tp} goes with --ray (one tensor-parallel engine per Ray actor); a single "
+                        f"engine campaign does not shard its candidates")
+
     started = command_started()
     budget = _seconds(args.budget, "--budget")
     check_aa_pairs(args.aa_pairs)
@@ -288,17 +295,22 @@ def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, so
     gpu = not str(args.device).startswith("cpu")
     if args.engines is not None and args.engines < 1:
         raise TkccError(f"--engines must be at least 1, got {args.engines}")
+    if args.tp < 1:
+        raise TkccError(f"--tp must be at least 1, got {args.tp}")
     # a local cluster: every core, so the engines' kernel compiles have CPUs to run on beside the engines
-    ours = init_ray(args.ray or None, num_cpus=max((args.engines or 2) + 1, os.cpu_count() or 1))
+    ours = init_ray(args.ray or None, num_cpus=max((args.engines or 2) * args.tp + 1, os.cpu_count() or 1))
     try:
-        k = args.engines or (int(ray.cluster_resources().get("GPU", 0)) if gpu else 2)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        k = args.engines or (gpus // args.tp if gpu else 2)
         if k < 1:
-            raise TkccError(f"--ray on {args.device}: the Ray cluster has no GPU; pass --engines")
+            raise TkccError(f"--ray on {args.device}: the Ray cluster has {gpus} GPU(s), fewer than one engine of "
+                            f"--tp {args.tp} needs; pass --engines" if gpus else
+                            f"--ray on {args.device}: the Ray cluster has no GPU; pass --engines")
         address = ray.get_runtime_context().gcs_address if args.compile_workers != 0 else None
         ev = RayEvaluator(args.model or DEFAULT_MODEL, k, lambda c: _phases(_workload_for(c, trace), args.phases),
                           device=args.device, extra=tuple(args.engine_arg) + compile_args(args, address),
                           reps=reps, pass_modules=args.pass_module,
-                          gpus_per_engine=1.0 if gpu else 0.0, start_timeout_s=max(1.0, left),
+                          gpus_per_engine=1.0 if gpu else 0.0, tp=args.tp, start_timeout_s=max(1.0, left),
                           out=None if args.no_progress else (lambda m: print(m, file=sys.stderr)))
         try:
             name = args.name or f"{ev.model}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -307,6 +319,7 @@ def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, so
                                  started=started, reserve_s=STOP_RESERVE_S, ahead=args.ahead,
                                  extra={"trace": str(args.trace), "objective": ev.workload.objective,
                                         "device": args.device, "reps": reps, "ray": args.ray or "local",
+                                        "tp": args.tp,
                                         "engines": ev.engines(),
                                         "buckets": [b.__dict__ for b in ev.workload.buckets]})
             state = run_campaign(cfg, store, _proposer(args, None, ev), ev, progress=not args.no_progress,
@@ -321,7 +334,8 @@ def _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, so
     out = summary_of(store, state)
     out.update(store=str(store.path), wall_s=round(time.monotonic() - started, 1), device=ev.device,
                experiments=len(rows), ships=store.ships(state.campaign_id), log=state.log[-40:], reps=reps,
-               engines={n: {"pid": i["pid"], "host": i["host"], "device": i["device"],
+               engines={n: {"pid": i["pid"], "host": i["host"], "device": i["device"], "tp": i["tp"],
+                            "placement": i["placement"],
                             "experiments": sum(r.engine == n for r in rows)} for n, i in engines.items()},
                engine_deaths=ev.deaths)
     out["text"] = (summary_text(out, ev.device) + f"\n{k} engines on Ray: "

@@ -29,11 +29,18 @@ def register(subparsers) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: one engine rank per GPU (cuda:0..N-1), or N gloo processes on cpu; "
                         "the baseline is the model sharded N ways, candidates must shard with degree N (default 1)")
-    p.add_argument("--validation", default="auto", choices=["auto", "exact", "tolerance"],
-                   help="how candidates are validated: exact (bitwise; refused at start-up if the model does not "
-                        "reproduce itself), tolerance (error bound relative to the output's scale plus greedy "
-                        "tokens), auto (default: exact per tier where the start-up probe finds the reference "
-                        "bitwise reproducible, else tolerance)")
+    for flag, choices, hlp in (  # the ways of validating and isolating candidates; "auto" lets the engine pick
+            ("--validation", ("exact", "tolerance"),
+             "how candidates are validated: exact (bitwise; refused at start-up if the model does not "
+             "reproduce itself), tolerance (error bound relative to the output's scale plus greedy "
+             "tokens), auto (default: exact per tier where the start-up probe finds the reference "
+             "bitwise reproducible, else tolerance)"),
+            ("--isolation", ("process", "inprocess"),
+             "process: every candidate runs in a clean process forked from the worker, which keeps the "
+             "clock, the reference and the checks; inprocess: candidates run in the worker, which "
+             "audits its global state after each; auto (default): process on a CPU with one rank, "
+             "else inprocess (a CUDA context does not survive fork). See docs/engine.md")):
+        p.add_argument(flag, default="auto", choices=["auto", *choices], help=hlp)
     p.add_argument("--tolerance-safety", type=float, default=4.0,
                    help="tolerance mode: the error bound is this many times the reference's measured "
                         "self-disagreement (relative to the output's scale), never below the dtype floor (default 4)")
@@ -54,11 +61,6 @@ def register(subparsers) -> None:
                         "charged to it). Default 0: derived, what the engine holds after start-up (weights, KV "
                         "cache, the reference's graphs) plus max(2 GiB, 2x the weights and cache, 2x the start-up's "
                         "transient peak), at most the device less max(1 GiB, 5%%)")
-    p.add_argument("--isolation", default="auto", choices=["auto", "process", "inprocess"],
-                   help="process: every candidate runs in a clean process forked from the worker, which keeps the "
-                        "clock, the reference and the checks; inprocess: candidates run in the worker, which "
-                        "audits its global state after each; auto (default): process on a CPU with one rank, "
-                        "else inprocess (a CUDA context does not survive fork). See docs/engine.md")
     p.add_argument("--kernel-cache", default=None,
                    help="shared, checksummed Triton kernel cache folder (default $TKCC_KERNEL_CACHE_DIR or "
                         "~/.cache/tkcc/triton): kernels compiled by any engine, tier, candidate or campaign")
