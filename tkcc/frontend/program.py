@@ -38,6 +38,12 @@ class Program:
     eager:           the nn.Module whose forward each graph captured (same
                      signature, same state, same weights): the plain PyTorch
                      reference to compare a graph or a compiled artifact with.
+    tuned:           kernel configs a pass timed on this model's shapes, keyed by
+                     everything they were tuned for; shared by the Programs of
+                     one model's tiers (the fast tier's blocks have the slow
+                     tier's shapes), so a build of the same step on another
+                     tier does not time them again. What a build picked still
+                     travels in its artifact; this is never read at load.
     """
 
     graphs: dict[str, torch.fx.GraphModule]
@@ -51,6 +57,7 @@ class Program:
     make_inputs: dict[str, Callable] = field(default_factory=dict)
     recapture: Callable[[int], "Program"] | None = None
     eager: torch.nn.Module | None = None
+    tuned: dict = field(default_factory=dict)
 
     @property
     def phases(self) -> list[str]:

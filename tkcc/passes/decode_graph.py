@@ -88,6 +88,43 @@ def _cache_rows_kept(caches: list[torch.Tensor], positions: list[int]):
                 c[:, positions] = v
 
 
+def _tuning_key(dec, opts: dict) -> str:
+    """What a decoder's tuned configs depend on: its options, cache length, device, dtype and the shapes of
+    one layer's weights (every layer's are the same; a tier with fewer layers has the same ones)."""
+    import json
+
+    layer = {k: list(v.shape) for k, v in sorted(dec.layers[0].items()) if isinstance(v, torch.Tensor)}
+    return json.dumps({"opts": {k: opts[k] for k in sorted(opts)}, "max_cache_len": int(dec.max_cache_len),
+                       "device": (torch.cuda.get_device_name(dec.device) if torch.device(dec.device).type == "cuda"
+                                  else str(dec.device)), "dtype": str(dec.dtype),
+                       "layer": layer, "lm_head": list(dec.lm_head.shape)}, sort_keys=True, default=str)
+
+
+def _tuned(program, dec, opts: dict, keys, vals, fused_attention: bool, info):
+    """The decoder with its kernel configs tuned on the device: each kernel kind alone, then the whole step
+    per config, then each span's attention layout. Configs another tier of the same model tuned already
+    (``Program.tuned``: same shapes) are taken instead of timing them again."""
+    from tkcc.kernels.discovery import discovering
+
+    memo = getattr(program, "tuned", None)
+    key = _tuning_key(dec, opts)
+    kept = memo.get(key) if memo is not None else None
+    if kept is not None:
+        info.notes.append(f"tuned: the configs this model's other tier timed at the same shapes: {kept}")
+        return decoder_for(program.model, dec.max_cache_len, (keys, vals), opts, {k: tuple(v) for k, v in kept.items()})
+    info.notes.append(f"tuned: {dec.tune()}")
+    # then the whole step per config, at positions whose cache rows are put back after
+    at = min(128, dec.max_cache_len - 1)
+    with _cache_rows_kept(keys + vals, [at] + _span_contexts(dec)):
+        dec.reset(0, at)
+        info.notes.append(f"step-tuned: {dec.tune_step()}")
+        if fused_attention:
+            info.notes.append(f"attention-tuned: {_tune_spans(dec)}")
+    if memo is not None and not discovering():  # a discovery run times nothing (no kernel launches)
+        memo[key] = {k: list(v) for k, v in dec.configs.items()}
+    return dec
+
+
 @register
 class DecodeFusedStep(Pass):
     name = "decode_fused_step"
@@ -155,14 +192,7 @@ class DecodeFusedStep(Pass):
                 try:
                     dec = decoder_for(program.model, kv.max_cache_len, (keys, vals), opts)
                     if tune and keys[0].is_cuda:
-                        info.notes.append(f"tuned: {dec.tune()}")
-                        # then the whole step per config, at positions whose cache rows are put back after
-                        at = min(128, kv.max_cache_len - 1)
-                        with _cache_rows_kept(keys + vals, [at] + _span_contexts(dec)):
-                            dec.reset(0, at)
-                            info.notes.append(f"step-tuned: {dec.tune_step()}")
-                            if fused_attention:
-                                info.notes.append(f"attention-tuned: {_tune_spans(dec)}")
+                        dec = _tuned(program, dec, opts, keys, vals, fused_attention, info)
                 except (TkccError, AttributeError) as e:
                     unsupported = f"{type(e).__name__}: {e}"
                     dec = None

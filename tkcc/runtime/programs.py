@@ -106,8 +106,11 @@ def fast_blocks_for(num_blocks: int, requested: int | None) -> int:
 
 
 def build_tiers(program, fast_blocks: int) -> dict:
-    """{'fast': first k blocks, 'slow': whole model}; weights shared (Program.truncate)."""
-    return {"fast": program.truncate(fast_blocks), "slow": program}
+    """{'fast': first k blocks, 'slow': whole model}; weights shared (Program.truncate), and the configs a pass
+    tuned on either tier's shapes (``Program.tuned``)."""
+    fast = program.truncate(fast_blocks)
+    fast.tuned = program.tuned
+    return {"fast": fast, "slow": program}
 
 
 def check_tier(tier: str) -> str:
