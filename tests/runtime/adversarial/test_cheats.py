@@ -156,11 +156,16 @@ def test_a_cheat_is_refused_or_measured_at_its_true_speed(adversary, name):
 def test_the_timer_patch_reaches_nothing(adversary):
     """Measured by the worker's clock: the patch in the candidate's process changes nothing, and the next
     candidate is measured as before."""
+    before = adversary.honest()
     res = adversary.run({"source": adversary.source("patch_timer_2", **CHEATS["patch_timer"])})
     assert res["ok"], res
     obj = res["tiers"]["fast"]["measurement"]["objective"]
-    assert adversary.honest_objective / NOISE <= obj <= adversary.honest_objective * NOISE
-    assert adversary.honest_objective / NOISE <= adversary.honest() <= adversary.honest_objective * NOISE
+    after = adversary.honest()
+    # a patched clock reaching the measurement inflates the objective by orders of magnitude (1294 against an
+    # honest 131 in the issue); the honest runs beside it bound what this machine's load can do to it
+    honest = max(before, after, adversary.honest_objective)
+    assert obj <= honest * NOISE, (obj, before, after)
+    assert after <= max(before, adversary.honest_objective) * NOISE, (before, after)  # the next one as before
 
 
 def test_a_candidate_is_every_file_it_can_import(adversary):
