@@ -19,7 +19,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _session(sid: int) -> list[tuple[int, str]]:

@@ -19,6 +19,8 @@ import pytest
 
 from tkcc.cli import main
 
+pytestmark = pytest.mark.serial  # compares measured speeds or waits on deadlines: run alone
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 

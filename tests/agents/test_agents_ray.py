@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.serial  # compares measured speeds or waits on deadlines: run alone
+
 ray = pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import NOISE
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]
 
 CHEATS = {
     # the three

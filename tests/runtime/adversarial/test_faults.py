@@ -13,7 +13,7 @@ import pytest
 
 from conftest import NOISE
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]
 
 FAULTS = {
     "raises": dict(body="raise RuntimeError('kernel exploded')", failure="raised", words="kernel exploded"),
