@@ -166,36 +166,47 @@ def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
     return rows
 
 
+def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_dim, g, device, dtype):
+    """(tensors, fn, make) of one attention region's check: fresh caches, the rotary table over ``rotary_dim`` of
+    the head, the q/k norm weights; ``fn`` runs ``pattern`` under the step's causal or sliding mask, ``make``
+    draws a q|k|v row and a position."""
+    from tkcc.passes.lower import attention, rotary
+
+    R = rotary_dim
+    t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
+         "inv_freq": 1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R)).to(device)}
+    if qk_norm:
+        t["qn"] = _rand((D if qk_norm == "head" else hq * D,), g, device, dtype, 0.5) + 1
+        t["kn"] = _rand((D if qk_norm == "head" else hkv * D,), g, device, dtype, 0.5) + 1
+
+    def fn(s, qkv, pos):
+        cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
+        mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
+            attention.causal_mask(pos, kv_len=S)
+        norms = (s.qn, s.kn) if qk_norm else ()
+        kw = {"eps": 1e-5} if qk_norm else {}
+        return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, *norms, scale=D ** -0.5, **kw)
+
+    def make():
+        pos = torch.randint(0, S, (1,), generator=g).to(device)
+        return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype), pos
+
+    return t, fn, make
+
+
 def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 0), (8, 1, 16, 100, 16, 24),
                                               (4, 2, 16, 300, 16, 0), (4, 2, 16, 64, 16, 10))):
     """Cache write + attention (+ rotary, + q/k norm), GQA/MHA/MQA, one and several splits (the fourth shape:
     more splits than the in-kernel merge takes, so the combine launch runs), plain and scaled rotary, causal
     and sliding-window masks."""
-    from tkcc.passes.lower import attention, rotary
+    from tkcc.passes.lower import attention
 
     rows = []
     for i, (hq, hkv, D, S, chunk, window) in enumerate(shapes):
         for j, qk_norm in enumerate(("", "full", "head")):
             rope_scale = 1.0 if (i + j) % 2 == 0 else 0.75
             pattern = attention._attention_pattern(qk_norm)[0]
-            t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
-                 "inv_freq": 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)).to(device)}
-            if qk_norm:
-                t["qn"] = _rand((D if qk_norm == "head" else hq * D,), g, device, dtype, 0.5) + 1
-                t["kn"] = _rand((D if qk_norm == "head" else hkv * D,), g, device, dtype, 0.5) + 1
-
-            def fn(s, qkv, pos, pattern=pattern, qk_norm=qk_norm, S=S, D=D, rope_scale=rope_scale, window=window):
-                cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
-                mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
-                    attention.causal_mask(pos, kv_len=S)
-                norms = (s.qn, s.kn) if qk_norm else ()
-                kw = {"eps": 1e-5} if qk_norm else {}
-                return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, *norms, scale=D ** -0.5, **kw)
-
-            def make(hq=hq, hkv=hkv, D=D, S=S):
-                pos = torch.randint(0, S, (1,), generator=g).to(device)
-                return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype), pos
-
+            t, fn, make = attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, D, g, device, dtype)
             name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}{', ' + qk_norm + ' qk_norm' if qk_norm else ''}" \
                    f"{', rope x' + str(rope_scale) if rope_scale != 1.0 else ''}{f', window {window}' if window else ''}]"
             rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype,

@@ -39,7 +39,7 @@ def check_rotary(device, dtype, g, shapes=((4, 2, 16, 40, 16, 8, 0), (4, 4, 32, 
     """The fused attention under the partial and interleaved rotations (with and without q/k norms, scaled
     tables, one and several splits, sliding windows): (hq, hkv, D, S, chunk, rotary dim, window)."""
     from tkcc.passes.lower import attention, rotary
-    from tkcc.passes.lower.checks import Region, _options, _rand, run_case
+    from tkcc.passes.lower.checks import Region, _options, attention_case, run_case
 
     rows = []
     for i, (hq, hkv, D, S, chunk, R, window) in enumerate(shapes):
@@ -49,24 +49,7 @@ def check_rotary(device, dtype, g, shapes=((4, 2, 16, 40, 16, 8, 0), (4, 4, 32, 
             R_ = D if (kind == "interleaved" and (i + j) % 3 == 0) else R  # interleaved over the whole head too
             rope_scale = 1.0 if (i + j) % 2 == 0 else 0.75
             pattern = attention._attention_pattern(qk_norm, rope)[0]
-            t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
-                 "inv_freq": 1.0 / (10000 ** (torch.arange(0, R_, 2, dtype=torch.float32) / R_)).to(device)}
-            if qk_norm:
-                t["qn"] = _rand((D if qk_norm == "head" else hq * D,), g, device, dtype, 0.5) + 1
-                t["kn"] = _rand((D if qk_norm == "head" else hkv * D,), g, device, dtype, 0.5) + 1
-
-            def fn(s, qkv, pos, pattern=pattern, qk_norm=qk_norm, S=S, D=D, rope_scale=rope_scale, window=window):
-                cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
-                mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
-                    attention.causal_mask(pos, kv_len=S)
-                norms = (s.qn, s.kn) if qk_norm else ()
-                kw = {"eps": 1e-5} if qk_norm else {}
-                return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, *norms, scale=D ** -0.5, **kw)
-
-            def make(hq=hq, hkv=hkv, D=D, S=S):
-                pos = torch.randint(0, S, (1,), generator=g).to(device)
-                return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype), pos
-
+            t, fn, make = attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, R_, g, device, dtype)
             name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, {kind} rotary {R_}/{D}" \
                    f"{', ' + qk_norm + ' qk_norm' if qk_norm else ''}{', rope x0.75' if rope_scale != 1.0 else ''}" \
                    f"{f', window {window}' if window else ''}]"

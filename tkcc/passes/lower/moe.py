@@ -21,6 +21,22 @@ from tkcc.passes.lower.pattern import Rewrite
 TOP_K = 3  # sentinel (the example has 12 experts)
 
 
+def topk_router(router_logits, router: str, norm_topk: bool, top_k: int):
+    """The top-k router as the patterns write it, after the router's linear: (weights, expert ids). ``router``:
+    "softmax" (softmax in fp32, weights rounded to the logits' dtype) or "softmax_fp32" (softmax of the upcast
+    logits, weights kept fp32); renormalised over the k with ``norm_topk``."""
+    if router == "softmax":
+        router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+    else:
+        router_probs = F.softmax(router_logits.float(), dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
+    if norm_topk:
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    if router == "softmax":
+        router_top_value = router_top_value.to(router_logits.dtype)
+    return router_top_value, router_indices
+
+
 def _moe_pattern(norm_topk: bool, residual: bool, router: str):
     """``router``: "softmax" (OLMoE, Qwen3-MoE: softmax in fp32, weights rounded to the dtype) or
     "softmax_fp32" (Mixtral: softmax of the upcast logits, renormalised, weights kept fp32)."""
@@ -31,15 +47,7 @@ def _moe_pattern(norm_topk: bool, residual: bool, router: str):
         hidden_states = x.view(-1, hidden_dim)
         # the router (OlmoeTopKRouter.forward, MixtralTopKRouter.forward)
         router_logits = F.linear(hidden_states.reshape(-1, hidden_dim), router_w)
-        if router == "softmax":
-            router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
-        else:
-            router_probs = F.softmax(router_logits.float(), dim=-1)
-        router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
-        if norm_topk:
-            router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-        if router == "softmax":
-            router_top_value = router_top_value.to(router_logits.dtype)
+        router_top_value, router_indices = topk_router(router_logits, router, norm_topk, top_k)
         # the experts (transformers.integrations.moe.batched_mm_experts_forward)
         final = _experts(hidden_states, router_top_value, router_indices, gate_up, down, top_k)
         final = final.reshape(batch_size, sequence_length, hidden_dim)

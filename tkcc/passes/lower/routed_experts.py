@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.moe import _experts, _params, _routed_check, _routed_example
+from tkcc.passes.lower.moe import _experts, _params, _routed_check, _routed_example, topk_router
 from tkcc.passes.lower.pattern import Rewrite
 
 
@@ -19,15 +19,7 @@ def _routed_pattern(router: str, norm_topk: bool):
     def pattern(xs, router_w, gate_up, down, *, top_k):
         hidden_dim = xs.shape[-1]
         router_logits = F.linear(xs.reshape(-1, hidden_dim), router_w)
-        if router == "softmax":
-            router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
-        else:
-            router_probs = F.softmax(router_logits.float(), dim=-1)
-        router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
-        if norm_topk:
-            router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
-        if router == "softmax":
-            router_top_value = router_top_value.to(router_logits.dtype)
+        router_top_value, router_indices = topk_router(router_logits, router, norm_topk, top_k)
         return _experts(xs, router_top_value, router_indices, gate_up, down, top_k)
 
     def replacement(xs, router_w, gate_up, down, *, top_k, count, configs, pdl):
