@@ -192,15 +192,23 @@ def _check(m) -> str | None:
         return f"caches {tuple(kc.shape)} / {tuple(vc.shape)} {kc.dtype} are not one [B, Hkv, S, D] layout"
     if m.tensor(1) is None or m.tensor(2) is None:
         return "the caches are not buffers of the graph"
-    mask = _producer(m.inputs[6], torch.ops.tkcc.causal_mask.default)
-    if mask is None:
+    return step_mask_and_rotary(m, pos=3, cos=4, sin=5, mask=6, kv_len=kc.shape[2])
+
+
+def step_mask_and_rotary(m, *, pos: int, cos: int, sin: int, mask: int, kv_len: int, whole: bool = False):
+    """Why a matched region's mask and rotary table are not the step's own, or None: the mask is the step's
+    causal mask over the ``kv_len``-position cache at the cache positions (``whole``: with no window), and
+    cos/sin are one ``rotary_cos_sin`` at those positions. Arguments are the region's input indices."""
+    causal = _producer(m.inputs[mask], torch.ops.tkcc.causal_mask.default)
+    if causal is None:
         return "the attention mask is not the step's causal mask (padding, a custom mask)"
-    if mask.args[0] is not m.inputs[3] or mask.args[1] != kc.shape[2]:
-        return "the causal mask is not over the cache at these positions"
-    rot = _getitem_of(m.inputs[4], torch.ops.tkcc.rotary_cos_sin.default, 0)
-    if rot is None or _getitem_of(m.inputs[5], torch.ops.tkcc.rotary_cos_sin.default, 1) is not rot:
+    if causal.args[0] is not m.inputs[pos] or causal.args[1] != kv_len or (
+            whole and len(causal.args) > 2 and causal.args[2]):
+        return f"the causal mask is not over the {'whole ' if whole else ''}cache at these positions"
+    rot = _getitem_of(m.inputs[cos], torch.ops.tkcc.rotary_cos_sin.default, 0)
+    if rot is None or _getitem_of(m.inputs[sin], torch.ops.tkcc.rotary_cos_sin.default, 1) is not rot:
         return "cos/sin are not the step's rotary table"
-    if not _is_positions_of(rot.args[1], m.inputs[3]):
+    if not _is_positions_of(rot.args[1], m.inputs[pos]):
         return "the rotary positions are not the cache positions"
     return None
 

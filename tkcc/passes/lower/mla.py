@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.attention import SCALE, _getitem_of, _is_positions_of, _producer
+from tkcc.passes.lower.attention import SCALE, step_mask_and_rotary
 from tkcc.passes.lower.norms import EPS, rms_norm
 from tkcc.passes.lower.pattern import Refused, Rewrite
 
@@ -122,17 +122,7 @@ def _check(m) -> str | None:
                 f"{C}] stored as rows (the absorbed kernels stream its rows per head)")
     if R % 2:
         return f"rope key of odd width {R}"
-    mask = _producer(m.inputs[9], torch.ops.tkcc.causal_mask.default)
-    if mask is None:
-        return "the attention mask is not the step's causal mask (padding, a custom mask)"
-    if mask.args[0] is not m.inputs[6] or mask.args[1] != kc.shape[2] or (len(mask.args) > 2 and mask.args[2]):
-        return "the causal mask is not over the whole cache at these positions"
-    rot = _getitem_of(m.inputs[7], torch.ops.tkcc.rotary_cos_sin.default, 0)
-    if rot is None or _getitem_of(m.inputs[8], torch.ops.tkcc.rotary_cos_sin.default, 1) is not rot:
-        return "cos/sin are not the step's rotary table"
-    if not _is_positions_of(rot.args[1], m.inputs[6]):
-        return "the rotary positions are not the cache positions"
-    return None
+    return step_mask_and_rotary(m, pos=6, cos=7, sin=8, mask=9, kv_len=kc.shape[2], whole=True)
 
 
 def _params(m, ctx):
