@@ -318,6 +318,10 @@ def test_device_pruning_of_attention_tiles(monkeypatch):
     monkeypatch.setattr(space, "device_limits", lambda device: (90, 232448))
     params, pruned = decode.LoweredDecode.space("cuda")
     assert "256x8" not in params["attn_tile"] and "attn_tile=256x8" in pruned
+    from tkcc.passes.decode_graph import DecodeFusedStep  # the fused step runs the same attention kernel
+
+    fused, why = DecodeFusedStep.space("cuda")
+    assert "256x8" not in fused["attn_tile"] and "64x4" in fused["attn_tile"] and "attn_tile=256x8" in why
     prog = capture_model("olmoe-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
     monkeypatch.setattr(decode, "head_shapes", lambda program: [(1, 128, True)])
     with pytest.raises(PlanError, match="attn_tile '256x8' cannot run.*274,432 B"):

@@ -142,15 +142,9 @@ class DecodeFusedStep(Pass):
         """(params, pruned): the attention tiles ``device`` cannot run at the model's heads (the reference
         models' without a ``program``) leave the space, with the reason; the same facts as ``lowered_decode``'s
         (one fused attention kernel)."""
-        from tkcc.passes.lower import space as lower_space
-        from tkcc.passes.lower.decode import head_shapes
+        from tkcc.passes.lower.decode import tile_pruned_space
 
-        limits = lower_space.device_limits(device) if device is not None else None
-        bad = lower_space.pruned_tiles(limits, head_shapes(program) if program is not None
-                                       else lower_space.DEVICE_SHAPES)
-        params = dict(cls.params)
-        params["attn_tile"] = [t for t in cls.params["attn_tile"] if t not in bad]
-        return params, {f"attn_tile={t}": why for t, why in bad.items()}
+        return tile_pruned_space(cls.params, device, program)
 
     @classmethod
     def accepts(cls, name, value) -> bool:

@@ -80,6 +80,17 @@ def head_shapes(program) -> list[tuple[int, int, bool]]:
     return [(max(1, hq // hkv), int(D), qk) for qk in (False, True)]
 
 
+def tile_pruned_space(params: dict, device, program) -> tuple[dict, dict]:
+    """``params`` less the ``attn_tile`` values ``device`` cannot run at ``program``'s head shapes (the reference
+    models' without one), and why each was pruned: the space of every pass whose step runs the fused attention
+    kernel (``lowered_decode``, ``decode_fused_step``)."""
+    limits = space.device_limits(device) if device is not None else None
+    bad = space.pruned_tiles(limits, head_shapes(program) if program is not None else space.DEVICE_SHAPES)
+    out = dict(params)
+    out["attn_tile"] = [t for t in params["attn_tile"] if t not in bad]
+    return out, {f"attn_tile={t}": why for t, why in bad.items()}
+
+
 @register
 class LoweredDecode(Pass):
     name = "lowered_decode"
@@ -96,12 +107,7 @@ class LoweredDecode(Pass):
     def space(cls, device=None, program=None) -> tuple[dict, dict]:
         """(params, pruned): the space less what ``device`` cannot run, and why each value was pruned. With
         a ``program`` its own head shapes decide; without, the reference models' (``space.DEVICE_SHAPES``)."""
-        limits = space.device_limits(device) if device is not None else None
-        shapes = head_shapes(program) if program is not None else space.DEVICE_SHAPES
-        bad = space.pruned_tiles(limits, shapes)
-        params = dict(cls.params)
-        params["attn_tile"] = [t for t in cls.params["attn_tile"] if t not in bad]
-        return params, {f"attn_tile={t}": why for t, why in bad.items()}
+        return tile_pruned_space(cls.params, device, program)
 
     def apply(self, program, pdl=True, attn_chunk=0, attn_tile="64x4", gemv_config="auto", tune=True,
               tune_context=0):
