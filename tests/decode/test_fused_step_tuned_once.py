@@ -74,3 +74,26 @@ def test_the_tiers_of_an_engine_share_what_was_tuned():
     prog = capture_model("llama-tiny", "float32", "cpu", max_cache_len=16, phases=["decode"])
     tiers = build_tiers(prog, 1)
     assert tiers["fast"] is not tiers["slow"] and tiers["fast"].tuned is tiers["slow"].tuned
+
+
+class FakeCache:
+    num_layers, max_cache_len = 3, 32
+
+    def key(self, i):
+        return torch.zeros(1, 1, 32, 4)
+
+    value = key
+
+
+def test_a_tier_of_a_few_blocks_is_tuned_on_the_whole_model(monkeypatch):
+    """The fast tier's own timing (two blocks) picked configs 20% slower on the whole model: a build on it
+    times the whole model's decoder (into the shared memo) and takes its configs, timing nothing itself."""
+    whole = SimpleNamespace(model="whole-model", tuned={}, state=FakeCache())
+    fast = SimpleNamespace(model="fast-model", tuned=whole.tuned, whole=whole)
+    dec, out, built, info = _build(monkeypatch, fast)
+    assert dec.timed == [], "the tier's own decoder must not be timed"
+    assert built[0] is None and built[1] == {"qkv": (4, 512, 4), "lm_head": (2, 1024, 4)}  # whole's, then the tier's
+    assert out.configs == built[1] and len(whole.tuned) == 1
+    assert any("whole model (3 layers)" in n for n in info.notes)
+    dec2, out2, built2, _ = _build(monkeypatch, whole)  # the slow tier then times nothing either
+    assert dec2.timed == [] and built2 == [built[1]]

@@ -44,6 +44,10 @@ class Program:
                      tier's shapes), so a build of the same step on another
                      tier does not time them again. What a build picked still
                      travels in its artifact; this is never read at load.
+    whole:           the whole model's Program when this one is a tier of its
+                     first blocks (``runtime.programs.build_tiers`` sets it): a
+                     pass that times kernel configs times them there, since a
+                     few blocks' launches and weights are not the model's step.
     """
 
     graphs: dict[str, torch.fx.GraphModule]
@@ -58,6 +62,7 @@ class Program:
     recapture: Callable[[int], "Program"] | None = None
     eager: torch.nn.Module | None = None
     tuned: dict = field(default_factory=dict)
+    whole: "Program | None" = None
 
     @property
     def phases(self) -> list[str]:
