@@ -207,3 +207,32 @@ def test_pdl_setting_reaches_the_kernels_inside():
             torch.testing.assert_close(g(xi).float(), want.float(), atol=2e-2, rtol=2e-2)
     assert launch_pdl() is False  # the scope ends with the capture
     assert replay_us(lambda: two(x), reps=5, pdl=True) > 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_capture_beside_a_thread_that_keeps_launching():
+    """A server captures the forward it swaps in while another thread serves the old one: that thread's
+    launches must not fail the capture, nor the capture fail them (seen on the H200 under a process-wide
+    capture mode: "operation not permitted when stream is capturing")."""
+    import threading
+
+    x = torch.randn(256, 256, device="cuda")
+    errors, stop = [], threading.Event()
+
+    def serve():
+        try:
+            while not stop.is_set():
+                (x @ x).sum().item()
+        except Exception as e:  # noqa: BLE001 - the assertion below names it
+            errors.append(e)
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        for _ in range(20):
+            call = CapturedCall(lambda a: torch.relu(a @ a) + 1, (x,), {}, warmup=1)
+            assert torch.allclose(call(x), torch.relu(x @ x) + 1, rtol=1e-4, atol=1e-3)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors

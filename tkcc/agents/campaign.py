@@ -435,9 +435,23 @@ def _start_best_of(run: _Run, starts: list[Candidate]) -> bool:
             scored.append((slow, cand))
     if not scored:
         raise TkccError(f"none of the {len(starts)} starting candidates could be measured ({_last_reason(run)})")
-    slow, cand = max(scored, key=lambda t: t[0])
+    scored.sort(key=lambda t: -t[0])
+    screen, failed = None, []
+    for slow, cand in scored:  # the best that also measures on the screening tier serves (both tiers compare to it)
+        if not run.two_tier:
+            break
+        screen, _ = _evaluate(run, cand, run.screen, proposer=_ref_proposer(cand),
+                              judge=lambda o: f"the serving candidate on the {run.screen} tier")
+        if screen is not None:
+            break
+        failed.append(f"{cand.key} failed on the {run.screen} tier ({_last_reason(run)})")
+        run.say(f"starting candidate {failed[-1]}; the next best serves first")
+    else:
+        raise TkccError(f"no starting candidate measures on both tiers: {'; '.join(failed)}")
     others = ", ".join(f"{c.key} {o:.4g}" for o, c in scored if c is not cand) or "none measured"
     why = f"best of {len(starts)} starting candidates on the slow tier: {cand.key} {slow:.4g} (others: {others})"
+    if failed:
+        why += f"; skipped: {'; '.join(failed)}"
     run.evaluator.ship(run.evaluator.build(cand, "slow"))
     run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), slow, "ship", "baseline",
                           {"why": why, "starts": {c.key: o for o, c in scored}})
@@ -445,11 +459,7 @@ def _start_best_of(run: _Run, starts: list[Candidate]) -> bool:
     run.serving_slow, run.serving_cand = slow, cand
     run.say(f"serving first: {why}")
     if run.two_tier:
-        obj, _ = _evaluate(run, cand, run.screen, proposer=_ref_proposer(cand),
-                           judge=lambda o: f"the serving candidate on the {run.screen} tier")
-        if obj is None:
-            raise TkccError(f"the serving candidate {cand.key} failed on the {run.screen} tier")
-        run.serving_screen = [obj]
+        run.serving_screen = [screen]
     else:
         run.serving_screen = [slow]
     return True

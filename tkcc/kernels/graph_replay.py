@@ -278,7 +278,9 @@ class CapturedCall:
         if after_warmup is not None:
             after_warmup()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+        # thread_local: a server captures a swapped-in forward beside the thread serving the old one, whose
+        # launches a process-wide capture would fail ("operation not permitted when stream is capturing")
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             if speculate:
                 from tkcc.kernels.host_reads import HostReads
 

@@ -14,7 +14,7 @@ def graph_time(fn, reps: int = 7) -> float:
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):  # other threads may launch meanwhile
         fn()
     g.replay()
     torch.cuda.synchronize()

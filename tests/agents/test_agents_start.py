@@ -1,0 +1,50 @@
+"""What serves first: the best starting candidate that measures on both tiers (both compare against it). A start
+that the screening tier refuses is skipped with its reason, never the campaign's end without one."""
+import pytest
+from campaign_helpers import FakeClock, Fuse, TimedEvaluator
+
+from tkcc.agents.campaign import CampaignConfig, EvalResult, run_campaign
+from tkcc.agents.proposer import Candidate
+from tkcc.agents.search import BayesianSearch, SearchSpace
+from tkcc.agents.store import ExperimentStore
+from tkcc.errors import TkccError
+from tkcc.passes.plan import PassPlan
+
+
+class FastRefuses(TimedEvaluator):
+    """The fused start measures fastest on the slow tier and is invalid on the fast one."""
+
+    def __init__(self, clock, refuse_all=False):
+        super().__init__(clock)
+        self.refuse_all = refuse_all
+
+    def measure(self, ahash, tier):
+        if tier == "fast" and (self.refuse_all or self.built[ahash].steps):
+            self.clock.t += self.cost[tier]
+            self.measured.append((ahash, tier))
+            return EvalResult("invalid", None, {"device": "fake"},
+                              reason="a timed call's cache state differs by 0.11 of scale")
+        return super().measure(ahash, tier)
+
+
+def _run(tmp_path, ev, clock):
+    cfg = CampaignConfig(name="s", model="m", budget_s=60, tiers=("fast", "slow"), started=clock())
+    store = ExperimentStore(tmp_path / "e.db")
+    starts = [Candidate("start", PassPlan.of((Fuse.name, {"block": 16}))), Candidate("baseline", PassPlan())]
+    return run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse]), seed=0), ev, progress=False, clock=clock,
+                        starts=starts), store
+
+
+def test_a_start_refused_on_the_screening_tier_gives_way_to_the_next(tmp_path):
+    clock = FakeClock()
+    ev = FastRefuses(clock)
+    state, store = _run(tmp_path, ev, clock)
+    ships = store.ships(state.campaign_id)
+    assert ships[0]["candidate"] == Candidate("baseline", PassPlan()).key, ships[0]
+    assert "failed on the fast tier" in ships[0]["detail"]["why"] and "cache state differs" in ships[0]["detail"]["why"]
+
+
+def test_no_start_on_both_tiers_names_each_reason(tmp_path):
+    clock = FakeClock()
+    with pytest.raises(TkccError, match="no starting candidate measures on both tiers.*cache state differs"):
+        _run(tmp_path, FastRefuses(clock, refuse_all=True), clock)
