@@ -164,7 +164,8 @@ def main(argv=None):
         wall = time.perf_counter() - t0
         rep = compiled.report(print_report=False)
         log(rep.text())
-        notes[name] = {"loop": rep.loop, "serves": compiled.serves, "plan": rep.plan, "speed": rep.speed}
+        notes[name] = {"loop": rep.loop, "serves": compiled.serves, "plan": rep.plan, "speed": rep.speed,
+                       "passes": rep.to_json().get("passes")}
         for c in a.contexts:
             ms = ms_per_token(compiled.generate, prompt(c, vocab, dev), a.tokens, a.reps)
             rows.append(dict(model=name, context=c, variant="frontdoor", ms_per_token=ms, compile_wall_s=wall,
@@ -174,6 +175,9 @@ def main(argv=None):
         if "loaded" not in a.skip:
             with tempfile.TemporaryDirectory() as tmp:
                 compiled.save(Path(tmp) / "saved")
+                for src in sorted((Path(tmp) / "saved").rglob("forward_decode*.py")):  # what shipped, configs and all
+                    for p in out_paths:
+                        (p.parent / f"{p.stem}_{name}_{src.name}").write_text(src.read_text())
                 got, info = loaded_rows(name, Path(tmp) / "saved", a.contexts, a.tokens, a.reps, dtype)
                 rows += got
                 notes.setdefault(name, {})["loaded"] = info
