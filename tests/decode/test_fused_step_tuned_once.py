@@ -97,3 +97,19 @@ def test_a_tier_of_a_few_blocks_is_tuned_on_the_whole_model(monkeypatch):
     assert any("whole model (3 layers)" in n for n in info.notes)
     dec2, out2, built2, _ = _build(monkeypatch, whole)  # the slow tier then times nothing either
     assert dec2.timed == [] and built2 == [built[1]]
+
+
+def test_a_discovery_block_on_a_gpu_engine_records_nothing(monkeypatch):
+    """A GPU engine lists a candidate's kernels in a ``deferring`` block without a stand-in driver: launches are
+    off there too, so what its tuner picks is of nothing, and must not become the configs the real build takes
+    (the memo once recorded them, and olmoe-16l's shipped step ran 35% slow)."""
+    from tkcc.kernels.discovery import deferring, discovering
+
+    monkeypatch.setattr(decode_graph, "decoder_for", lambda *a, **k: FakeDecoder(a[4] if len(a) > 4 else None))
+    prog = SimpleNamespace(model=None, tuned={})
+    cache = [torch.zeros(1, 32, 4)]
+    assert not discovering()
+    with deferring(lambda job: None):  # no target: the machine's own driver, as on the H200
+        assert discovering()
+        decode_graph._tuned(prog, FakeDecoder(), {"pdl": True}, cache, cache, False, SimpleNamespace(notes=[]))
+    assert not discovering() and prog.tuned == {}

@@ -110,8 +110,9 @@ def _tuned(program, dec, opts: dict, keys, vals, fused_attention: bool, info):
     key = _tuning_key(dec, opts)
     kept = memo.get(key) if memo is not None else None
     whole = getattr(program, "whole", None)
-    if kept is None and memo is not None and whole is not None and whole is not program:
-        # a tier of a few blocks: timed there, its configs were 20% slower on the whole model (olmoe-16l, H200)
+    if kept is None and memo is not None and whole is not None and whole is not program and not discovering():
+        # a tier of a few blocks: their weights can sit in the L2 and their launches are not the model's step
+        # (a discovery run lists the same kernels on the tier itself)
         _tuned_on_whole(whole, opts, fused_attention, info)
         kept = memo.get(key)
     if kept is not None:
