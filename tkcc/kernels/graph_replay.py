@@ -468,6 +468,79 @@ class CacheStats:
                 "failures": dict(self.failures)}
 
 
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    return next(x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
+
+
+def greedy_body(fn: Callable, ids: torch.Tensor, pos: torch.Tensor):
+    """One decode step and its greedy choice, feeding itself: ``fn(ids, pos)`` (logits, or a structure whose first
+    tensor is them), the argmax of the last position written back into ``ids`` and ``pos`` advanced, in place.
+    Returns (token [B], that position's logits [B, vocab])."""
+    last = _first_tensor(fn(ids, pos))[:, -1]
+    tok = last.argmax(-1)
+    ids.copy_(tok[:, None])
+    pos.add_(1)
+    return tok, last
+
+
+class GreedyStep:
+    """A decode forward's greedy step (``greedy_body``) captured as one CUDA graph that feeds itself: each replay
+    reads the token and position the one before wrote, so the greedy loop runs one replay and one 8-byte copy
+    per token, with no input copies, argmax or position kernels launched between replays (on llama-1b-16l those
+    cost ~45 us a token on the H200). The same interface as the fused decode step's own ``tkcc_greedy``.
+    Where the step cannot be captured (``GraphCache`` refused the forward, or the capture fails) it runs the
+    same body through the cache's call, eagerly or from its plain graph."""
+
+    def __init__(self, cache: "GraphCache"):
+        self.cache = cache
+        self.graph: CapturedCall | None = None
+        self.key = None
+        self.refused: str | None = None
+        self._ids = self._pos = None
+
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor | None, *, position: int | None = None,
+                 continued: bool = False):
+        """``tok`` [B, 1] (the token chosen last), ``pos`` [1] (its position; None when ``continued``: the step
+        goes on from its own). Returns (the next token [B], its logits [B, vocab], valid until the next step)."""
+        if not continued:
+            self._start(tok, pos)
+        if self.graph is None:
+            out, last = greedy_body(self.cache, self._ids, self._pos)
+            return out.clone(), last
+        self.graph.replay()
+        out, last = self.graph.static_outputs
+        return out.clone(), last
+
+    def _start(self, tok, pos) -> None:
+        if pos is None:
+            raise GraphCaptureError("a greedy step starts from a position (pos is None and not continued)")
+        key = (self.cache._key((tok, pos), {}), )
+        if self.graph is not None and self.key == key:
+            ids_s, pos_s = self.graph.static_inputs
+            ids_s.copy_(tok)
+            pos_s.copy_(pos)
+            return
+        self.graph, self.key = None, key
+        self._ids, self._pos = tok.clone(), pos.clone()
+        if self.refused is not None or not _is_cuda_call((tok, pos), {}) or self.cache.capture(tok, pos) is None:
+            self.refused = self.refused or "the forward is not captured (see its cache's report)"
+            return
+        cache = self.cache
+        try:  # a pool of its own: a replay of the cache's plain graph must not overwrite the logits it returned
+            with cache._lock:
+                g = CapturedCall(lambda ids, p: greedy_body(cache.fn, ids, p), (tok, pos), pool=new_pool(),
+                                 warmup=1, static_ptrs=cache.static_ptrs, pdl=cache.pdl)
+        except GraphCaptureError as e:
+            self.refused = str(e)
+            return
+        if g.aliasing:
+            self.refused = g.aliasing
+            return
+        self.graph = g
+
+
 class GraphCache:
     """Captured graphs of one callable, one per capture key, with an eager fallback.
 
@@ -568,6 +641,18 @@ class GraphCache:
             return self.fn(*args, **kwargs)
         self.stats.replays += 1
         return g(*args, **kwargs)
+
+    @property
+    def tkcc_greedy(self):
+        """The greedy loop's self-feeding step over this callable (``GreedyStep``; the callable's own, when it
+        has one). Not for a speculating cache: its replays are checked against host reads."""
+        own = getattr(self.fn, "tkcc_greedy", None)
+        if own is not None or self.speculate:
+            return own
+        step = self.__dict__.get("_greedy")
+        if step is None:
+            step = self.__dict__["_greedy"] = GreedyStep(self)
+        return step
 
     def report(self) -> dict:
         return {"name": self.name, "graphs": len(self.graphs),
