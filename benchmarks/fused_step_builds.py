@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import decode as lab  # noqa: E402
+from frontdoor_gap import replay_ms  # noqa: E402 (the decoder's graph replayed at a context)
 
 from tkcc.frontend.capture import capture  # noqa: E402
 from tkcc.frontend.models import build_model  # noqa: E402
@@ -37,19 +38,6 @@ from tkcc.passes import decode_graph  # noqa: E402
 
 def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
-
-
-def replay_ms(dec, context: int, tokens: int, reps: int) -> float:
-    dec.use_span(context)
-    dec.reset(11, context)
-    dec.capture()
-    start = (dec.token.clone(), dec.pos.clone(), dec.seqlen.clone())
-
-    def run(n):
-        dec.token.copy_(start[0]), dec.pos.copy_(start[1]), dec.seqlen.copy_(start[2])
-        dec.run(n)
-    run(2)
-    return lab.time_steps(run, tokens, reps)
 
 
 def main(argv=None):
