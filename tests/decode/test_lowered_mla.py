@@ -240,3 +240,24 @@ def test_deepseek_v3_lowered_greedy_on_gpu_bf16(tmp_path):
     from greedy_rule import assert_greedy_agrees  # noqa: E402 (the engine's tolerance-mode rule)
 
     assert_greedy_agrees(compiled, steps=32)
+
+
+def test_mla_layout_is_tuned_into_every_mla_node(lowered):
+    """The lowered step's attention tuning also times MLA's (chunk, tile) over every layer's latent cache (fake
+    clock: the third layout is the fastest), writes the pick into each node and puts the caches back."""
+    from tkcc.passes.graph_pass import clone_graph_module
+    from tkcc.passes.lower import space, tune
+
+    prog, new, _ = lowered["float32"]
+    gm = clone_graph_module(new.graphs["decode"])
+    before = [b.clone() for b in prog.state.buffers()]
+    S = 32
+    layouts = [(c, t) for c in [c for c in space.ATTN_CHUNKS if c and c < S] + [S] for t in space.MLA_TILES]
+    order = iter(range(len(layouts)))
+    picked = tune.tune_attention(gm, lambda fn: (fn(), 0.5 if next(order) == 2 else 1.0)[1], 20, ["32x4"])
+    assert (picked["mla_attn_chunk"], picked["mla_attn_tile"]) == layouts[2] and "attn_chunk" not in picked
+    assert next(order, None) is None  # every layout was timed, once
+    bs, nw = space.parse_tile(layouts[2][1])
+    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.mla_attention.default]
+    assert nodes and all(tuple(n.args[13:16]) == (layouts[2][0], bs, nw) for n in nodes)
+    assert all(torch.equal(a, b) for a, b in zip(before, prog.state.buffers()))

@@ -20,6 +20,9 @@ log = logging.getLogger("tkcc.passes.lower")
 # the fused attention kernel's configs (mirrors the ones the FusedDecoder tuned over)
 ATTN_TILES = ["64x4", "32x4", "16x4", "128x4", "128x8", "256x8", "32x2"]
 ATTN_CHUNKS = [0, 64, 128, 256, 512, 1024, 2048]
+# MLA's split kernel tiles (positions per loop step x warps; tkcc.kernels.mla_attention caps the positions by
+# the latent width): timed with the chunks above when the lowered step tunes its attention
+MLA_TILES = ["16x4", "32x4", "64x4", "32x8", "64x8"]
 # the GEMV kernel's configs, spelled as params (the kernel's own list: tkcc.kernels.gemv.CONFIGS)
 GEMV_CONFIGS = ["auto", "4x512x4", "8x512x4", "16x256x4", "2x1024x4", "4x1024x8", "8x256x2", "1x2048x4",
                 "16x512x8", "2x2048x4", "4x2048x4", "4x2048x8", "8x2048x8", "8x1024x4", "32x256x8", "1x8192x4",

@@ -206,19 +206,38 @@ def tune_moes(gm, timer, log=None) -> dict:
     return out
 
 
+def _attention_ops() -> dict:
+    """Each attention kernel op: (its cache arguments, its (chunk, block_s, num_warps) arguments, the tiles to
+    time when the caller names none). The same layout search serves both."""
+    return {torch.ops.tkcc.attention_rope.default: ((1, 2), (12, 13, 14), None),
+            torch.ops.tkcc.mla_attention.default: ((4, 5), (13, 14, 15), space.MLA_TILES)}
+
+
 def tune_attention(gm, timer, context: int, tiles, log=None) -> dict:
-    """Pick the fused attention's (chunk, tile) at ``context`` positions over every layer's cache."""
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.attention_rope.default]
-    if not nodes:
-        return {}
-    S = nodes[0].args[1].meta["val"].shape[2]
+    """Pick each attention op's (chunk, tile) at ``context`` positions over every layer's cache: the fused
+    attention's (``tiles``: those the device runs) and MLA's (``space.MLA_TILES``)."""
+    out = {}
+    for op, (cache_args, layout_args, own_tiles) in _attention_ops().items():
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+        if nodes:
+            got = _tune_layout(nodes, gm, timer, context, own_tiles or tiles, cache_args, layout_args)
+            if got and log:
+                log(f"decode: tuned {op.name().split('::')[-1]} at context {got['context']}: chunk "
+                    f"{got['attn_chunk']}, tile {got['attn_tile']} ({got['us_per_layer']:.2f} us/layer)")
+            out.update({k if op is torch.ops.tkcc.attention_rope.default else f"mla_{k}": v for k, v in got.items()})
+    return out
+
+
+def _tune_layout(nodes, gm, timer, context, tiles, cache_args, layout_args) -> dict:
+    S = nodes[0].args[cache_args[0]].meta["val"].shape[2]
     pos = max(0, min(int(context), S - 1))
     ins = _Inputs(gm, position=pos)
-    caches = [ins.value(a) for n in nodes for a in (n.args[1], n.args[2])]
+    caches = [ins.value(n.args[i]) for n in nodes for i in cache_args]
     saved = [c[:, :, pos].clone() for c in caches]
     chunks = [c for c in space.ATTN_CHUNKS if c and c < S] + ([S] if S <= 8192 else [])
     layouts = [(c, t) for c in chunks for t in tiles]
     calls = [(n, *ins.args(n)) for n in nodes]
+    ci, bi, wi = layout_args
     best = None
     try:
         for chunk, tile in layouts:
@@ -227,7 +246,7 @@ def tune_attention(gm, timer, context: int, tiles, log=None) -> dict:
             def fn(chunk=chunk, bs=bs, nw=nw):
                 for n, args, kwargs in calls:
                     a = list(args)
-                    a[12], a[13], a[14] = chunk, bs, nw
+                    a[ci], a[bi], a[wi] = chunk, bs, nw
                     n.target(*a, **kwargs)
             try:
                 t = timer(fn)
@@ -245,8 +264,6 @@ def tune_attention(gm, timer, context: int, tiles, log=None) -> dict:
     bs, nw = space.parse_tile(tile)
     for n in nodes:
         args = list(n.args)
-        args[12], args[13], args[14] = chunk, bs, nw
+        args[ci], args[bi], args[wi] = chunk, bs, nw
         n.args = tuple(args)
-    if log:
-        log(f"decode: tuned attention at context {pos + 1}: chunk {chunk}, tile {tile} ({t / len(nodes):.2f} us/layer)")
-    return {"attn_chunk": chunk, "attn_tile": tile, "us_per_layer": round(t / len(nodes), 2)}
+    return {"attn_chunk": chunk, "attn_tile": tile, "us_per_layer": round(t / len(nodes), 2), "context": pos + 1}
