@@ -12,7 +12,7 @@
   overlap with the neighbouring kernels and the L2 state are the step's, which a group timed alone misses.
 
 What is picked lives in the graph (so in the artifact's source), never in a process-global table.
-``timer(fn) -> µs`` is ``tkcc.kernels.graph_timing.graph_time`` on a GPU; tests give a fake one.
+``timer(fn) -> µs`` is ``tkcc.kernels.graph_replay.replay_us`` on a GPU; tests give a fake one.
 """
 from __future__ import annotations
 
