@@ -454,7 +454,8 @@ def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=Tr
 # compiled model wraps it in), side by side with the FusedDecoder variants above: the graph-lowered step
 # (``lowered``: the lowered_decode pass, GEMV/MoE configs tuned and the attention layout tuned at the row's
 # context) and the FusedDecoder step as the decode_fused_step pass ships it (``tkcc_frontdoor``), both timed by
-# the same loop: the greedy loop's per-token work (argmax on the device, the decode forward, position + 1).
+# the same loop: the greedy loop's per-token work, through the forward's self-feeding step (``tkcc_greedy``: the
+# fused step's own, the CUDA-graph wrapper's ``GreedyStep`` for the lowered one) where it has one.
 FRONT_DOOR = {"lowered": lambda c: [{"name": "lowered_decode", "params": {"tune": True, "tune_context": _tune_at(c)}}],
               "tkcc_frontdoor": lambda c: [{"name": "decode_fused_step"}]}
 
@@ -518,10 +519,15 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
                     if not (err < VARIANT_TOL):
                         raise RuntimeError(f"first-step logits differ from the captured graph's (rel err {err:.3g})")
 
-                    def run(n, fwd=fwd):
+                    step = getattr(fwd, "tkcc_greedy", None)  # what the greedy loop drives: a self-feeding step
+
+                    def run(n, fwd=fwd, step=step):
                         with torch.no_grad():
                             tok, pos = start_tok, start_pos
-                            for _ in range(n):
+                            for i in range(n):
+                                if step is not None:
+                                    tok = step(tok, pos if i == 0 else None, position=c + i, continued=i > 0)[0][:, None]
+                                    continue
                                 logits = fwd(tok, pos)
                                 tok = logits[:, -1].argmax(-1)[:, None]
                                 pos = pos + 1
