@@ -149,6 +149,19 @@ def expert_sites(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return sites
 
 
+def expert_shapes(site: torch.fx.Node) -> tuple[int, int, int | None]:
+    """(experts, intermediate width, k) of the routed-experts region whose routing ids are ``site``, read off the
+    graph: the gathered weights' expert count, the contraction of its last expert matmul (the down projection's
+    input width, whatever the weights' layout) and the k of the nearest top-k (None when there is none)."""
+    gathers = [u for u in site.users if u.target is aten.index.Tensor and _is_weight(u.args[0])]
+    order = {n: i for i, n in enumerate(site.graph.nodes)}
+    bmms = sorted((b for g in gathers for b in g.users if b.target is aten.bmm.default), key=order.get)
+    experts = int(gathers[0].args[0].meta["val"].shape[0])
+    inter = int(bmms[-1].args[0].meta["val"].shape[-1])
+    topk = [n for n in _backward(site, 8) if n.target is aten.topk.default]
+    return experts, inter, (int(topk[0].args[1]) if topk else None)
+
+
 def _symbolic(node) -> bool:
     v = node.meta.get("val")
     return not isinstance(v, torch.Tensor) or any(not isinstance(d, int) for d in v.shape)
@@ -187,8 +200,7 @@ def _diagnosis(ids: torch.fx.Node) -> str:
         first, second = sorted(bmms, key=lambda b: list(ids.graph.nodes).index(b))
         acts = _slice_ops(second.args[1], lambda n: n is first)
         acts = [a for a in acts if a != "bmm"]
-    topk = [n for n in _backward(ids, 8) if n.target is aten.topk.default]
-    k = topk[0].args[1] if topk else "k"
+    k = expert_shapes(ids)[2] or "k"
     return (f"its ops are not a softmax top-{k} router with SiLU-gated experts, the one moe_block computes "
             f"(router: {', '.join(router) or 'none found'}; between the expert matmuls: {', '.join(acts) or '?'})")
 
