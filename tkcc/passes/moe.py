@@ -17,7 +17,9 @@ product, bmm and weighted sum) matched with the machinery of
 again at the region's own shapes and compared literal by literal). The
 weights are the graph's own ``get_attr`` nodes bound to the pattern's inputs,
 and whether the top-k weights are renormalised is which pattern matched, i.e.
-whether the graph divides them by their sum. A region starts at the block's
+whether the graph divides them by their sum (transformers' in-place ``/=``; an
+out-of-place ``w / w.sum()`` is another aten op, ``div`` for ``div_``, and does
+not match until the shared canonical form treats the two alike). A region starts at the block's
 flattened input, so a shared expert that reads the same input (Qwen2-MoE) and
 the sum with it stay in the graph, computed as captured.
 
