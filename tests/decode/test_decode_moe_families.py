@@ -53,7 +53,8 @@ def test_shared_expert_stays_and_the_block_computes_what_was_captured():
 
 
 def test_a_router_that_renormalises_without_saying_so_is_recognised():
-    """Mixtral's router always renormalises its top-k weights and has no norm_topk_prob: the check finds it."""
+    """Mixtral's router always renormalises its top-k weights and has no norm_topk_prob: the graph divides them by
+    their sum, so the renormalising pattern is the one that matches."""
     from tkcc.kernels import ops
 
     prog = _program("mixtral-tiny")
@@ -75,3 +76,18 @@ def test_a_router_the_op_does_not_compute_is_refused_with_its_reason():
     assert len(refused) == prog.num_blocks - prog.model.config.first_k_dense_replace
     with torch.no_grad():
         _same_as_captured(prog, new, seeds=(0,))
+
+
+def test_a_router_whose_weights_stay_fp32_is_refused_in_bf16():
+    """Mixtral's routing weights stay fp32 (softmax of the upcast logits, never rounded); moe_block rounds them to
+    the dtype, so in bf16 the op is not the captured arithmetic: every block is left as captured, with why."""
+    from tkcc.frontend import capture
+    from tkcc.frontend.models import build_model
+    from tkcc.kernels import ops
+
+    prog = capture(build_model("mixtral-tiny", dtype=torch.bfloat16, initializer_range=0.3), max_cache_len=16,
+                   phases=["decode"])
+    new, logs = apply_plan(prog, PassPlan.of(("moe_regroup", {"fused": False})), mode="tolerance")
+    assert ops.moe_block not in _targets(new.graphs["decode"]) and logs[0].replaced == 0
+    refused = [n for n in logs[0].notes if "left as is" in n and "routing weights stay fp32" in n]
+    assert len(refused) == prog.num_blocks
