@@ -149,7 +149,12 @@ class ServeWatch:
         self._ship({"plan": plan} if plan else {"baseline": True})
 
     def _ship(self, spec: dict) -> dict:
-        rec = self.server.swapper.ship(spec)
+        """Swap ``spec`` in; a swap that fails is recorded with its cause and the loop goes on (the server
+        serves on what it served)."""
+        try:
+            rec = self.server.swapper.ship(spec)
+        except TkccError as e:
+            rec = {"error": str(e), "spec": spec}
         self.shipped.append(rec)
         return rec
 
@@ -157,4 +162,6 @@ class ServeWatch:
         evs = [{"time": e.time, "kind": e.kind, **{k: v for k, v in e.detail.items() if k != "shifts"}}
                for e in self.events if e.kind != "quiet"]
         return {"state": self.state, "error": self.error, "events": evs[-20:],
-                "polls_quiet": sum(e.kind == "quiet" for e in self.events)}
+                "polls_quiet": sum(e.kind == "quiet" for e in self.events),
+                "swaps": sum("error" not in r for r in self.shipped),
+                "swap_errors": [r["error"] for r in self.shipped if "error" in r][-5:]}
