@@ -160,8 +160,10 @@ class ServeWatch:
 
     def status(self) -> dict:
         evs = [{"time": e.time, "kind": e.kind, **{k: v for k, v in e.detail.items() if k != "shifts"}}
-               for e in self.events if e.kind != "quiet"]
+               for e in self.events if e.kind not in ("quiet", "waiting")]
+        waiting = [e for e in self.events if e.kind == "waiting"]
         return {"state": self.state, "error": self.error, "events": evs[-20:],
-                "polls_quiet": sum(e.kind == "quiet" for e in self.events),
+                "polls_quiet": sum(e.kind == "quiet" for e in self.events), "polls_waiting": len(waiting),
+                "waiting": waiting[-1].detail if waiting else None,
                 "swaps": sum("error" not in r for r in self.shipped),
                 "swap_errors": [r["error"] for r in self.shipped if "error" in r][-5:]}
