@@ -345,6 +345,11 @@ def _wait_measuring(store: Path, proc, timeout_s: float) -> bool:
 
 
 DRIFT_TRACES = ("azure-conv", "servegen-m-mid-81")
+# where each phase starts in its trace: past Azure conv's first 100 requests (median input 391 tokens against
+# about 1000 after them: a reference taken there makes the watcher see a drift inside Azure conv) and past
+# ServeGen's first 5 (gaps of hours to a day: rescaled to the run's rate they left the phase after the switch
+# idle for a minute, then sent it in one burst; from the 6th on the gaps are regular)
+DRIFT_STARTS = (100, 5)
 
 
 def drift_requests(args, vocab):
@@ -353,9 +358,10 @@ def drift_requests(args, vocab):
     azure = load_trace(bundled_trace(DRIFT_TRACES[0]))
     servegen = load_trace(bundled_trace(DRIFT_TRACES[1]), max_requests=20000)
     n_a = int(round(args.drift_requests * args.drift_before_share))
-    ra, _ = requests_from(azure, n_a, 1.0, args.max_ctx, args.drift_max_output, vocab, seed=4, start=args.trace_start)
+    ra, _ = requests_from(azure, n_a, 1.0, args.max_ctx, args.drift_max_output, vocab, seed=4,
+                          start=args.trace_start + DRIFT_STARTS[0])
     rb, clipped_b = requests_from(servegen, args.drift_requests - n_a, 1.0, args.max_ctx, args.drift_max_output,
-                                  vocab, seed=5)
+                                  vocab, seed=5, start=DRIFT_STARTS[1])
     return ra, rb, clipped_b
 
 
