@@ -895,7 +895,7 @@ def main(argv=None):
     ap.add_argument("--watch-horizon", default="90s",
                     help="the watch loop's window: short enough that after the switch it is mostly the new "
                          "traffic, long enough to hold --watch-min-requests (default 90s)")
-    ap.add_argument("--watch-ready-s", type=float, default=240.0,
+    ap.add_argument("--watch-ready-s", type=float, default=120.0,
                     help="longest wait for the watch loop's engine before the drift traffic starts")
     ap.add_argument("--moe-counts", default="idle", choices=["all", "idle", "off"],
                     help="MoE counts in the drift run's server (default idle: counted between requests when none "
