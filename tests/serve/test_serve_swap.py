@@ -249,3 +249,27 @@ def test_a_forward_whose_decode_step_cannot_be_captured_on_the_gpu_is_refused():
     assert e.value.status == 400
     assert "could not be captured as a CUDA graph" in str(e.value) and "no CUDA tensor" in str(e.value)
     assert "warming up failed" in str(e.value)
+
+
+def test_a_ship_the_server_refuses_does_not_end_the_campaign(capsys):
+    """The engine shipped it; the server could not swap it in: recorded with its cause, and the campaign (and the
+    watch loop around it) goes on, the server serving what it served."""
+    from tkcc.serve.swap import ShippingEvaluator
+
+    class Engine:
+        shipped = []
+
+        def ship(self, key):
+            self.shipped.append(key)
+
+        def spec_of(self, key):
+            return {"plan": []}
+
+    def ship_to(spec):
+        raise SwapError("could not ship plan []: building failed: RuntimeError: boom; still serving old", 500, "old")
+    ev = ShippingEvaluator(Engine(), ship_to)
+    ev.ship("k1")
+    assert Engine.shipped == ["k1"]
+    assert ev.shipped == [{"error": "could not ship plan []: building failed: RuntimeError: boom; still serving old",
+                           "spec": {"plan": []}, "candidate": "k1"}]
+    assert "did not swap in k1" in capsys.readouterr().err
