@@ -460,7 +460,7 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
         t = time.perf_counter()
         res = asyncio.run(replay(srv.url, model_name, reqs, limit, on_done=on_done))
         wall = time.perf_counter() - t
-        _wait_event(busy, 600)  # a forced swap still building: its result belongs to the run
+        _wait_event(busy, 90)  # a forced swap still building: its result belongs to the run
         status = srv.admin.status()
         health = json.loads(__import__("urllib.request").request.urlopen(srv.url + "/health", timeout=30).read())
         before = summarize([r for r in res if r["index"] < n_a])
