@@ -15,10 +15,15 @@ Phases, per model:
 3. cost of measuring: the same steady load, idle and while `tkcc campaign` measures candidates on the
    same device (P90 TPOT both ways).
 4. drift run: Azure conv, then a long-context ServeGen client, on a server started with `--watch` (it
-   sees the drift in its own trace, re-optimises with an engine beside it and hot-swaps what ships); the
-   benchmark also ships alternately the baseline and the default plan every `--swap-every` requests
-   (`/admin/swap`) so the run holds several swaps whatever the campaigns decide. Failed = any request
-   without a 200 and its max_tokens (429s included).
+   sees the drift in its own trace, re-optimises with an engine beside it and hot-swaps what ships),
+   paced at `--drift-util` of the capacity measured for each trace's requests on the first server; the
+   benchmark also re-ships what serves every `--swap-every` completions (`/admin/swap`: a new build
+   swapped in while requests run) so the run holds several swaps whatever the campaigns decide. Failed =
+   any request without a 200 and its max_tokens (429s included). TPOT per stretch between swaps and
+   while the watcher's engine measures against idle say where a slow TPOT came from.
+
+TPOT is vLLM's ((E2E - TTFT) / (out - 1)); see ``summarize``. `--phases` runs a subset (the rest is kept
+from what --out holds for the model).
 
   PYTHONPATH=. python benchmarks/serve.py --model llama-1b-16l --out benchmarks/results/serve.json   # H200
   PYTHONPATH=. python benchmarks/serve.py --model olmoe-16l --out benchmarks/results/serve.json      # adds a run
@@ -46,6 +51,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +78,9 @@ def log(*a):
 # ---- the server, as a user starts it ------------------------------------------------------------
 
 class ServerProcess:
-    def __init__(self, model: str, device: str, workdir: Path, extra=(), start_timeout_s: float = 900):
+    def __init__(self, model: str, device: str, workdir: Path, extra=(), start_timeout_s: float = 900,
+                 label: str = "server"):
+        self.label = label
         self.dir = Path(tempfile.mkdtemp(prefix="serve-", dir=workdir))
         cmd = [sys.executable, "-m", "tkcc.cli", "serve", "--http", "127.0.0.1:0", "--model", model, "--device",
                device, "--json", "--trace-out", str(self.dir / "traffic"), *extra]
@@ -104,7 +112,18 @@ class ServerProcess:
                 out[key] = s.value
         return out
 
+    def stderr_tail(self, n: int = 6000) -> str:
+        """The end of the server's stderr (tracebacks of what failed in it)."""
+        if not self.err.closed:
+            self.err.flush()
+        return (self.dir / "server.stderr").read_text(errors="replace")[-n:]
+
     def stop(self) -> None:
+        self._stop()
+        if os.environ.get("OUT"):  # the whole stderr beside the results, for what the tail leaves out
+            shutil.copy(self.dir / "server.stderr", Path(os.environ["OUT"], f"serve_{self.label}.stderr"))
+
+    def _stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -146,7 +165,8 @@ def requests_from(trace, n: int, rate_factor: float, max_ctx: int, max_out: int 
 
 async def _one(session, url: str, model: str, prompt, max_tokens: int, res: dict):
     t0 = time.perf_counter()
-    res.update(sent=t0, tokens=[], ids=[], status=None, error=None, max_tokens=max_tokens, prompt=len(prompt))
+    res.update(sent=t0, tokens=[], ids=[], status=None, error=None, max_tokens=max_tokens, prompt=len(prompt),
+               wall0=time.time() - t0, forward=None)  # wall0 + a perf_counter time = that moment's time.time()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     try:
         async with session.post(url + "/v1/completions", json=body) as r:
@@ -166,6 +186,8 @@ async def _one(session, url: str, model: str, prompt, max_tokens: int, res: dict
                     res["error"] = obj["error"].get("message")
                     break
                 now = time.perf_counter()
+                if res["forward"] is None and obj.get("system_fingerprint"):
+                    res["forward"] = obj["system_fingerprint"].removeprefix("tkcc-")
                 for c in obj.get("choices", []):
                     res["tokens"] += [now] * len(c.get("token_ids") or [])
                     res["ids"] += list(c.get("token_ids") or [])
@@ -209,6 +231,11 @@ def _stats(xs) -> dict | None:
 
 
 def summarize(results) -> dict:
+    """vLLM's figures per request. TPOT = (last token - first token) / (out - 1), i.e. vLLM's
+    (E2E - TTFT) / (out - 1): it leaves out the request's queueing and its own prefill (both in TTFT). At batch 1
+    the server runs one request at a time from prefill to last token, so nothing else runs inside a TPOT: it is
+    the serving forward's decode step plus the HTTP relay (and whatever shares the GPU: a campaign's engine).
+    With --batch B it also holds the prefills of requests admitted meanwhile (no chunked prefill)."""
     ok = [r for r in results if r.get("status") == 200 and not r.get("error") and len(r["tokens"]) == r["max_tokens"]]
     ttft = [r["tokens"][0] - r["sent"] for r in ok]
     tpot = [(r["tokens"][-1] - r["tokens"][0]) / (len(r["tokens"]) - 1) for r in ok if len(r["tokens"]) > 1]
@@ -317,68 +344,246 @@ def _wait_measuring(store: Path, proc, timeout_s: float) -> bool:
     return False
 
 
-def drift_run(args, model_name, vocab, est) -> dict:
+DRIFT_TRACES = ("azure-conv", "servegen-m-mid-81")
+# where each phase starts in its trace: past Azure conv's first 100 requests (median input 391 tokens against
+# about 1000 after them: a reference taken there makes the watcher see a drift inside Azure conv) and past
+# ServeGen's first 5 (gaps of hours to a day: rescaled to the run's rate they left the phase after the switch
+# idle for a minute, then sent it in one burst; from the 6th on the gaps are regular)
+DRIFT_STARTS = (100, 5)
+
+
+def drift_requests(args, vocab):
+    """The drift run's two phases before pacing: Azure conv, then the long-context ServeGen client (each
+    request's arrival is set by ``pace``), and the share of ServeGen inputs clipped to the cache."""
+    azure = load_trace(bundled_trace(DRIFT_TRACES[0]))
+    servegen = load_trace(bundled_trace(DRIFT_TRACES[1]), max_requests=20000)
+    n_a = int(round(args.drift_requests * args.drift_before_share))
+    ra, _ = requests_from(azure, n_a, 1.0, args.max_ctx, args.drift_max_output, vocab, seed=4,
+                          start=args.trace_start + DRIFT_STARTS[0])
+    rb, clipped_b = requests_from(servegen, args.drift_requests - n_a, 1.0, args.max_ctx, args.drift_max_output,
+                                  vocab, seed=5, start=DRIFT_STARTS[1])
+    return ra, rb, clipped_b
+
+
+def measure_service(srv, model, args, vocab, n: int) -> dict:
+    """Seconds one drift request of each trace takes alone (mean E2E of ``n`` sent one after another, after one
+    warm-up each), on a server without --watch: what the drift run's arrival rates are set from."""
+    ra, rb, _ = drift_requests(args, vocab)
+    out = {}
+    for name, reqs in zip(DRIFT_TRACES, (ra, rb)):
+        picks = [reqs[int(k)] for k in np.linspace(0, len(reqs) - 1, n + 1)]  # across the phase's lengths
+        runs = []
+        for k, (_a, prompt, m) in enumerate(picks):
+            r = asyncio.run(replay(srv.url, model, [(0.0, prompt, m)], 600))
+            if k:  # the first is a warm-up (new prefill shapes)
+                runs += r
+        s = summarize(runs)
+        out[name] = s["e2e_ms"]["mean"] / 1e3 if s["e2e_ms"] else None
+    return out
+
+
+def pace(ra, rb, service: dict, args, limit_s: float) -> tuple[list, dict]:
+    """Arrival times: each phase at ``drift_util`` of the server's measured capacity for that trace (its
+    requests' own gaps rescaled to that mean rate), raised uniformly if the whole run would not fit in
+    ``limit_s`` at that load (up to 0.85; past that, the requests after ``limit_s`` are not sent)."""
+    s_a, s_b = service[DRIFT_TRACES[0]], service[DRIFT_TRACES[1]]
+    busy = len(ra) * s_a + len(rb) * s_b  # seconds of service the run asks for
+    room = max(1.0, limit_s - 5.0)
+    util = min(0.85, max(args.drift_util, busy / room))
+    if busy / util > room:  # too many even at 0.85: fewer of each, so the switch and the phase after still come
+        keep = room * util / busy
+        ra, rb = ra[:max(1, int(len(ra) * keep))], rb[:max(1, int(len(rb) * keep))]
+
+    def spaced(reqs, rate):  # the trace's own gaps, scaled so that n requests span (n - 1) / rate
+        n = len(reqs)
+        gaps = np.diff([a for a, _, _ in reqs])
+        gaps = gaps * ((n - 1) / gaps.sum()) / rate if n > 1 and gaps.sum() > 0 else np.full(n - 1, 1.0 / rate)
+        t = np.concatenate([[0.0], np.cumsum(gaps)])
+        return [(float(x), p, m) for x, (_, p, m) in zip(t, reqs)]
+
+    a = spaced(ra, util / s_a)
+    b = spaced(rb, util / s_b)
+    start_b = (a[-1][0] + s_a / util) if a else 0.0
+    reqs = a + [(start_b + x, p, m) for x, p, m in b]
+    return reqs, {"utilisation": util, "service_s": service, "requests": [len(ra), len(rb)], "rate_per_s": {DRIFT_TRACES[0]: util / s_a,
+                                                                             DRIFT_TRACES[1]: util / s_b},
+                  "switch_at_s": start_b, "planned_span_s": reqs[-1][0] if reqs else 0.0}
+
+
+def drift_run(args, model_name, vocab, service: dict) -> dict:
+    """Azure conv, then ServeGen, on a server started with --watch; every ``swap_every`` completions the
+    benchmark also re-ships what serves (``/admin/swap``: a new build on the other Program, swapped in while
+    requests run), so the run holds several swaps whatever the campaigns decide and what the watcher shipped
+    keeps serving."""
     extra = list(args.server_args) + ["--moe-counts", args.moe_counts]
     if args.watch:
-        extra += ["--watch", "--watch-budget", f"{args.watch_budget_s:.0f}s", "--watch-poll", "2",
-                  "--watch-min-requests", str(args.watch_min_requests), "--watch-horizon", "10m"]
-    srv = ServerProcess(args.model, args.device, args.workdir, extra)
+        extra += ["--watch", "--watch-budget", f"{args.watch_budget_s:.0f}s", "--watch-poll", f"{args.watch_poll_s:g}",
+                  "--watch-min-requests", str(args.watch_min_requests), "--watch-horizon", args.watch_horizon]
+    ra, rb, clipped_b = drift_requests(args, vocab)
+    srv = ServerProcess(args.model, args.device, args.workdir, extra, label=f"{args.model}_drift")
     try:
-        azure = load_trace(bundled_trace("azure-conv"))
-        servegen = load_trace(bundled_trace("servegen-m-mid-81"), max_requests=20000)
-        half = args.drift_requests // 2
-        ra, _ = requests_from(azure, half, 1.0, args.max_ctx, args.drift_max_output, vocab, seed=4,
-                              rate=args.drift_util / est(azure, args.drift_max_output), start=args.trace_start)
-        rb, clipped_b = requests_from(servegen, args.drift_requests - half, 1.0, args.max_ctx, args.drift_max_output,
-                                      vocab, seed=5, rate=args.drift_util / est(servegen, args.drift_max_output))
-        span_a = ra[-1][0] + 1.0
-        reqs = ra + [(span_a + a, p, n) for a, p, n in rb]
+        engine_s = _wait_watching(srv, args.watch_ready_s) if args.watch else None
+        left = args.budget_s - (time.time() - T0) - 30.0  # the drain and the shutdown after the last arrival
+        limit = max(30.0, min(args.drift_limit_s, left))
+        reqs, plan = pace(ra, rb, service, args, limit)
+        plan.update(limit_s=limit, watch_engine_ready_s=engine_s)
+        n_a, n_b = plan["requests"]
+        if n_a + n_b < len(ra) + len(rb):
+            log(f"  drift: {len(ra)} + {len(rb)} requests do not fit in {limit:.0f} s at 0.85 of capacity")
+        log(f"  drift: {n_a} + {n_b} requests at {plan['utilisation']:.2f} of capacity "
+            f"({plan['rate_per_s'][DRIFT_TRACES[0]]:.2f} then {plan['rate_per_s'][DRIFT_TRACES[1]]:.2f} req/s), "
+            f"switch at {plan['switch_at_s']:.0f} s, last arrival {plan['planned_span_s']:.0f} s (sent until "
+            f"{limit:.0f} s)" + (f"; the watcher's engine was ready after {engine_s:.0f} s" if engine_s else ""))
         done = {"n": 0}
         lock = threading.Lock()
-        plans = [{"baseline": True}, {"plan": _default_plan_json()}]
-        forced = []
+        forced, busy = [], threading.Event()
+
+        def reship():
+            try:
+                ships = [r for r in srv.admin.status().get("ships", []) if "spec" in r]
+                spec = ships[-1]["spec"] if ships else {"plan": _default_plan_json()}
+                forced.append(_safe_ship(srv, spec))
+            finally:
+                busy.clear()
 
         def on_done(_r):
             with lock:
                 done["n"] += 1
                 k = done["n"]
             if args.swap_every and k % args.swap_every == 0:
-                spec = plans[len(forced) % 2]
-                threading.Thread(target=lambda: forced.append(_safe_ship(srv, spec)), daemon=True).start()
+                if busy.is_set():
+                    forced.append({"skipped": "the previous forced swap was still building", "at": k})
+                    return
+                busy.set()
+                threading.Thread(target=reship, daemon=True).start()
 
         t = time.perf_counter()
-        res = asyncio.run(replay(srv.url, model_name, reqs, args.drift_limit_s, on_done=on_done))
+        res = asyncio.run(replay(srv.url, model_name, reqs, limit, on_done=on_done))
         wall = time.perf_counter() - t
-        time.sleep(1.0)
+        _wait_event(busy, 90)  # a forced swap still building: its result belongs to the run
         status = srv.admin.status()
         health = json.loads(__import__("urllib.request").request.urlopen(srv.url + "/health", timeout=30).read())
-        before = summarize([r for r in res if r["index"] < half])
-        after = summarize([r for r in res if r["index"] >= half])
+        before = summarize([r for r in res if r["index"] < n_a])
+        after = summarize([r for r in res if r["index"] >= n_a])
+        watch_swaps = (status.get("watch") or {}).get("swaps")
         allr = summarize(res)
-        ships_by_watch = [s for s in status.get("ships", []) if s not in forced]
-        return {"requests": allr["requests"], "failed": allr["failed"], "swaps": health["swaps"],
-                "swaps_forced": sum(1 for f in forced if "current" in f), "swap_errors": [f for f in forced
-                                                                                      if "error" in f][:3],
-                "swaps_by_watch": max(0, health["swaps"] - sum(1 for f in forced if "current" in f)),
-                "p90_tpot_ms_before": before["tpot_ms"]["p90"] if before["tpot_ms"] else None,
-                "p90_tpot_ms_after": after["tpot_ms"]["p90"] if after["tpot_ms"] else None,
-                "phase_before": {"trace": "azure-conv", **before}, "phase_after": {"trace": "servegen-m-mid-81",
-                                                                                  "clipped_inputs": clipped_b, **after},
-                "max_output_tokens": args.drift_max_output, "utilisation_target": args.drift_util,
-                "wall_s": wall, "watch": bool(args.watch), "ships": status.get("ships", [])[-10:],
-                "ships_by_watch_detail": ships_by_watch[-5:], "server_metrics": (m := _pick(srv.metrics())),
-                "moe_counts": args.moe_counts, "moe_counted_requests": m.get("tkcc_moe_count_seconds_count"),
-                "moe_count_s_per_request": (m["tkcc_moe_count_seconds_sum"] / m["tkcc_moe_count_seconds_count"])
-                if m.get("tkcc_moe_count_seconds_count") else None}
+        done_ok = [f for f in forced if "current" in f]
+        ships = status.get("ships", [])
+        watch = status.get("watch") or {}
+        windows = measuring_windows(watch.get("events") or [], time.time())
+        origin = min((r["wall0"] + r["sent"] for r in res), default=time.time())  # the first send (time.time())
+        m = _pick(srv.metrics())
+        out = {"requests": allr["requests"], "requests_planned": len(reqs), "failed": allr["failed"],
+               "swaps": health["swaps"], "swaps_forced": len(done_ok),
+               "swaps_by_watch": watch_swaps if watch_swaps is not None else max(0, health["swaps"] - len(done_ok)),
+               "swap_failures": status.get("swap_failures", [])[-5:],  # the server's: stage and cause
+               "forced_swap_errors": [f for f in forced if "error" in f][:3],  # as the client saw them
+               "swaps_skipped": sum(1 for f in forced if "skipped" in f),
+               "paused_s_total": round(sum(r.get("paused_s") or 0.0 for r in ships), 3),
+               "p90_tpot_ms_before": before["tpot_ms"]["p90"] if before["tpot_ms"] else None,
+               "p90_tpot_ms_after": after["tpot_ms"]["p90"] if after["tpot_ms"] else None,
+               "tpot_ms_by_serving_window": by_serving_window(res, ships),
+               "tpot_ms_while_watch_measures": by_measuring(res, windows),
+               "phase_before": {"trace": DRIFT_TRACES[0], **before},
+               "phase_after": {"trace": DRIFT_TRACES[1], "clipped_inputs": clipped_b, **after},
+               "pacing": plan, "max_output_tokens": args.drift_max_output, "wall_s": wall,
+               "watch": bool(args.watch), "watch_settings": {"budget_s": args.watch_budget_s,
+                                                             "min_requests": args.watch_min_requests,
+                                                             "poll_s": args.watch_poll_s,
+                                                             "horizon": args.watch_horizon} if args.watch else None,
+               "watch_state": {k: watch.get(k) for k in ("state", "error", "swaps", "swap_errors", "polls_quiet")},
+               "watch_events": [{k: v for k, v in e.items() if k in ("time", "kind", "field", "magnitude",
+                                                                     "requests", "reverted", "shipped", "stopped",
+                                                                     "evaluated", "reason")}
+                                for e in watch.get("events") or [] if e.get("kind") != "waiting"][-12:],
+               "measuring_windows_s": [[round(a - origin, 1), round(b - origin, 1)] for a, b in windows],
+               "ships": ships[-12:], "decode_graph": status.get("decode_graph"), "server_metrics": m,
+               "moe_counts": args.moe_counts, "moe_counted_requests": m.get("tkcc_moe_count_seconds_count"),
+               "moe_count_s_per_request": (m["tkcc_moe_count_seconds_sum"] / m["tkcc_moe_count_seconds_count"])
+               if m.get("tkcc_moe_count_seconds_count") else None}
+        if out["failed"] or out["swap_failures"] or out["forced_swap_errors"] or watch.get("error"):
+            out["server_stderr_tail"] = srv.stderr_tail()
+        return out
     finally:
         srv.stop()
+
+
+def _wait_watching(srv, timeout_s: float) -> float | None:
+    """Seconds until the server's watch loop has its engine up (it starts beside the server); None if not in
+    ``timeout_s`` (the run goes on: the engine's start-up then shares the device with the first requests)."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < timeout_s:
+        w = srv.admin.status().get("watch") or {}
+        if w.get("state") not in (None, "starting the engine"):
+            return time.perf_counter() - t
+        time.sleep(1.0)
+    return None
+
+
+def _wait_event(ev: threading.Event, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ev.is_set() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _safe_ship(srv, spec):
     try:
         return srv.admin.ship(spec)
     except Exception as e:  # noqa: BLE001 - a failed swap is a result to report
-        return {"error": str(e)[:300], "spec": spec}
+        return {"error": str(e)[:600], "spec": spec}
+
+
+def _tpot_s(r) -> float | None:
+    ok = r.get("status") == 200 and not r.get("error") and len(r["tokens"]) == r["max_tokens"]
+    return (r["tokens"][-1] - r["tokens"][0]) / (len(r["tokens"]) - 1) if ok and len(r["tokens"]) > 1 else None
+
+
+def by_serving_window(res, ships) -> list[dict]:
+    """TPOT of the requests whose first token came in each stretch between two swaps (a rebuild of the same
+    plan is its own stretch: the tag alone cannot tell them apart), with the forward the responses named."""
+    edges = sorted(r["time"] for r in ships if "time" in r)
+    groups: dict[int, list] = {}
+    tags: dict[int, set] = {}
+    for r in res:
+        t = _tpot_s(r)
+        if t is None:
+            continue
+        first = r["wall0"] + r["tokens"][0]
+        k = int(np.searchsorted(edges, first))
+        groups.setdefault(k, []).append(t)
+        tags.setdefault(k, set()).add(r.get("forward"))
+    out = []
+    for k in sorted(groups):
+        out.append({"after_swap": k, "forward": sorted(str(x) for x in tags[k]), "since": edges[k - 1] if k else None,
+                    **_stats(groups[k])})
+    return out
+
+
+def measuring_windows(events, now: float) -> list[tuple[float, float]]:
+    """When the server's watch loop had its engine measure (time.time() spans): from a reference or a drift to
+    the end of the campaign that follows it (the re-check of a drift included)."""
+    spans, start = [], None
+    for e in events:
+        if e.get("kind") in ("reference", "drift") and start is None:
+            start = e["time"]
+        elif e.get("kind") == "campaign" and start is not None:
+            spans.append((start, e["time"]))
+            start = None
+    if start is not None:
+        spans.append((start, now))
+    return spans
+
+
+def by_measuring(res, windows) -> dict:
+    """TPOT of requests that decoded while the watch loop's engine measured on the same device, and of the rest."""
+    busy, idle = [], []
+    for r in res:
+        t = _tpot_s(r)
+        if t is None:
+            continue
+        a, b = r["wall0"] + r["tokens"][0], r["wall0"] + r["tokens"][-1]
+        (busy if any(a < w1 and b > w0 for w0, w1 in windows) else idle).append(t)
+    return {"while_measuring": _stats(busy), "idle": _stats(idle)}
 
 
 def _default_plan_json():
@@ -545,13 +750,18 @@ def run_model(args) -> dict:
     cfg = make_config(args.model)
     vocab = int(cfg.vocab_size)
     args.max_ctx = int(args.max_cache_len or min(cfg.max_position_embeddings, 4096))
-    out = {"model": args.model, "device": args.device, "started": datetime.datetime.now().isoformat()}
+    out = {"model": args.model, "device": args.device, "started": datetime.datetime.now().isoformat(),
+           "phases": sorted(args.phases)}
     log(f"{args.model}: starting the server")
-    srv = ServerProcess(args.model, args.device, args.workdir, list(args.server_args) + ["--moe-counts", "off"])
+    srv = ServerProcess(args.model, args.device, args.workdir, list(args.server_args) + ["--moe-counts", "off"],
+                        label=args.model)
+    service = None
     try:
         out["startup_s"] = srv.ready["startup_s"]
         out["forward"] = srv.ready["forward"]
-        log(f"  ready in {srv.ready['startup_s']} s; single stream")
+        out["decode_graph"] = srv.ready.get("decode_graph")
+        log(f"  ready in {srv.ready['startup_s']} s (decode step: {_graph_text(srv.ready.get('decode_graph'))}); "
+            "single stream")
         ss = single_stream(srv, args.model, vocab, args.ss_context, args.ss_tokens, args.ss_requests)
         out["single_stream"] = ss
         out["single_stream_tpot_ms"] = ss["tpot_ms"]["median"] if ss["tpot_ms"] else None
@@ -567,27 +777,52 @@ def run_model(args) -> dict:
             return float(i * prefill_s + o * tpot_s)
 
         azure = load_trace(bundled_trace("azure-conv"))
-        log("  load ladder (Azure conv)")
-        out["load"], best = load_ladder(srv, args.model, vocab, azure, args, est(azure, args.load_max_output))
-        out["max_rate_factor_p90_ttft_under_1s"] = best
-        out["load_max_output_tokens"] = args.load_max_output
-        if args.campaign_budget_s > 0 and time.time() - T0 < args.budget_s * 0.6:
+        if "load" in args.phases:
+            log("  load ladder (Azure conv)")
+            out["load"], best = load_ladder(srv, args.model, vocab, azure, args, est(azure, args.load_max_output))
+            out["max_rate_factor_p90_ttft_under_1s"] = best
+            out["load_max_output_tokens"] = args.load_max_output
+        else:
+            best = None
+        if "cost" in args.phases and args.campaign_budget_s > 0 and time.time() - T0 < args.budget_s * 0.6:
             log("  serving while a campaign measures beside it")
             out["campaign_cost"] = campaign_cost(srv, args.model, vocab, azure, args,
                                                  0.5 * (best or 1.0 / (len(azure) / azure.duration_s()
                                                                        * est(azure, args.load_max_output))))
-        else:
-            out["campaign_cost"] = {"skipped": "time budget"}
+        elif "cost" in args.phases:
+            out["campaign_cost"] = {"skipped": "--campaign-budget-s 0 (the drift run reports TPOT while its "
+                                               "watcher measures)" if args.campaign_budget_s <= 0 else "time budget"}
+        if "drift" in args.phases:
+            service = measure_service(srv, args.model, args, vocab, args.service_requests)
+            log("  drift requests alone: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in service.items()))
     finally:
         srv.stop()
-    log("  drift run")
-    out["drift_run"] = drift_run(args, args.model, vocab, est)
-    d = out["drift_run"]
-    log(f"  drift: {d['requests']} requests, {d['failed']} failed, {d['swaps']} swaps, P90 TPOT "
-        f"{d['p90_tpot_ms_before']} -> {d['p90_tpot_ms_after']} ms")
+    if "drift" in args.phases:
+        log("  drift run")
+        out["drift_run"] = drift_run(args, args.model, vocab, service)
+        d = out["drift_run"]
+        log(f"  drift: {d['requests']} requests, {d['failed']} failed, {d['swaps']} swaps ({d['swaps_by_watch']} by "
+            f"the watcher, {d['paused_s_total']:.1f} s paused building), P90 TPOT {_ms(d['p90_tpot_ms_before'])} -> "
+            f"{_ms(d['p90_tpot_ms_after'])} ms; while the watcher measured "
+            f"{_ms(_p90(d['tpot_ms_while_watch_measures']['while_measuring']))} ms, idle "
+            f"{_ms(_p90(d['tpot_ms_while_watch_measures']['idle']))} ms")
     out["measured_on"] = environment(args)
     out["wall_s"] = round(time.time() - T0, 1)
     return out
+
+
+def _p90(stats):
+    return stats["p90"] if stats else None
+
+
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _graph_text(g) -> str:
+    if g is None:
+        return "no graph cache (CPU, or a step that replays its own graph)"
+    return "replayed from a CUDA graph" if g.get("replayed") else f"EAGER ({'; '.join(g.get('refused') or [])})"
 
 
 def environment(args) -> dict:
@@ -637,14 +872,31 @@ def main(argv=None):
     ap.add_argument("--campaign-budget-s", type=float, default=60.0)
     ap.add_argument("--campaign-warm-s", type=float, default=240.0,
                     help="longest wait for the campaign's engine to start measuring")
+    ap.add_argument("--phases", default="single,load,cost,drift",
+                    help="comma-separated phases to run (single always runs: the drift run's pacing is measured on "
+                         "its server); a phase left out keeps what --out holds for this model")
     ap.add_argument("--drift-requests", type=int, default=1000)
+    ap.add_argument("--drift-before-share", type=float, default=0.6,
+                    help="share of the drift run's requests from Azure conv (the rest: ServeGen); default 0.6")
     ap.add_argument("--drift-max-output", type=int, default=16)
-    ap.add_argument("--drift-util", type=float, default=0.6, help="offered load as a share of the estimated capacity")
-    ap.add_argument("--drift-limit-s", type=float, default=240.0)
-    ap.add_argument("--swap-every", type=int, default=200)
+    ap.add_argument("--drift-util", type=float, default=0.5,
+                    help="offered load as a share of the capacity measured for each trace's requests (raised to "
+                         "fit --drift-limit-s, at most 0.85)")
+    ap.add_argument("--drift-limit-s", type=float, default=300.0,
+                    help="arrival span of the drift run (shrunk to what --budget-s leaves)")
+    ap.add_argument("--service-requests", type=int, default=6,
+                    help="requests of each drift trace timed alone to pace the drift run (default 6)")
+    ap.add_argument("--swap-every", type=int, default=200,
+                    help="completions between the benchmark's own swaps (re-ships of what serves)")
     ap.add_argument("--watch", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--watch-budget-s", type=float, default=40.0)
-    ap.add_argument("--watch-min-requests", type=int, default=150)
+    ap.add_argument("--watch-min-requests", type=int, default=120)
+    ap.add_argument("--watch-poll-s", type=float, default=2.0)
+    ap.add_argument("--watch-horizon", default="90s",
+                    help="the watch loop's window: short enough that after the switch it is mostly the new "
+                         "traffic, long enough to hold --watch-min-requests (default 90s)")
+    ap.add_argument("--watch-ready-s", type=float, default=120.0,
+                    help="longest wait for the watch loop's engine before the drift traffic starts")
     ap.add_argument("--moe-counts", default="idle", choices=["all", "idle", "off"],
                     help="MoE counts in the drift run's server (default idle: counted between requests when none "
                          "waits; the cost per counted request is drift_run.moe_count_s_per_request)")
@@ -669,11 +921,15 @@ def main(argv=None):
         small = dict(model="llama-tiny", max_cache_len=256, ss_context=32, ss_tokens=32, ss_requests=3, load_requests=20,
                      load_max_output=24, ladder_steps=3, run_limit_s=10.0, campaign_budget_s=0.0, cost_requests=20,
                      campaign_warm_s=120.0, drift_requests=120, drift_max_output=8, drift_limit_s=30.0, swap_every=40,
-                     watch=False, watch_budget_s=20.0, watch_min_requests=40,
+                     watch=False, watch_budget_s=20.0, watch_min_requests=40, service_requests=2,
                      out=str(ROOT / "benchmarks/results/serve_cpu_smoke.json"))
         for k, v in small.items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
+    a.phases = {x.strip() for x in str(a.phases).split(",") if x.strip()} | {"single"}
+    unknown = a.phases - {"single", "load", "cost", "drift"}
+    if unknown:
+        ap.error(f"--phases: unknown {sorted(unknown)}; the phases are single, load, cost, drift")
     a.engine_model = a.model
     a.server_args = ["--max-queue", "256"] + (["--max-cache-len", str(a.max_cache_len)] if a.max_cache_len else [])
     a.workdir = Path(tempfile.mkdtemp(prefix="tkcc-bench-serve-"))
@@ -682,11 +938,19 @@ def main(argv=None):
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if path.exists() else {}
+    prev = next((r for r in old.get("runs", []) if r.get("model") == a.model), None)
+    if prev is not None:  # the phases not run this time keep what the earlier run measured
+        kept = {k: v for k, v in prev.items() if k not in run and k in PHASE_KEYS}
+        if kept:
+            run = {**run, **kept, "kept_from_earlier_run": sorted(kept)}
     runs = [r for r in old.get("runs", []) if r.get("model") != a.model] + [run]
     path.write_text(json.dumps({"runs": runs}, indent=1, default=str))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], path.name).write_text(path.read_text())
     log(f"wrote {path} ({run['wall_s']} s)")
+
+
+PHASE_KEYS = {"load", "max_rate_factor_p90_ttft_under_1s", "load_max_output_tokens", "campaign_cost", "drift_run"}
 
 
 def main_batching(a, ap):

@@ -17,6 +17,8 @@ import openai
 import pytest
 import torch
 
+from tkcc.errors import TkccError
+
 MODEL = "olmoe-tiny"
 
 
@@ -214,6 +216,36 @@ def test_admin_swap_builds_ships_and_refuses(served):
         assert bad.status_code == 400 and "artifact" in bad.json()["error"]["message"]
     finally:
         served.server.swap(served.compiled, served.tag)
+
+
+def test_a_failed_swap_answers_with_its_cause_and_the_server_serves_on(served, monkeypatch):
+    """A build that raises something other than a TkccError (on the H200: a CUDA error) was a bare
+    'HTTP 500: Internal Server Error'; now the answer is OpenAI's error format naming the stage, the cause
+    and the forward still serving, and the next request is served as before."""
+    from tkcc.serve.swap import AdminClient
+
+    builder = served.server.swapper.builder
+
+    def broken(spec, program):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    monkeypatch.setattr(builder, "build", broken)
+    token = {"Authorization": f"Bearer {served.server.admin_token}"}
+    ids = served.server.tokenizer.encode("still here")
+    want = reference(served, ids, 8)
+    r = post(served, "/admin/swap", {"baseline": True}, headers=token)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "swap_failed"
+    assert "building failed: RuntimeError: CUDA error: operation not permitted" in err["message"]
+    assert f"still serving {served.tag}" in err["message"]
+    with pytest.raises(TkccError, match=r"HTTP 500: could not ship the baseline .*RuntimeError"):
+        AdminClient(served.url, token=served.server.admin_token).ship({"baseline": True})
+    status = httpx.get(served.url + "/admin/status", headers=token, timeout=60).json()
+    assert status["forward"] == served.tag and status["swap_failures"][-1]["stage"] == "building"
+    assert client(served).completions.create(model=MODEL, prompt=ids, max_tokens=8).choices[0].token_ids == want
+    bad = post(served, "/admin/swap", {"plan": [{"params": {}}]}, headers=token)  # refused before any pause
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "swap_failed"
+    assert "plan step 1" in bad.json()["error"]["message"]
 
 
 def test_trace_is_followed_and_read_back_by_the_loaders(served):

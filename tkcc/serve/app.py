@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import json
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +34,7 @@ from tkcc.errors import TkccError
 from tkcc.serve.protocol import ChatRequest, CompletionRequest, RequestError, error_body, parse
 from tkcc.serve.scheduler import Done, Failed, Job, QueueFull, Token
 from tkcc.serve.stops import TextStop
+from tkcc.serve.swap import SwapError
 from tkcc.serve.tokenizer import chat_ids
 
 
@@ -233,8 +235,15 @@ def build_app(server) -> Starlette:
             res = await asyncio.to_thread(fn, *args)
         except RequestError as e:
             return JSONResponse(e.body(), status_code=e.status)
+        except SwapError as e:  # names the stage, the cause and the forward still serving
+            return _error(e.status, str(e), "server_error" if e.status >= 500 else "invalid_request_error",
+                          code="swap_failed")
         except TkccError as e:
             return _error(400, str(e))
+        except Exception as e:  # noqa: BLE001 - never a bare 500: the client is told what failed
+            traceback.print_exc()
+            return _error(500, f"{request.url.path} failed: {type(e).__name__}: {e}", "server_error",
+                          code="internal_error")
         return JSONResponse(res)
 
     return Starlette(routes=[

@@ -101,6 +101,7 @@ def _serve_forever(args, server, info, sock, t0) -> None:
              "device": info["device"], "dtype": info["dtype"], "trace": str(server.recorder.path)
              if server.recorder else None, "admin_token_file": info["admin_token_file"],
              "api_key": bool(server.api_key), "watch": bool(args.watch), "moe_counts": server.scheduler.moe_counts,
+             "decode_graph": info.get("decode_graph"),
              "startup_s": round(time.perf_counter() - t0, 2), "pid": os.getpid()}
     if args.json:
         print(json.dumps(ready), flush=True)
@@ -153,4 +154,6 @@ def _build_server(args):
     os.makedirs(os.path.dirname(os.path.abspath(token_file)), exist_ok=True)
     write_secret(token_file, server.admin_token)
     server.start()
-    return server, {"device": device, "dtype": dtype_name, "admin_token_file": os.path.abspath(token_file)}
+    graph = server.warm_up()  # before the first request: compiles, the decode step's CUDA graph (as a swap does)
+    return server, {"device": device, "dtype": dtype_name, "admin_token_file": os.path.abspath(token_file),
+                    "decode_graph": graph}

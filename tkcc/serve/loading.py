@@ -84,14 +84,30 @@ class ForwardBuilder:
             return compiled, _artifact_tag(compiled, artifact)
         return self._compile(plan, self.capture(), check=check)
 
-    def build(self, spec: dict, program):
-        """A candidate as the engine names it -> (CompiledModel, tag). Plans are compiled and golden-checked."""
+    def check(self, spec) -> None:
+        """A candidate's spec, checked before any work: a bad one is refused at once (it pauses nothing)."""
+        if not isinstance(spec, dict):
+            raise TkccError(f"a candidate to ship is a JSON object, got {type(spec).__name__}")
         unknown = set(spec) - {"plan", "baseline", "artifact", "pass_modules"}
         if unknown or not ({"plan", "baseline", "artifact"} & set(spec)):
             raise TkccError(f"cannot ship {json_keys(spec)}: a candidate is {{\"plan\": [...]}}, "
                             "{\"baseline\": true} or {\"artifact\": DIR}"
                             + (" (agent source candidates are served once saved as artifacts)"
                                if "source" in spec else ""))
+        if "artifact" in spec:
+            if not os.path.isdir(str(spec["artifact"])):
+                raise TkccError(f"cannot ship artifact {spec['artifact']}: no such directory")
+        elif not spec.get("baseline"):
+            from tkcc.passes.plan import PassPlan
+
+            PassPlan.from_json(spec["plan"])  # a PlanError (a TkccError) names the bad step
+        pms = spec.get("pass_modules") or []
+        if not isinstance(pms, list) or not all(isinstance(pm, str) for pm in pms):
+            raise TkccError(f"cannot ship: pass_modules must be a list of module names, got {pms!r}")
+
+    def build(self, spec: dict, program):
+        """A candidate as the engine names it -> (CompiledModel, tag). Plans are compiled and golden-checked."""
+        self.check(spec)
         if "artifact" in spec:
             compiled = load_artifact(str(spec["artifact"]), self.model, self.batch)
             return compiled, _artifact_tag(compiled, spec["artifact"])

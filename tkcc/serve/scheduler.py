@@ -3,7 +3,17 @@
 Why one thread: a Program's static KV cache holds one sequence per row, and
 running every step (and every swap, warm-up and MoE count) on one thread
 means two requests can never interleave on one cache row, whichever forwards
-share it. Requests beyond the streams being served wait in a FIFO queue of
+share it. It is also the only thread of the server process that uses the
+device: a swap's build (``tkcc.compile`` with its golden check, or
+``tkcc.load``), its CUDA-graph captures and its warm-up run here as a control
+too, because a capture and its probe change process-wide state (the
+sync-debug mode, the allocator's capture pools, the one capture stream) under
+any other thread that launches work. On the H200 a swap captured beside the
+serving thread failed a request ("operation not permitted when stream is
+capturing") and left the new forward decoding eagerly. The cost: serving
+pauses while a swap builds (``Swapper`` records it as ``paused_s``).
+
+Requests beyond the streams being served wait in a FIFO queue of
 ``max_queue``; past that, ``submit`` raises ``QueueFull`` with a Retry-After
 estimate (the HTTP side answers 429).
 
@@ -200,20 +210,42 @@ class Scheduler:
 
     def swap(self, compiled, tag: str, warm: bool = False) -> concurrent.futures.Future:
         """Serve ``compiled`` from the next request on; the future resolves with (previous tag, new tag)."""
-        if slots_of(compiled) != self.slots:
-            raise TkccError(f"cannot swap in a forward for {slots_of(compiled)} concurrent sequence(s): this server "
-                            f"serves {self.slots} (compile it with the same batch)")
+        self._check_slots(compiled)
 
         def apply():
             if warm:
                 warm_up(compiled)
-            prev, self.current = self.current, Served(compiled, tag)
-            self.swaps += 1
-            if self.metrics is not None:
-                self.metrics.on_swap(tag)
-            return prev.tag, tag
+            return self.swap_here(compiled, tag)
         # warming up (or serving with slots) on a Program whose cache rows live requests hold would clobber them
         return self.call(apply, quiet=compiled.program)
+
+    def swap_here(self, compiled, tag: str) -> tuple[str, str]:
+        """``swap`` from inside a control (on the scheduler thread): serve ``compiled`` from the next request on.
+
+        The forward replaced is not freed here while a request still runs on it: each request holds the one
+        it started with (``Job.served``, and with slots its ``SlotBatch``) until its last token, and lets go of
+        it on this thread, so its graphs and memory go when its last request is done, between two steps."""
+        self.check_thread("a swap")
+        self._check_slots(compiled)
+        prev, self.current = self.current, Served(compiled, tag)
+        self.swaps += 1
+        if self.metrics is not None:
+            self.metrics.on_swap(tag)
+        return prev.tag, tag
+
+    def _check_slots(self, compiled) -> None:
+        if slots_of(compiled) != self.slots:
+            raise TkccError(f"cannot swap in a forward for {slots_of(compiled)} concurrent sequence(s): this server "
+                            f"serves {self.slots} (compile it with the same batch)")
+
+    def on_thread(self) -> bool:
+        """True on the scheduler thread (where every model step, build, capture and warm-up runs)."""
+        return threading.current_thread() is self._thread
+
+    def check_thread(self, what: str) -> None:
+        if self._thread.is_alive() and not self.on_thread():
+            raise TkccError(f"{what} runs on the scheduler thread (Scheduler.call), not on "
+                            f"{threading.current_thread().name}: the device is only ever used from there")
 
     def call(self, fn: Callable, quiet=None) -> concurrent.futures.Future:
         """Run ``fn()`` on the scheduler thread before the next request starts (with slots: between steps).
@@ -596,6 +628,21 @@ def warm_up(compiled) -> None:
     """Run a two-token prompt through prefill and one decode step (first-call compiles, allocations)."""
     for _ in compiled.stream(torch.tensor([[0, 1]], dtype=torch.long), 2):
         pass
+
+
+def decode_graph(compiled) -> dict | None:
+    """How a forward's decode step runs on a GPU: replayed from a CUDA graph, or eagerly and why (None: not a
+    graph-cached step, e.g. on CPU or a step that replays its own graph). Read it after ``warm_up``."""
+    from tkcc.kernels.graph_replay import GraphCache
+
+    forwards = getattr(compiled, "forwards", None) or {}
+    phase = "decode_slots" if "decode_slots" in forwards else "decode"
+    step = forwards.get(phase)
+    if not isinstance(step, GraphCache):
+        return None
+    r = step.report()
+    return {"phase": phase, "graphs": r["graphs"], "replays": r["replays"], "eager_calls": r["eager_calls"],
+            "refused": r["refused"], "replayed": r["graphs"] > 0}
 
 
 def token_ids(steps, program):

@@ -21,7 +21,7 @@ import torch
 from tkcc.errors import TkccError
 from tkcc.serve.app import Limits, build_app
 from tkcc.serve.metrics import CONTENT_TYPE, ServeMetrics
-from tkcc.serve.scheduler import Scheduler, Served, warm_up
+from tkcc.serve.scheduler import Scheduler, Served, decode_graph, warm_up
 from tkcc.serve.tokenizer import ByteTokenizer
 
 
@@ -93,6 +93,15 @@ class Server:
         self.scheduler.start()
         return self
 
+    def warm_up(self, timeout_s: float | None = None) -> dict | None:
+        """Run a two-token prompt through the serving forward on the scheduler thread (first-call compiles, the
+        decode step's CUDA graph), as a swap does before it serves; how its decode step runs (``decode_graph``)."""
+        def run():
+            c = self.scheduler.current.compiled
+            warm_up(c)
+            return decode_graph(c)
+        return self.scheduler.call(run).result(timeout_s)
+
     def swap(self, compiled, tag: str | None = None, warm: bool = True, timeout_s: float | None = None):
         """Serve ``compiled`` from the next request on (in-flight requests finish on theirs); (previous, new) tags.
 
@@ -137,6 +146,8 @@ class Server:
                 "running": s.num_running, "slots": s.slots, "served": s.served, "swaps": s.swaps,
                 "trace": str(self.recorder.path) if self.recorder else None, "moe_counts": s.moe_counts,
                 "moe_note": self.moe_note or s.moe_note, "ships": list(self.swapper.history) if self.swapper else [],
+                "swap_failures": list(self.swapper.failures) if self.swapper else [],
+                "decode_graph": decode_graph(s.current.compiled),
                 "max_cache_len": self.max_cache_len, "tokenizer": self.tokenizer.name,
                 "watch": self.watcher.status() if self.watcher is not None else None}
 

@@ -149,12 +149,21 @@ class ServeWatch:
         self._ship({"plan": plan} if plan else {"baseline": True})
 
     def _ship(self, spec: dict) -> dict:
-        rec = self.server.swapper.ship(spec)
+        """Swap ``spec`` in; a swap that fails is recorded with its cause and the loop goes on (the server
+        serves on what it served)."""
+        try:
+            rec = self.server.swapper.ship(spec)
+        except TkccError as e:
+            rec = {"error": str(e), "spec": spec}
         self.shipped.append(rec)
         return rec
 
     def status(self) -> dict:
         evs = [{"time": e.time, "kind": e.kind, **{k: v for k, v in e.detail.items() if k != "shifts"}}
-               for e in self.events if e.kind != "quiet"]
+               for e in self.events if e.kind not in ("quiet", "waiting")]
+        waiting = [e for e in self.events if e.kind == "waiting"]
         return {"state": self.state, "error": self.error, "events": evs[-20:],
-                "polls_quiet": sum(e.kind == "quiet" for e in self.events)}
+                "polls_quiet": sum(e.kind == "quiet" for e in self.events), "polls_waiting": len(waiting),
+                "waiting": waiting[-1].detail if waiting else None,
+                "swaps": sum("error" not in r for r in self.shipped),
+                "swap_errors": [r["error"] for r in self.shipped if "error" in r][-5:]}
