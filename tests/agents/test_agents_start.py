@@ -48,3 +48,20 @@ def test_no_start_on_both_tiers_names_each_reason(tmp_path):
     clock = FakeClock()
     with pytest.raises(TkccError, match="no starting candidate measures on both tiers.*cache state differs"):
         _run(tmp_path, FastRefuses(clock, refuse_all=True), clock)
+
+
+def test_a_re_optimisation_starts_from_what_serves(tmp_path):
+    """The watch loop's next campaign starts from what serves (beside the empty plan): started from the empty
+    plan alone, a campaign that found nothing better shipped it, and the server swapped a faster forward out."""
+    from tkcc.agents.watch import serving_starts
+
+    store = ExperimentStore(tmp_path / "w.db")
+    cid = store.open_campaign("w-0", "m", {}, resume=False)
+    assert serving_starts(store, None) is None and serving_starts(store, cid) is None
+    fused = PassPlan.of((Fuse.name, {"block": 64}))
+    store.record_ship(cid, PassPlan().hash(), [], 100.0, "ship", "baseline")
+    store.record_ship(cid, fused.hash(), fused.to_json(), 200.0, "ship", "gain")
+    starts = serving_starts(store, cid)
+    assert [c.plan for c in starts] == [fused, PassPlan()] and starts[0].key == fused.hash()
+    store.record_ship(cid, PassPlan().hash(), [], 100.0, "revert", "the baseline measures better now")
+    assert serving_starts(store, cid) is None  # reverted to the empty plan: the campaign's own default

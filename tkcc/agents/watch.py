@@ -16,9 +16,11 @@ import time
 from dataclasses import dataclass, field
 
 from tkcc.agents.campaign import CampaignConfig, run_campaign
-from tkcc.agents.ship import recheck_and_revert
+from tkcc.agents.proposer import Candidate
+from tkcc.agents.ship import recheck_and_revert, shipped_chain
 from tkcc.agents.store import ExperimentStore
 from tkcc.errors import TkccError
+from tkcc.passes.plan import PassPlan
 
 
 @dataclass
@@ -86,7 +88,7 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
             rolling.set_reference(cur)
             emit("reference", {"requests": len(cur)})
             campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                           model, budget_s, wk, tiers, progress, emit)
+                                           model, budget_s, wk, tiers, progress, emit, campaign_id)
             rounds += 1
         else:
             verdict = rolling.check()
@@ -99,7 +101,7 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
                 emit("recheck", {"reverted": rc.reverted, "reason": rc.reason, "objectives": rc.objectives})
                 rolling.set_reference(cur)
                 campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                               model, budget_s, wk, tiers, progress, emit)
+                                               model, budget_s, wk, tiers, progress, emit, campaign_id)
                 rounds += 1
             else:
                 note = quiet_note(verdict, rolling.params)
@@ -131,11 +133,25 @@ def quiet_note(verdict, params: dict) -> str:
             f"p < {alpha:g})")
 
 
-def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget_s, wk, tiers, progress, emit):
+def serving_starts(store, campaign_id) -> list[Candidate] | None:
+    """What a re-optimisation starts from: what serves now (the last campaign's ship still in force, after any
+    revert), beside the empty plan; None (the campaign's own default) before anything shipped. A campaign that
+    started from the empty plan alone shipped it when it found nothing better in its budget, and the server
+    swapped a faster forward out for it."""
+    chain = shipped_chain(store, campaign_id) if campaign_id is not None else []
+    plan = PassPlan.from_json(chain[-1]["plan"]) if chain else PassPlan()
+    if not plan.steps:
+        return None
+    return [Candidate("serving", plan), Candidate("baseline", PassPlan())]
+
+
+def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget_s, wk, tiers, progress, emit,
+              previous=None):
     workload = rolling.workload(**wk)
     cfg = CampaignConfig(name=name, model=model, budget_s=budget_s, tiers=tuple(tiers),
                          extra={"buckets": [b.__dict__ for b in workload.buckets], "objective": workload.objective})
-    state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress)
+    state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress,
+                         starts=serving_starts(store, previous))
     emit("campaign", {"name": name, "shipped": state.shipped, "evaluated": state.evaluated, "tried": state.tried,
                       "stopped": state.stopped, "decisions": [d.get("why") for d in state.decisions]})
     return state.campaign_id, state.noise
