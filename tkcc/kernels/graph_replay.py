@@ -175,12 +175,22 @@ def new_pool():
 
 # ---- capture --------------------------------------------------------------------------------------
 
+# One capture (or sync probe) at a time in the process: they share each device's capture stream, and the probe's
+# sync-debug mode is process-wide. Callers that capture from several threads (a server's lazy captures) wait here.
+_CAPTURE_LOCK = threading.RLock()
+
+
 def probe_sync(fn: Callable, args: tuple, kwargs: dict | None = None) -> str | None:
     """Run ``fn`` once with CUDA sync debugging set to error; None if it never waits on the device.
 
     A host synchronisation (``.item()``, ``nonzero``, a blocking copy) inside a capture invalidates it;
     finding it with a plain eager run first avoids entering a capture that must fail.
     """
+    with _CAPTURE_LOCK:
+        return _probe_sync(fn, args, kwargs)
+
+
+def _probe_sync(fn: Callable, args: tuple, kwargs: dict | None) -> str | None:
     prev = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -228,7 +238,7 @@ class CapturedCall:
         leaves, self.in_spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         self.device = _device_for(leaves, device)
         try:
-            with torch.cuda.device(self.device), torch.no_grad(), pdl_scope(self.pdl, self.device):
+            with _CAPTURE_LOCK, torch.cuda.device(self.device), torch.no_grad(), pdl_scope(self.pdl, self.device):
                 self._capture(leaves, pool, warmup, frozenset(static_ptrs), speculate, after_warmup)
         except Exception as e:
             if _device_fault(e):
