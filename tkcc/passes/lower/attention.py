@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.norms import EPS, rms_norm
+from tkcc.passes.lower.norms import EPS, OFFSET, rms_norm, rms_norm_offset
 from tkcc.passes.lower.pattern import Refused, Rewrite, _all_args
 
 KV_LEN = 77        # sentinels
@@ -141,11 +141,13 @@ def sink_attention(q, keys, values, mask, sinks, *, scale):
     return torch.matmul(scores, values)
 
 
-def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False):
-    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head);
+def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explicit_heads: bool = False):
+    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head),
+    "head_offset" (Gemma 3: over each head once the heads are transposed, ``norm(x) * (offset + w)`` in fp32);
     ``rope(q, k, cos, sin) -> (q, k)``: the rotation (``rotary.py`` has the partial, interleaved and chunked ones);
     ``sinks``: the eager attention with per-head sink logits (``sink_attention``; the logits are the last tensor,
-    the mask is additive), else sdpa under the boolean mask."""
+    the mask is additive), else sdpa under the boolean mask; ``explicit_heads``: q, k and v viewed as heads by their
+    counts (StableLM's ``view(bsz, q_len, self.num_heads, self.head_dim)``), not ``view(B, T, -1, D)``."""
 
     def pattern(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *extra, scale, **kw):
         norms = extra
@@ -160,10 +162,16 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False):
         if qk_norm == "head":
             q = rms_norm(q.view(hidden_shape), norms[0], eps=kw["eps"]).transpose(1, 2)
             k = rms_norm(k.view(hidden_shape), norms[1], eps=kw["eps"]).transpose(1, 2)
+        elif qk_norm == "head_offset":
+            q = rms_norm_offset(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"], offset=kw["offset"])
+            k = rms_norm_offset(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"], offset=kw["offset"])
+        elif explicit_heads:
+            q = q.view(B, T, hq, D).transpose(1, 2)
+            k = k.view(B, T, hkv, D).transpose(1, 2)
         else:
             q = q.view(hidden_shape).transpose(1, 2)
             k = k.view(hidden_shape).transpose(1, 2)
-        v = v.view(hidden_shape).transpose(1, 2)
+        v = v.view(B, T, hkv, D).transpose(1, 2) if explicit_heads else v.view(hidden_shape).transpose(1, 2)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
         q, k = rope(q, k, cos, sin)
@@ -182,10 +190,12 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False):
     def replacement(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *extra, scale, inv_freq, count,
                     rope_scale, num_heads, window, chunk, block_s, num_warps, pdl, **kw):
         qn, kn = (extra[0], extra[1]) if qk_norm else (None, None)
+        tail = (extra[-1] if sinks else None,) if sinks or qk_norm == "head_offset" else ()
+        tail += (float(kw["offset"]),) if qk_norm == "head_offset" else ()
         return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, qn, kn,
                                              kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
-                                             num_warps, count, pdl, qk_norm == "head", kw.get("rotary_dim", 0),
-                                             kw.get("interleaved", False), *((extra[-1],) if sinks else ()))
+                                             num_warps, count, pdl, qk_norm in ("head", "head_offset"),
+                                             kw.get("rotary_dim", 0), kw.get("interleaved", False), *tail)
 
     return pattern, replacement
 
@@ -203,11 +213,12 @@ def _example(qk_norm: str, hq: int, hkv: int, sinks: bool = False, table: int | 
               torch.empty(1, 1, 1, S, dtype=dt) if sinks else torch.empty(1, 1, 1, S, dtype=torch.bool)]
         if qk_norm == "full":
             ts += [torch.empty(hq * D, dtype=dt), torch.empty(hkv * D, dtype=dt)]
-        elif qk_norm == "head":
+        elif qk_norm in ("head", "head_offset"):
             ts += [torch.empty(D, dtype=dt), torch.empty(D, dtype=dt)]
         if sinks:
             ts.append(torch.empty(hq, dtype=dt))
-        return tuple(ts), ({"scale": SCALE, "eps": EPS} if qk_norm else {"scale": SCALE})
+        sc = {"scale": SCALE, "eps": EPS} if qk_norm else {"scale": SCALE}
+        return tuple(ts), ({**sc, "offset": OFFSET} if qk_norm == "head_offset" else sc)
 
     return example
 
@@ -360,7 +371,7 @@ def _check_sinks(m, half_table: bool = False) -> str | None:
 
 def _attention_rewrites():
     out = []
-    for qk_norm in ("full", "head", ""):
+    for qk_norm in ("full", "head", "head_offset", ""):
         pattern, replacement = _attention_pattern(qk_norm)
         for kind, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
             name = f"attention[{kind}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}]"

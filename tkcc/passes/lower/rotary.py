@@ -166,19 +166,39 @@ def _attention_rewrites():
                     ts[4], ts[5] = ts[4][..., :8].clone(), ts[5][..., :8].clone()  # a table for half the head
                     return tuple(ts), sc
 
-                def params(m, ctx, interleaved=interleaved):
-                    got = attention._params(m, ctx)
-                    D, R = m.val(1).shape[-1], m.val(4).shape[-1]
-                    if R % 2 or R > D:
-                        raise Refused(f"rotary table of {R} for heads of {D}")
-                    got.update(rotary_dim=0 if R == D else int(R), interleaved=interleaved)
-                    return got
-
+                params = _rotary_params(interleaved)
                 name = f"attention[{heads}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}, {kind} rotary" \
                        f"{' over the whole head' if whole else ''}]"
                 out.append(Rewrite(name, pattern, replacement, example, region="attention", check=attention._check,
                                    params=params))
+    # StableLM: the partial rotary with q, k and v viewed as heads by their counts
+    pattern, replacement = attention._attention_pattern("", rope_partial, explicit_heads=True)
+    for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+        base = attention._example("", hq, hkv)
+
+        def example(dt, base=base):
+            ts, sc = base(dt)
+            ts = list(ts)
+            ts[4], ts[5] = ts[4][..., :8].clone(), ts[5][..., :8].clone()
+            return tuple(ts), sc
+
+        out.append(Rewrite(f"attention[{heads}, partial rotary, explicit head counts]", pattern, replacement, example,
+                           region="attention", check=attention._check, params=_rotary_params(False)))
     return out + _sink_rewrites()
+
+
+def _rotary_params(interleaved):
+    from tkcc.passes.lower import attention
+
+    def params(m, ctx):
+        got = attention._params(m, ctx)
+        D, R = m.val(1).shape[-1], m.val(4).shape[-1]
+        if R % 2 or R > D:
+            raise Refused(f"rotary table of {R} for heads of {D}")
+        got.update(rotary_dim=0 if R == D else int(R), interleaved=interleaved)
+        return got
+
+    return params
 
 
 def _sink_rewrites():
