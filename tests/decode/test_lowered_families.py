@@ -83,6 +83,59 @@ def test_gpt_oss_bf16_lowers_and_stays_bit_exact():
     assert same_decode(prog, new.graphs["decode"]) is None
 
 
+def _region_cases():
+    """(rewrite name, region fn, its tensors, inputs maker) of every exact rewrite the families brought."""
+    from tkcc.passes.lower import attention, norms, rotary
+
+    cases = []
+    for S, window in ((24, 0), (40, 8), (100, 33)):
+        def fn(s, pos, S=S, window=window):
+            m = attention.sliding_mask(pos, kv_len=S, window=window) if window else attention.causal_mask(pos, kv_len=S)
+            return torch.where(m, torch.tensor(0.0, device=m.device, dtype=s.like.dtype), torch.finfo(s.like.dtype).min)
+        cases.append(("additive_mask", fn, {}, lambda S=S: (torch.randint(0, S, (1,)),)))
+    for R, inv_dtype in ((8, torch.float32), (32, torch.float32), (16, None)):
+        def fn(s, pos):
+            return rotary.cos_sin_half(s.inv_freq, pos.unsqueeze(0), scale=1.3465735902799727, dtype=s.like.dtype)
+        inv = 1.0 / (150000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
+        cases.append(("rotary_cos_sin[half table" if inv_dtype else "rotary_cos_sin[half table, inv_freq in the model",
+                      fn, {"inv_freq": inv} if inv_dtype else {"inv_freq": None}, lambda: (torch.randint(0, 5000, (1,)),)))
+    for H in (48, 200, 2048):
+        cases.append(("rms_norm_weight_fp32", lambda s, x: norms.rms_norm_weight_fp32(x, s.w, eps=1e-5),
+                      {"w": torch.randn(H) + 1}, lambda H=H: (torch.randn(1, 1, H) * 3,)))
+    for n in (16, 96, 256):
+        def fn(s, y):
+            gate, up = y.chunk(2, dim=-1)
+            return up * torch.nn.functional.silu(gate)
+        cases.append(("canonical_gate[chunked, silu]", fn, {}, lambda n=n: (torch.randn(1, 1, 2 * n),)))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_rewrites_are_bit_exact(dtype):
+    """Each exact rewrite (the additive mask, gpt-oss's half table, its RMSNorm, Phi-3's chunked gate) on fresh random
+    inputs at several shapes: it lowers its region (the note says so) and the result is the region's, bit for bit."""
+    from tkcc.passes.lower.checks import Region, _capture, _options
+    from tkcc.passes.lower.decode import lower
+
+    for name, fn, tensors, make in _region_cases():
+        if "model" in name and dtype == torch.float32:
+            continue  # inv_freq in the model dtype is the fp32 case in fp32
+        if name == "rms_norm_weight_fp32" and dtype == torch.float32:
+            name = "rms_norm"  # in fp32 gpt-oss's RMSNorm is Llama's program (the GEMV prologue takes it)
+        t = {k: (v if v is not None else 1.0 / (150000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
+             .to(dtype) for k, v in tensors.items()}
+        m = Region(lambda s, *a, fn=fn: fn(s, *[x.to(dtype) if x.is_floating_point() else x for x in a]),
+                   {**t, "like": torch.zeros((), dtype=dtype)})
+        gm = _capture(m, make())
+        info = lower(gm, dtype, _options())
+        assert any(f": {name}" in n and "lowered" in n for n in info.notes), (name, info.notes)
+        for _ in range(3):
+            inputs = make()
+            want, got = m(*inputs), gm(*inputs)
+            want, got = (list(want), list(got)) if isinstance(want, tuple) else ([want], [got])
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(want, got)), name
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 def test_a_mask_that_is_not_the_steps_is_refused_with_its_reason():
