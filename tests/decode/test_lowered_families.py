@@ -83,30 +83,34 @@ def test_gpt_oss_bf16_lowers_and_stays_bit_exact():
     assert same_decode(prog, new.graphs["decode"]) is None
 
 
-def _region_cases():
-    """(rewrite name, region fn, its tensors, inputs maker) of every exact rewrite the families brought."""
+def _region_cases(dtype):
+    """(rewrite name, region fn, its tensors, inputs maker) of every exact rewrite the families brought, in ``dtype``."""
     from tkcc.passes.lower import attention, norms, rotary
 
     cases = []
     for S, window in ((24, 0), (40, 8), (100, 33)):
         def fn(s, pos, S=S, window=window):
             m = attention.sliding_mask(pos, kv_len=S, window=window) if window else attention.causal_mask(pos, kv_len=S)
-            return torch.where(m, torch.tensor(0.0, device=m.device, dtype=s.like.dtype), torch.finfo(s.like.dtype).min)
+            return torch.where(m, torch.tensor(0.0, device=m.device, dtype=dtype), torch.finfo(dtype).min)
         cases.append(("additive_mask", fn, {}, lambda S=S: (torch.randint(0, S, (1,)),)))
-    for R, inv_dtype in ((8, torch.float32), (32, torch.float32), (16, None)):
+    # inv_freq kept in fp32, or cast with the model (in fp32 the two are one program: the first takes it)
+    for R, inv_dtype in ((8, torch.float32), (32, torch.float32)) + (((16, dtype),) if dtype != torch.float32 else ()):
         def fn(s, pos):
-            return rotary.cos_sin_half(s.inv_freq, pos.unsqueeze(0), scale=1.3465735902799727, dtype=s.like.dtype)
-        inv = 1.0 / (150000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
-        cases.append(("rotary_cos_sin[half table" if inv_dtype else "rotary_cos_sin[half table, inv_freq in the model",
-                      fn, {"inv_freq": inv} if inv_dtype else {"inv_freq": None}, lambda: (torch.randint(0, 5000, (1,)),)))
+            return rotary.cos_sin_half(s.inv_freq, pos.unsqueeze(0), scale=1.3465735902799727, dtype=dtype)
+        inv = (1.0 / (150000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))).to(inv_dtype)
+        name = "rotary_cos_sin[half table]" if inv_dtype == torch.float32 else \
+            "rotary_cos_sin[half table, inv_freq in the model dtype]"
+        cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
     for H in (48, 200, 2048):
-        cases.append(("rms_norm_weight_fp32", lambda s, x: norms.rms_norm_weight_fp32(x, s.w, eps=1e-5),
-                      {"w": torch.randn(H) + 1}, lambda H=H: (torch.randn(1, 1, H) * 3,)))
+        # in fp32 gpt-oss's RMSNorm is Llama's program (there the GEMV prologue takes it)
+        cases.append(("rms_norm_weight_fp32" if dtype != torch.float32 else "rms_norm",
+                      lambda s, x: norms.rms_norm_weight_fp32(x, s.w, eps=1e-5), {"w": (torch.randn(H) + 1).to(dtype)},
+                      lambda H=H: ((torch.randn(1, 1, H) * 3).to(dtype),)))
     for n in (16, 96, 256):
         def fn(s, y):
             gate, up = y.chunk(2, dim=-1)
             return up * torch.nn.functional.silu(gate)
-        cases.append(("canonical_gate[chunked, silu]", fn, {}, lambda n=n: (torch.randn(1, 1, 2 * n),)))
+        cases.append(("canonical_gate[chunked, silu]", fn, {}, lambda n=n: (torch.randn(1, 1, 2 * n).to(dtype),)))
     return cases
 
 
@@ -117,18 +121,11 @@ def test_exact_rewrites_are_bit_exact(dtype):
     from tkcc.passes.lower.checks import Region, _capture, _options
     from tkcc.passes.lower.decode import lower
 
-    for name, fn, tensors, make in _region_cases():
-        if "model" in name and dtype == torch.float32:
-            continue  # inv_freq in the model dtype is the fp32 case in fp32
-        if name == "rms_norm_weight_fp32" and dtype == torch.float32:
-            name = "rms_norm"  # in fp32 gpt-oss's RMSNorm is Llama's program (the GEMV prologue takes it)
-        t = {k: (v if v is not None else 1.0 / (150000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
-             .to(dtype) for k, v in tensors.items()}
-        m = Region(lambda s, *a, fn=fn: fn(s, *[x.to(dtype) if x.is_floating_point() else x for x in a]),
-                   {**t, "like": torch.zeros((), dtype=dtype)})
+    for name, fn, tensors, make in _region_cases(dtype):
+        m = Region(fn, tensors)
         gm = _capture(m, make())
         info = lower(gm, dtype, _options())
-        assert any(f": {name}" in n and "lowered" in n for n in info.notes), (name, info.notes)
+        assert any(f": {name}: " in n and "lowered" in n for n in info.notes), (name, info.notes)
         for _ in range(3):
             inputs = make()
             want, got = m(*inputs), gm(*inputs)
@@ -163,7 +160,8 @@ def test_a_mask_that_is_not_the_steps_is_refused_with_its_reason():
     gm = _capture(m, inputs)
     info = lower(gm, torch.float32, _options())
     assert not [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.attention_rope.default]
-    assert any("attention[gqa, sinks, chunked rotary]" in n and "not where(mask, 0" in n for n in info.notes), info.notes
+    why = "not where(mask, 0"
+    assert any("attention[gqa, sinks, chunked rotary]" in n and why in n for n in info.notes), info.notes
     kc, vc = m.kc.clone(), m.vc.clone()
     want = m(*inputs)
     m.kc.copy_(kc), m.vc.copy_(vc)
