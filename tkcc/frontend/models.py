@@ -28,11 +28,21 @@ FAMILIES: dict[str, tuple[str, str, bool]] = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", True),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", True),
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", True),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", True),
 }
+
+# The attention implementation each family is captured with: sdpa, except where the family's own arithmetic
+# is only in another (gpt-oss's per-head sink logits are in its eager attention; transformers refuses sdpa).
+ATTENTION_IMPLEMENTATION: dict[str, str] = {"gpt_oss": "eager"}
 
 # Buffers a checkpoint fills but random initialisation leaves at zero; seeded random values make the
 # reference models exercise them (DeepSeek-V3's router bias that corrects expert selection).
 _CHECKPOINT_BUFFERS = ("e_score_correction_bias",)
+# Parameters a checkpoint fills but initialisation leaves at zero (or near it), per family: leaf name -> std of the
+# seeded values (None: the config's initializer_range). gpt-oss: its q/k/v/o and expert biases (zeros) and its
+# sink logits (std 0.02: the sink would take no mass).
+_CHECKPOINT_PARAMS: dict[str, dict[str, float | None]] = {
+    "gpt_oss": {"sinks": 1.0, "bias": None, "gate_up_proj_bias": None, "down_proj_bias": None}}
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,7 @@ def make_config(name: str, **overrides):
     cfg = _config_cls(spec.family)(**kw)
     if spec.is_moe:
         cfg._experts_implementation = EXPERTS_IMPLEMENTATION
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = ATTENTION_IMPLEMENTATION.get(spec.family, "sdpa")
     return cfg
 
 
@@ -102,6 +112,11 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, device: str | tor
             for path, buf in model.named_buffers():
                 if path.rsplit(".", 1)[-1] in _CHECKPOINT_BUFFERS:
                     buf.normal_(0.0, cfg.initializer_range)
+            filled = _CHECKPOINT_PARAMS.get(spec.family, {})
+            for path, prm in model.named_parameters():
+                leaf = path.rsplit(".", 1)[-1]
+                if leaf in filled:
+                    prm.normal_(0.0, filled[leaf] if filled[leaf] is not None else cfg.initializer_range)
     model = model.to(dtype=dtype).eval()
     model.requires_grad_(False)
     model.tkcc_name = name

@@ -96,7 +96,7 @@ class AttentionRope:
 
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
-           head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None):
+           head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
@@ -104,7 +104,9 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     are per head (weights [D], Qwen3), not over the whole projection (OLMoE). ``window``: a sliding window
     of that many positions (the current one included), 0 for none. ``rotary_dim``: only the first this many
     elements of each head rotate (partial rotary; 0: all), ``interleaved``: pairs (2i, 2i + 1) rotate (GPT-J,
-    GLM) instead of the halves. ``sinks``: [hq] learned logits in each head's softmax denominator (gpt-oss)."""
+    GLM) instead of the halves. ``sinks``: [hq] learned logits in each head's softmax denominator (gpt-oss).
+    ``norm_offset`` (with ``head_norm``): the q/k norms are Gemma's, ``norm(x) * (norm_offset + w)`` in fp32 rounded
+    once (Gemma 3: offset 1), None for the Llama form (normed x rounded, then times w)."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
@@ -113,7 +115,8 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     merge = splits <= MERGE_MAX_SPLITS
     pairs = bool(interleaved) or bool(rotary_dim and rotary_dim != D)
     mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
-               window=bool(window), pairs=pairs, sinks=sinks is not None)
+               window=bool(window), pairs=pairs, sinks=sinks is not None,
+               **({"norm_fp32": True} if norm_offset is not None and head_norm and qk_norm else {}))
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
@@ -124,6 +127,7 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         **({"window": int(window)} if window else {}),
         **({"ROT_DIM": int(rotary_dim or D), "INTERLEAVED": bool(interleaved)} if pairs else {}),
         **({"sinks_ptr": sinks} if sinks is not None else {}),
+        **({"norm_offset": float(norm_offset)} if norm_offset is not None and head_norm and qk_norm else {}),
         **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not merge:
         if seqlen is None:

@@ -149,23 +149,27 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
                        rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
                        scale: float, num_heads: int, window: int = 0, head_norm: bool = False, rotary_dim: int = 0,
-                       interleaved: bool = False, sinks: Optional[Tensor] = None) -> Tensor:
+                       interleaved: bool = False, sinks: Optional[Tensor] = None,
+                       norm_offset: Optional[float] = None) -> Tensor:
     """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
     [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
     rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
     causal attention over the cache -> [B, T, Hq D]. ``rotary_dim`` / ``interleaved``: partial and interleaved
     rotary (``rope_pairs_ref``; ``inv_freq`` then has ``rotary_dim / 2`` entries); ``sinks`` [Hq]: a learned
-    logit per head in the softmax's denominator, as gpt-oss's eager attention computes it."""
+    logit per head in the softmax's denominator, as gpt-oss's eager attention computes it. ``norm_offset``: the q/k
+    norms are Gemma's, ``norm(x) * (norm_offset + w)`` in fp32 rounded once (``rms_norm_ref``'s ``cast_first``
+    False), None for the Llama form."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q, k, v = torch.split(qkv, [num_heads * D, hkv * D, hkv * D], -1)
+    form = (0.0, True) if norm_offset is None else (norm_offset, False)
     if q_norm is not None and not head_norm:
-        q = rms_norm_ref(q, q_norm, eps)
-        k = rms_norm_ref(k, k_norm, eps)
+        q = rms_norm_ref(q, q_norm, eps, *form)
+        k = rms_norm_ref(k, k_norm, eps, *form)
     q, k = q.view(B, T, -1, D), k.view(B, T, -1, D)
     if q_norm is not None and head_norm:
-        q = rms_norm_ref(q, q_norm, eps)
-        k = rms_norm_ref(k, k_norm, eps)
+        q = rms_norm_ref(q, q_norm, eps, *form)
+        k = rms_norm_ref(k, k_norm, eps, *form)
     q = q.transpose(1, 2)
     k = k.transpose(1, 2)
     v = v.view(B, T, -1, D).transpose(1, 2)
@@ -364,7 +368,7 @@ def _(cache_position, kv_len, window=0):
 
 def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                      block_s, num_warps, count, window, head_norm=False, rotary_dim=0, interleaved=False,
-                     sinks=None) -> str | None:
+                     sinks=None, norm_offset=None) -> str | None:
     """None when the fused attention kernel takes this call, else why not."""
     reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
     if reason is not None:
@@ -390,6 +394,8 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
         return f"rotary dim {R} of head dim {D}"
     if not inv_freq.is_floating_point() or inv_freq.numel() != R // 2 or not inv_freq.is_contiguous():
         return f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype} (needs a float vector of {R // 2})"
+    if norm_offset is not None and q_norm is not None and not head_norm:
+        return "Gemma's q/k norm over the whole projection has no kernel (per head only)"
     if sinks is not None and (sinks.numel() != num_heads or not sinks.is_contiguous()):
         return f"sinks {tuple(sinks.shape)} for {num_heads} heads"
     if count.numel() < hkv or count.dtype != torch.int32:
@@ -421,14 +427,15 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                    rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float, scale: float,
                    num_heads: int, window: int, chunk: int, block_s: int, num_warps: int, count: Tensor,
                    pdl: bool = False, head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
-                   sinks: Optional[Tensor] = None) -> Tensor:
+                   sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split; ``block_s`` x ``num_warps``: the kernel's tile. The position is
     read on the device (no host synchronisation; a replayed graph advances with its input). A position at
     or past the cache writes and reads nothing there: the greedy loop refuses such a context first."""
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
-                              block_s, num_warps, count, window, head_norm, rotary_dim, interleaved, sinks)
+                              block_s, num_warps, count, window, head_norm, rotary_dim, interleaved, sinks,
+                              norm_offset)
     if reason is None:
         if cache_position.device.type == "cpu":  # free to check on the host (on a GPU: the greedy loop's check)
             _check_context(cache_position, k_cache.shape[2])
@@ -444,17 +451,18 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                   hkv=hkv, chunk=ch, splits=splits, q_norm=q_norm, k_norm=k_norm, eps=eps, scale=scale,
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
                   rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window,
-                  rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks)
+                  rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks, norm_offset=norm_offset)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     _check_context(cache_position, k_cache.shape[2])
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
-                              num_heads, window, head_norm, rotary_dim, interleaved, sinks)
+                              num_heads, window, head_norm, rotary_dim, interleaved, sinks, norm_offset)
 
 
 @attention_rope.register_fake
 def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
-      chunk, block_s, num_warps, count, pdl=False, head_norm=False, rotary_dim=0, interleaved=False, sinks=None):
+      chunk, block_s, num_warps, count, pdl=False, head_norm=False, rotary_dim=0, interleaved=False, sinks=None,
+      norm_offset=None):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
 
 

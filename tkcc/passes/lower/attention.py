@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.norms import EPS, rms_norm
-from tkcc.passes.lower.pattern import Refused, Rewrite
+from tkcc.passes.lower.norms import EPS, OFFSET, rms_norm, rms_norm_offset
+from tkcc.passes.lower.pattern import Refused, Rewrite, _all_args
 
 KV_LEN = 77        # sentinels
 SCALE = 0.3125
@@ -75,12 +75,35 @@ def _mask_check(m):
     return None
 
 
+def additive_mask(mask, zero, *, mn):
+    """transformers' ``eager_mask``: the boolean mask as 0 / the dtype's minimum (``torch.where(mask,
+    torch.tensor(0.0, ...), min_dtype)``; capture lifts the 0 into a constant of the graph, copied each step)."""
+    return torch.where(mask, torch.ops.aten.lift_fresh_copy(zero).detach_(), mn)
+
+
+def _to_additive(mask, zero, *, mn):
+    """The same without the copied constant (so that nothing is left of the mask once every attention is fused)."""
+    return torch.where(mask, mask.new_zeros((), dtype=zero.dtype), mn)
+
+
+def _additive_check(m):
+    z = m.tensor(1)
+    if z is None or z.numel() != 1 or float(z.reshape(())) != 0.0:
+        return "the additive mask keeps a value that is not the constant 0"
+    return None
+
+
+MASK_MIN = -1.25e30  # sentinel
+
 MASKS = [
     Rewrite("sliding_window_mask", sliding_mask, _to_sliding,
             lambda dt: ((torch.empty(1, dtype=torch.int64),), {"kv_len": KV_LEN, "window": WINDOW}),
             region="attention", exact=True, check=_mask_check),
     Rewrite("causal_mask", causal_mask, _to_mask, lambda dt: ((torch.empty(1, dtype=torch.int64),), {"kv_len": KV_LEN}),
             region="attention", exact=True, check=_mask_check),
+    Rewrite("additive_mask", additive_mask, _to_additive,
+            lambda dt: ((torch.empty(1, 1, 1, KV_LEN, dtype=torch.bool), torch.empty((), dtype=dt)), {"mn": MASK_MIN}),
+            region="attention", exact=True, check=_additive_check),
 ]
 
 
@@ -104,11 +127,30 @@ def rope_half(q, k, cos, sin):
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
-def _attention_pattern(qk_norm: str, rope=rope_half):
-    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head);
-    ``rope(q, k, cos, sin) -> (q, k)``: the rotation (``rotary.py`` has the partial and interleaved ones)."""
+def sink_attention(q, keys, values, mask, sinks, *, scale):
+    """gpt-oss's (and MiMo-V2's) ``eager_attention_forward`` with per-head sink logits: scores plus the additive mask,
+    the head's sink as one more column, max-subtracted softmax in the scores' dtype, the sink's column dropped."""
+    w = torch.matmul(q, keys.transpose(2, 3)) * scale
+    w = w + mask
+    sk = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    logits = torch.cat([w, sk], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)
+    scores = probs[..., :-1]
+    scores = F.dropout(scores, p=0.0, training=False).to(values.dtype)
+    return torch.matmul(scores, values)
 
-    def pattern(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *norms, scale, **kw):
+
+def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explicit_heads: bool = False):
+    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head),
+    "head_offset" (Gemma 3: over each head once the heads are transposed, ``norm(x) * (offset + w)`` in fp32);
+    ``rope(q, k, cos, sin) -> (q, k)``: the rotation (``rotary.py`` has the partial, interleaved and chunked ones);
+    ``sinks``: the eager attention with per-head sink logits (``sink_attention``; the logits are the last tensor,
+    the mask is additive), else sdpa under the boolean mask; ``explicit_heads``: q, k and v viewed as heads by their
+    counts (StableLM's ``view(bsz, q_len, self.num_heads, self.head_dim)``), not ``view(B, T, -1, D)``."""
+
+    def pattern(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *extra, scale, **kw):
+        norms = extra
         B, T = qkv.shape[0], qkv.shape[1]
         hkv, D = k_cache.shape[1], k_cache.shape[3]
         hq = qkv.shape[-1] // D - 2 * hkv
@@ -120,10 +162,16 @@ def _attention_pattern(qk_norm: str, rope=rope_half):
         if qk_norm == "head":
             q = rms_norm(q.view(hidden_shape), norms[0], eps=kw["eps"]).transpose(1, 2)
             k = rms_norm(k.view(hidden_shape), norms[1], eps=kw["eps"]).transpose(1, 2)
+        elif qk_norm == "head_offset":
+            q = rms_norm_offset(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"], offset=kw["offset"])
+            k = rms_norm_offset(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"], offset=kw["offset"])
+        elif explicit_heads:
+            q = q.view(B, T, hq, D).transpose(1, 2)
+            k = k.view(B, T, hkv, D).transpose(1, 2)
         else:
             q = q.view(hidden_shape).transpose(1, 2)
             k = k.view(hidden_shape).transpose(1, 2)
-        v = v.view(hidden_shape).transpose(1, 2)
+        v = v.view(B, T, hkv, D).transpose(1, 2) if explicit_heads else v.view(hidden_shape).transpose(1, 2)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
         q, k = rope(q, k, cos, sin)
@@ -131,34 +179,46 @@ def _attention_pattern(qk_norm: str, rope=rope_half):
         values = v_cache.index_copy_(2, cache_position, v)
         keys = repeat_kv(keys, hq // hkv)
         values = repeat_kv(values, hq // hkv)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=scale,
-                                           is_causal=False)
+        if sinks:
+            o = sink_attention(q, keys, values, mask, extra[-1], scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=scale,
+                                               is_causal=False)
         o = o.transpose(1, 2).contiguous()
         return o.reshape(B, T, -1)
 
-    def replacement(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *norms, scale, inv_freq, count,
+    def replacement(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *extra, scale, inv_freq, count,
                     rope_scale, num_heads, window, chunk, block_s, num_warps, pdl, **kw):
-        qn, kn = (norms[0], norms[1]) if qk_norm else (None, None)
+        qn, kn = (extra[0], extra[1]) if qk_norm else (None, None)
+        tail = (extra[-1] if sinks else None,) if sinks or qk_norm == "head_offset" else ()
+        tail += (float(kw["offset"]),) if qk_norm == "head_offset" else ()
         return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, qn, kn,
                                              kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
-                                             num_warps, count, pdl, qk_norm == "head", kw.get("rotary_dim", 0),
-                                             kw.get("interleaved", False))
+                                             num_warps, count, pdl, qk_norm in ("head", "head_offset"),
+                                             kw.get("rotary_dim", 0), kw.get("interleaved", False), *tail)
 
     return pattern, replacement
 
 
-def _example(qk_norm: str, hq: int, hkv: int):
+def _example(qk_norm: str, hq: int, hkv: int, sinks: bool = False, table: int | None = None):
+    """``sinks``: the mask additive (float) and the per-head sink logits last; ``table``: the rotary table's width
+    (default the head's)."""
     D, S = 16, 40
 
     def example(dt):
+        R = table or D
         ts = [torch.empty(1, 1, (hq + 2 * hkv) * D, dtype=dt), torch.empty(1, hkv, S, D, dtype=dt),
               torch.empty(1, hkv, S, D, dtype=dt), torch.empty(1, dtype=torch.int64),
-              torch.empty(1, 1, D, dtype=dt), torch.empty(1, 1, D, dtype=dt), torch.empty(1, 1, 1, S, dtype=torch.bool)]
+              torch.empty(1, 1, R, dtype=dt), torch.empty(1, 1, R, dtype=dt),
+              torch.empty(1, 1, 1, S, dtype=dt) if sinks else torch.empty(1, 1, 1, S, dtype=torch.bool)]
         if qk_norm == "full":
             ts += [torch.empty(hq * D, dtype=dt), torch.empty(hkv * D, dtype=dt)]
-        elif qk_norm == "head":
+        elif qk_norm in ("head", "head_offset"):
             ts += [torch.empty(D, dtype=dt), torch.empty(D, dtype=dt)]
-        return tuple(ts), ({"scale": SCALE, "eps": EPS} if qk_norm else {"scale": SCALE})
+        if sinks:
+            ts.append(torch.empty(hq, dtype=dt))
+        sc = {"scale": SCALE, "eps": EPS} if qk_norm else {"scale": SCALE}
+        return tuple(ts), ({**sc, "offset": OFFSET} if qk_norm == "head_offset" else sc)
 
     return example
 
@@ -184,7 +244,7 @@ def _is_positions_of(pos_ids, cache_position) -> bool:
             and pos_ids.args[1] == 0)
 
 
-def _check(m) -> str | None:
+def _check(m, half_table: bool = False) -> str | None:
     qkv, kc, vc, pos = m.val(0), m.val(1), m.val(2), m.val(3)
     if qkv.shape[0] != 1 or qkv.shape[1] != 1:
         return f"qkv {tuple(qkv.shape)} is not one token of one sequence (the fused attention is batch-1 decode)"
@@ -192,33 +252,99 @@ def _check(m) -> str | None:
         return f"caches {tuple(kc.shape)} / {tuple(vc.shape)} {kc.dtype} are not one [B, Hkv, S, D] layout"
     if m.tensor(1) is None or m.tensor(2) is None:
         return "the caches are not buffers of the graph"
-    return step_mask_and_rotary(m, pos=3, cos=4, sin=5, mask=6, kv_len=kc.shape[2])
+    return step_mask_and_rotary(m, pos=3, cos=4, sin=5, mask=6, kv_len=kc.shape[2], half_table=half_table)
 
 
-def step_mask_and_rotary(m, *, pos: int, cos: int, sin: int, mask: int, kv_len: int, whole: bool = False):
+def step_mask_and_rotary(m, *, pos: int, cos: int, sin: int, mask: int, kv_len: int, whole: bool = False,
+                         half_table: bool = False):
     """Why a matched region's mask and rotary table are not the step's own, or None: the mask is the step's
-    causal mask over the ``kv_len``-position cache at the cache positions (``whole``: with no window), and
-    cos/sin are one ``rotary_cos_sin`` at those positions. Arguments are the region's input indices."""
-    causal = _producer(m.inputs[mask], torch.ops.tkcc.causal_mask.default)
+    causal mask over the ``kv_len``-position cache at the cache positions (``whole``: with no window), boolean or
+    made additive (``additive_mask_of``), and cos/sin are one ``rotary_cos_sin`` at those positions (``half_table``:
+    their first halves, ``rotary_table_of``). Arguments are the region's input indices."""
+    mnode = m.inputs[mask]
+    if _val(mnode) is not None and _val(mnode).dtype != torch.bool:
+        mnode = additive_mask_of(mnode, m.gm)
+        if mnode is None:
+            return "the additive attention mask is not where(mask, 0, the dtype's minimum) of a boolean mask"
+    causal = _producer(mnode, torch.ops.tkcc.causal_mask.default)
     if causal is None:
         return "the attention mask is not the step's causal mask (padding, a custom mask)"
     if causal.args[0] is not m.inputs[pos] or causal.args[1] != kv_len or (
             whole and len(causal.args) > 2 and causal.args[2]):
         return f"the causal mask is not over the {'whole ' if whole else ''}cache at these positions"
-    rot = _getitem_of(m.inputs[cos], torch.ops.tkcc.rotary_cos_sin.default, 0)
-    if rot is None or _getitem_of(m.inputs[sin], torch.ops.tkcc.rotary_cos_sin.default, 1) is not rot:
-        return "cos/sin are not the step's rotary table"
+    rot = rotary_table_of(m.inputs[cos], 0, half_table)
+    if rot is None or rotary_table_of(m.inputs[sin], 1, half_table) is not rot:
+        return f"cos/sin are not {'the first halves of ' if half_table else ''}the step's rotary table"
     if not _is_positions_of(rot.args[1], m.inputs[pos]):
         return "the rotary positions are not the cache positions"
     return None
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+_PASS_THROUGH = (torch.ops.aten.detach_.default, torch.ops.aten.detach.default, torch.ops.aten.lift_fresh_copy.default,
+                 torch.ops.aten.clone.default)
+
+
+def _constant(node, gm):
+    """The value of a graph constant (a literal, or a lifted tensor behind its copies), else None."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _PASS_THROUGH:
+        node = node.args[0]
+    if isinstance(node, (int, float)):
+        return float(node)
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in (
+            torch.ops.aten.new_zeros.default, torch.ops.aten.zeros.default) and _val(node) is not None \
+            and _val(node).numel() == 1:
+        return 0.0
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+            return float(obj.reshape(()))
+    return None
+
+
+def additive_mask_of(node, gm):
+    """The boolean mask that ``node`` makes additive, as transformers' ``eager_mask`` does
+    (``where(mask, 0, finfo(dtype).min)``: eager attention adds it to the scores), else None."""
+    w = node if isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in (
+        torch.ops.aten.where.ScalarOther, torch.ops.aten.where.self, torch.ops.aten.where.Scalar) else None
+    if w is None or len(w.args) != 3 or _val(w) is None or not _val(w).is_floating_point():
+        return None
+    cond = w.args[0]
+    if _val(cond) is None or _val(cond).dtype != torch.bool:
+        return None
+    if _constant(w.args[1], gm) != 0.0 or _constant(w.args[2], gm) != torch.finfo(_val(w).dtype).min:
+        return None
+    return cond
+
+
+def rotary_table_of(node, index: int, half: bool = False):
+    """The ``rotary_cos_sin`` whose cos (``index`` 0) or sin (1) ``node`` is, or (``half``) whose first half along
+    the last dim it is (gpt-oss's table over half the head: ``rotary.cos_sin_half``), else None."""
+    if half:
+        if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+                and node.target is torch.ops.aten.slice.Tensor):
+            return None
+        src, dim, start, end, step = _all_args(node)
+        val = _val(src)
+        if val is None or dim not in (-1, val.dim() - 1) or start not in (0, None) or step != 1 \
+                or end != val.shape[-1] // 2:
+            return None
+        node = src
+    return _getitem_of(node, torch.ops.tkcc.rotary_cos_sin.default, index)
 
 
 def _params(m, ctx):
     kc = m.val(1)
     hkv, S, D = kc.shape[1], kc.shape[2], kc.shape[3]
     hq = m.val(0).shape[-1] // D - 2 * hkv
-    rot = m.inputs[4].args[0]
-    mask = m.inputs[6]
+    rot = rotary_table_of(m.inputs[4], 0) or rotary_table_of(m.inputs[4], 0, half=True)
+    mask = _producer(m.inputs[6], torch.ops.tkcc.causal_mask.default) or \
+        _producer(additive_mask_of(m.inputs[6], m.gm), torch.ops.tkcc.causal_mask.default)
     chunk, (block_s, num_warps) = ctx.options["attention_layout"](hq, hkv, D, S)
     if block_s is None:
         raise Refused("no attention tile fits the device")
@@ -229,14 +355,32 @@ def _params(m, ctx):
             "num_warps": int(num_warps), "pdl": bool(ctx.options.get("pdl"))}
 
 
+def _check_sinks(m, half_table: bool = False) -> str | None:
+    """``_check``, the mask is additive (the eager attention adds it to the scores: a boolean one would add 0/1), and
+    the sink logits are a per-head vector in the activations' dtype."""
+    if m.val(6).dtype == torch.bool:
+        return "the eager attention adds a boolean mask to its scores"
+    why = _check(m, half_table)
+    if why:
+        return why
+    sinks, hq = m.val(len(m.inputs) - 1), m.val(0).shape[-1] // m.val(1).shape[3] - 2 * m.val(1).shape[1]
+    if sinks.dim() != 1 or sinks.shape[0] != hq or sinks.dtype != m.val(0).dtype:
+        return f"sink logits {tuple(sinks.shape)} {sinks.dtype} for {hq} heads of {m.val(0).dtype}"
+    return None
+
+
 def _attention_rewrites():
     out = []
-    for qk_norm in ("full", "head", ""):
+    for qk_norm in ("full", "head", "head_offset", ""):
         pattern, replacement = _attention_pattern(qk_norm)
         for kind, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
             name = f"attention[{kind}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}]"
             out.append(Rewrite(name, pattern, replacement, _example(qk_norm, hq, hkv), region="attention",
                                check=_check, params=_params))
+    pattern, replacement = _attention_pattern("", sinks=True)
+    for kind, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+        out.append(Rewrite(f"attention[{kind}, sinks]", pattern, replacement, _example("", hq, hkv, sinks=True),
+                           region="attention", check=_check_sinks, params=_params))
     return out
 
 

@@ -58,4 +58,83 @@ def check_rotary(device, dtype, g, shapes=((4, 2, 16, 40, 16, 8, 0), (4, 4, 32, 
     return rows
 
 
-FAMILIES = {"linear_attention": check_linear_attention, "rotary": check_rotary}
+def sink_region(hq, hkv, D, S, window, rope_scale, g, device, dtype, rope="chunked"):
+    """(tensors, fn, make) of gpt-oss's attention block as its code writes it: the rotary table over half the head
+    (``rotary.cos_sin_half``; ``rope="partial"``: MiMo-V2's table over the first half of the head, rotate-half),
+    the step's boolean mask made additive as ``eager_mask`` does, the packed q|k|v (biases already added), the
+    chunked rotation, the cache write and the eager attention with per-head sink logits."""
+    from tkcc.passes.lower import attention, rotary
+    from tkcc.passes.lower.checks import _rand
+
+    R = D if rope == "chunked" else D // 2
+    t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
+         "inv_freq": 1.0 / (150000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R)).to(device),
+         "sinks": _rand((hq,), g, device, dtype, 2.0)}
+    table = rotary.cos_sin_half if rope == "chunked" else rotary.cos_sin
+    pattern = attention._attention_pattern("", rotary.rope_chunked if rope == "chunked" else rotary.rope_partial,
+                                           sinks=True)[0]
+
+    def fn(s, qkv, pos):
+        cos, sin = table(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
+        mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else attention.causal_mask(pos, kv_len=S)
+        mask = torch.where(mask, torch.tensor(0.0, device=mask.device, dtype=qkv.dtype), torch.finfo(qkv.dtype).min)
+        return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, s.sinks, scale=D ** -0.5)
+
+    def make():
+        pos = torch.randint(0, S, (1,), generator=g).to(device)
+        return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype), pos
+
+    return t, fn, make
+
+
+def check_sink_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 12), (8, 1, 16, 100, 16, 24),
+                                                   (4, 2, 16, 300, 16, 8), (2, 1, 64, 48, 16, 0))):
+    """The sink attention rewrites (gpt-oss's chunked rotation over its half table, a partial rotate-half one) against
+    the block run eagerly: GQA, MHA, MQA, one split and several (the fourth shape: more than the kernel merges),
+    YaRN-scaled tables, causal and sliding-window masks: (hq, hkv, D, S, chunk, window)."""
+    from tkcc.passes.lower.checks import Region, _options, run_case
+
+    rows = []
+    for i, (hq, hkv, D, S, chunk, window) in enumerate(shapes):
+        for rope in ("chunked",) + (("partial",) if i % 2 else ()):
+            rope_scale = 1.0 if i % 2 == 0 else 1.3465735902799727
+            t, fn, make = sink_region(hq, hkv, D, S, window, rope_scale, g, device, dtype, rope)
+            name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, sinks, {rope} rotary" \
+                   f"{f', rope x{rope_scale:.3f}' if rope_scale != 1.0 else ''}{f', window {window}' if window else ''}]"
+            rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype,
+                             _options(chunk=chunk), state=("kc", "vc"))
+    return rows
+
+
+def check_gemma_qk_norm(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 12), (8, 1, 16, 100, 16, 24),
+                                                  (4, 2, 16, 300, 16, 0), (2, 1, 64, 48, 16, 10))):
+    """The fused attention with Gemma 3's per-head q/k norms (``norm(x) * (1 + w)`` in fp32, on the transposed
+    heads), rotate-half rotary, causal and sliding masks, one split and several: (hq, hkv, D, S, chunk, window)."""
+    from tkcc.passes.lower import attention, rotary
+    from tkcc.passes.lower.checks import Region, _options, _rand, run_case
+
+    rows = []
+    pattern = attention._attention_pattern("head_offset")[0]
+    for hq, hkv, D, S, chunk, window in shapes:
+        t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
+             "inv_freq": 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)).to(device),
+             "qn": _rand((D,), g, device, dtype, 0.5), "kn": _rand((D,), g, device, dtype, 0.5)}
+
+        def fn(s, qkv, pos, S=S, window=window, D=D):
+            cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=qkv.dtype)
+            mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
+                attention.causal_mask(pos, kv_len=S)
+            return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, s.qn, s.kn, scale=D ** -0.5, eps=1e-6, offset=1.0)
+
+        def make(S=S, hq=hq, hkv=hkv, D=D):
+            pos = torch.randint(0, S, (1,), generator=g).to(device)
+            return _rand((1, 1, (hq + 2 * hkv) * D), g, device, dtype, 2.0), pos
+
+        name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, gemma head qk_norm{f', window {window}' if window else ''}]"
+        rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk),
+                         state=("kc", "vc"))
+    return rows
+
+
+FAMILIES = {"linear_attention": check_linear_attention, "rotary": check_rotary, "sinks": check_sink_attention,
+            "gemma_qk_norm": check_gemma_qk_norm}

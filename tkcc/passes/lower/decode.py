@@ -47,10 +47,11 @@ VIEWS = {"aten.view.default", "aten.reshape.default", "aten.transpose.int", "ate
 def stages():
     """The rewrites, stage by stage (see the module docstring)."""
     import tkcc.kernels.lowered  # noqa: F401 - registers torch.ops.tkcc (no triton needed until a kernel runs)
-    from tkcc.passes.lower import attention, linear_attention, mla, moe, norms, projections, rotary, routed_experts
+    from tkcc.passes.lower import attention, biased_experts, linear_attention, mla, moe, norms, projections, rotary, \
+        routed_experts
 
     return [("shared", attention.MASKS + rotary.REWRITES + rotary.CANONICAL),
-            ("moe", moe.REWRITES + routed_experts.REWRITES), ("packing", projections.PACK),
+            ("moe", moe.REWRITES + routed_experts.REWRITES + biased_experts.REWRITES), ("packing", projections.PACK),
             ("gemv", projections.GEMV), ("attention", attention.ATTENTION + rotary.ATTENTION + mla.REWRITES),
             ("linear_attention", linear_attention.REWRITES), ("norms", norms.REWRITES)]
 

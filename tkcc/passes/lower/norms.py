@@ -1,4 +1,5 @@
-"""Normalisations: RMSNorm (Llama's ``w * norm(x)``, Gemma's ``norm(x) * (1 + w)``) and LayerNorm.
+"""Normalisations: RMSNorm (Llama's ``w * norm(x)``, Gemma's ``norm(x) * (1 + w)``, gpt-oss's ``(w * norm(x))`` rounded
+once) and LayerNorm.
 
 Each pattern is the module's forward as Hugging Face writes it; each replacement one ``tkcc.rms_norm`` /
 ``tkcc.layer_norm``. Most norms do not survive as ops: the projection rewrites (``projections.py``) match a
@@ -34,6 +35,16 @@ def rms_norm_offset(x, weight, *, eps, offset):
     return h.type_as(x)
 
 
+def rms_norm_weight_fp32(x, weight, *, eps):
+    """``GptOssRMSNorm.forward`` (T5's): the weight times the fp32 normalised x, rounded once. In fp32 the same
+    program as ``rms_norm``; in bf16 the product is fp32."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return (weight * h).to(input_dtype)
+
+
 def layer_norm(x, weight, bias, *, eps):
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -48,6 +59,11 @@ def _to_rms_norm(x, weight, *, eps):
 
 def _to_rms_norm_offset(x, weight, *, eps, offset):
     return torch.ops.tkcc.rms_norm(x, weight, eps, offset, False)
+
+
+def _to_rms_norm_weight_fp32(x, weight, *, eps):
+    # -0.0 + w is w bit for bit (0.0 + w would turn a -0.0 weight into +0.0)
+    return torch.ops.tkcc.rms_norm(x, weight, eps, -0.0, False)
 
 
 def _to_layer_norm(x, weight, bias, *, eps):
@@ -75,6 +91,8 @@ REWRITES = [
     Rewrite("rms_norm_offset", rms_norm_offset, _to_rms_norm_offset,
             lambda dt: (_x_w(dt), {"eps": EPS, "offset": OFFSET}), region="norm", check=_same_width,
             exact=True),  # (the offset form has no kernel yet: its op is the eager arithmetic everywhere)
+    Rewrite("rms_norm_weight_fp32", rms_norm_weight_fp32, _to_rms_norm_weight_fp32, lambda dt: (_x_w(dt), {"eps": EPS}),
+            region="norm", check=_same_width, exact=True),  # (the eager arithmetic everywhere, as the offset form)
     Rewrite("layer_norm", layer_norm, _to_layer_norm,
             lambda dt: ((*_x_w(dt), torch.empty(48, dtype=dt)), {"eps": EPS}), region="norm", exact=True),
     Rewrite("layer_norm_nobias", layer_norm_nobias, _to_layer_norm_nobias, lambda dt: (_x_w(dt), {"eps": EPS}),

@@ -122,7 +122,29 @@ def _gated_pair(act):
                    region="projection", check=check, params=_pack_params)
 
 
-PACK = [_gated_pair(a) for a in ("silu", "gelu_tanh", "gelu")] + [
+def _chunked_gate(act):
+    """A packed gate|up's output halved by ``chunk`` and gated as Phi-3 writes it (``up * act(gate)``) -> the split
+    and ``act(g) * u`` that the gated GEMV matches. Exact: the halves are the same views, the product commutes."""
+    fn = ACT_FNS[act]
+
+    def pattern(y):
+        gate, up = y.chunk(2, dim=-1)
+        return up * fn(gate)
+
+    def replacement(y):
+        n = y.shape[-1] // 2
+        g, u = torch.split(y, [n, n], -1)
+        return fn(g) * u
+
+    def check(m):
+        return None if m.val(0).shape[-1] % 2 == 0 else f"an odd gate|up width {m.val(0).shape[-1]}"
+
+    return Rewrite(f"canonical_gate[chunked, {act}]", pattern, replacement,
+                   lambda dt: ((torch.empty(1, 1, 2 * N_EX, dtype=dt),), {}), region="projection", exact=True,
+                   check=check)
+
+
+PACK = [_chunked_gate(a) for a in ("silu", "gelu_tanh", "gelu")] + [_gated_pair(a) for a in ("silu", "gelu_tanh", "gelu")] + [
     Rewrite("pack_linears3[bias]", linears3_bias, _packed3_bias,
             lambda dt: (_xw(dt, 3) + tuple(torch.empty(N_EX + 8 * i, dtype=dt) for i in range(3)), {}),
             region="projection", check=_check_pack_bias, params=_pack_bias_params),

@@ -63,11 +63,33 @@ def _example(inv_dtype):
     return example
 
 
+def cos_sin_half(inv_freq, position_ids, *, scale, dtype):
+    """gpt-oss's ``GptOssRotaryEmbedding.forward``: the table over half the head (``emb = freqs``, no cat: its rotation
+    pairs the halves of each head itself, ``rope_chunked``)."""
+    inv_freq_expanded = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(position_ids.device)
+    position_ids_expanded = position_ids[:, None, :].float()
+    freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
+    cos = freqs.cos() * scale
+    sin = freqs.sin() * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _to_op_half(inv_freq, position_ids, *, scale, dtype):
+    """The step's table, first halves: ``cat(f, f).cos()[..., :n]`` is ``f.cos()`` element for element."""
+    cos, sin = torch.ops.tkcc.rotary_cos_sin(inv_freq, position_ids, scale, dtype)
+    n = inv_freq.shape[0]
+    return cos[..., :n], sin[..., :n]
+
+
 # inv_freq kept in fp32 (a model loaded in its dtype), or cast with the model (``model.to(torch.bfloat16)``)
 REWRITES = [
     Rewrite("rotary_cos_sin", cos_sin, _to_op, _example(torch.float32), region="rotary", exact=True, check=_check),
     Rewrite("rotary_cos_sin[inv_freq in the model dtype]", cos_sin, _to_op, _example(None), region="rotary",
             exact=True, check=_check),
+    Rewrite("rotary_cos_sin[half table]", cos_sin_half, _to_op_half, _example(torch.float32), region="rotary",
+            exact=True, check=_check),
+    Rewrite("rotary_cos_sin[half table, inv_freq in the model dtype]", cos_sin_half, _to_op_half, _example(None),
+            region="rotary", exact=True, check=_check),
 ]
 
 
@@ -108,6 +130,19 @@ def rope_interleaved(q, k, cos, sin):
     return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
 
 
+def _rotate_chunked(x, cos, sin):
+    first_half, second_half = torch.chunk(x, 2, dim=-1)
+    first_ = first_half * cos - second_half * sin
+    second_ = second_half * cos + first_half * sin
+    return torch.cat((first_, second_), dim=-1)
+
+
+def rope_chunked(q, k, cos, sin):
+    """gpt-oss's ``apply_rotary_pos_emb``: each head's halves rotated by the half table (``cos_sin_half``). The same
+    arithmetic as rotate-half over the whole table, element for element (``a - b * s`` is ``a + (-b) * s``)."""
+    return _rotate_chunked(q, cos, sin), _rotate_chunked(k, cos, sin)
+
+
 ROPES = {"partial": (rope_partial, False), "interleaved": (rope_interleaved, True)}
 
 
@@ -131,18 +166,67 @@ def _attention_rewrites():
                     ts[4], ts[5] = ts[4][..., :8].clone(), ts[5][..., :8].clone()  # a table for half the head
                     return tuple(ts), sc
 
-                def params(m, ctx, interleaved=interleaved):
-                    got = attention._params(m, ctx)
-                    D, R = m.val(1).shape[-1], m.val(4).shape[-1]
-                    if R % 2 or R > D:
-                        raise Refused(f"rotary table of {R} for heads of {D}")
-                    got.update(rotary_dim=0 if R == D else int(R), interleaved=interleaved)
-                    return got
-
+                params = _rotary_params(interleaved)
                 name = f"attention[{heads}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}, {kind} rotary" \
                        f"{' over the whole head' if whole else ''}]"
                 out.append(Rewrite(name, pattern, replacement, example, region="attention", check=attention._check,
                                    params=params))
+    # StableLM: the partial rotary with q, k and v viewed as heads by their counts
+    pattern, replacement = attention._attention_pattern("", rope_partial, explicit_heads=True)
+    for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+        base = attention._example("", hq, hkv)
+
+        def example(dt, base=base):
+            ts, sc = base(dt)
+            ts = list(ts)
+            ts[4], ts[5] = ts[4][..., :8].clone(), ts[5][..., :8].clone()
+            return tuple(ts), sc
+
+        out.append(Rewrite(f"attention[{heads}, partial rotary, explicit head counts]", pattern, replacement, example,
+                           region="attention", check=attention._check, params=_rotary_params(False)))
+    return out + _sink_rewrites()
+
+
+def _rotary_params(interleaved):
+    from tkcc.passes.lower import attention
+
+    def params(m, ctx):
+        got = attention._params(m, ctx)
+        D, R = m.val(1).shape[-1], m.val(4).shape[-1]
+        if R % 2 or R > D:
+            raise Refused(f"rotary table of {R} for heads of {D}")
+        got.update(rotary_dim=0 if R == D else int(R), interleaved=interleaved)
+        return got
+
+    return params
+
+
+def _sink_rewrites():
+    """The eager attention with per-head sink logits (``attention.sink_attention``) under gpt-oss's chunked rotation
+    (its half table) and under a partial one (MiMo-V2's sliding layers)."""
+    from tkcc.passes.lower import attention
+
+    out = []
+    for kind, rope in (("chunked", rope_chunked), ("partial", rope_partial)):
+        pattern, replacement = attention._attention_pattern("", rope, sinks=True)
+        for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+            example = attention._example("", hq, hkv, sinks=True, table=8)
+
+            def check(m, kind=kind):
+                return attention._check_sinks(m, half_table=kind == "chunked")
+
+            def params(m, ctx, kind=kind):
+                got = attention._params(m, ctx)
+                D, R, n = m.val(1).shape[-1], m.val(4).shape[-1], got["inv_freq"].meta["val"].numel()
+                if kind == "chunked" and not (2 * R == D == 2 * n):
+                    raise Refused(f"a half table of {R} from {n} frequencies for heads of {D}")
+                if kind == "partial" and (R % 2 or R >= D or 2 * n != R):
+                    raise Refused(f"rotary table of {R} from {n} frequencies for heads of {D}")
+                got.update(rotary_dim=0 if kind == "chunked" else int(R), interleaved=False)
+                return got
+
+            out.append(Rewrite(f"attention[{heads}, sinks, {kind} rotary]", pattern, replacement, example,
+                               region="attention", check=check, params=params))
     return out
 
 

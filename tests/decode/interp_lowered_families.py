@@ -1,0 +1,91 @@
+"""Run under TRITON_INTERPRET=1 (by test_lowered_families.py), every kernel live on the CPU:
+
+1. the sink and Gemma q/k-norm rewrites against their patterns (fresh random inputs, several shapes, fp32), and
+   the op itself with a Gemma norm under each rotation path of the kernel (fp32, fp16);
+2. each family of ``lowered_families.FAMILIES`` captured, built through the ``lowered_decode`` plan into an
+   artifact (codegen, load): its kernel ops and what stays in aten; the artifact's decode step bit-exact with the
+   captured one while the ops take their references (``kernels_off``); its greedy tokens over a few steps with the
+   kernels live against the captured graph's.
+
+One JSON line per part: {"checks": rows, "fallbacks"} then {"family", "ref", "got", "logits_rel_err", "ops", "left",
+"inexact", "fallbacks"} per family. Arguments: the seed, then the families (default all)."""
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lowered_families import FAMILIES, capture, kernels_off, op_counts, same_decode  # noqa: E402
+
+from tkcc import pipeline  # noqa: E402
+from tkcc.frontend.generate import greedy  # noqa: E402
+from tkcc.kernels.checks import TOL, rel_err  # noqa: E402
+from tkcc.kernels.common import fallbacks  # noqa: E402
+from tkcc.kernels.lowered import attention_rope_ref  # noqa: E402
+from tkcc.passes.lower.checks_variants import check_gemma_qk_norm, check_sink_attention  # noqa: E402
+
+STEPS = 4
+
+
+def check_norm_offset_op(dtype, g):
+    """tkcc.attention_rope with Gemma's q/k norm (norm_offset) under a partial and an interleaved rotation, against
+    its reference: the kernel's pairs path with the fp32 norm."""
+    rows = []
+    for hq, hkv, D, S, chunk, R, il in ((4, 2, 16, 40, 16, 16, False), (4, 2, 16, 40, 16, 8, False),
+                                        (4, 4, 32, 64, 16, 32, True)):
+        rnd = lambda *s: torch.randn(*s, generator=g).to(dtype=dtype)  # noqa: E731
+        qkv, kc, vc = rnd(1, 1, (hq + 2 * hkv) * D) * 2, rnd(1, hkv, S, D), rnd(1, hkv, S, D)
+        qn, kn = rnd(D) * 0.5, rnd(D) * 0.5
+        inv = 1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
+        pos = torch.randint(0, S, (1,), generator=g)
+        count = torch.zeros(hkv, dtype=torch.int32)
+        k2, v2 = kc.clone(), vc.clone()
+        rd = 0 if R == D else R
+        ref = attention_rope_ref(qkv, kc, vc, pos, inv, 1.0, qn, kn, 1e-6, D ** -0.5, hq, 0, True, rd, il,
+                                 norm_offset=1.0)
+        got = torch.ops.tkcc.attention_rope(qkv, k2, v2, pos, inv, 1.0, qn, kn, 1e-6, D ** -0.5, hq, 0, chunk, 16, 4,
+                                            count, False, True, rd, il, None, 1.0)
+        err = max(rel_err(got, ref), rel_err(k2, kc), rel_err(v2, vc))
+        rows.append({"case": f"norm_offset_op[{hq}/{hkv}x{D}, rotary {R}{', interleaved' if il else ''}]",
+                     "dtype": str(dtype), "rel_err": err, "ok": err <= TOL[dtype] and int(count.sum()) == 0})
+    return rows
+
+
+def main():
+    g = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    t0 = time.perf_counter()
+    rows = []
+    # the rewrites (fp32): GQA, MHA and MQA, one split and more than the kernel merges (the combine launch), sliding
+    # windows, YaRN-scaled tables, the chunked and the partial rotation; the op (fp32 and fp16: the fp16 sink kernel
+    # is test_lowered_variants'): Gemma's norm under each of the kernel's rotation paths
+    rows += check_sink_attention("cpu", torch.float32, g, shapes=((4, 4, 32, 64, 64, 12), (4, 2, 16, 300, 16, 8)))
+    rows += check_gemma_qk_norm("cpu", torch.float32, g, shapes=((8, 1, 16, 100, 16, 24),))
+    rows += check_norm_offset_op(torch.float32, g) + check_norm_offset_op(torch.float16, g)
+    print(json.dumps({"checks": rows, "fallbacks": fallbacks(), "seconds": round(time.perf_counter() - t0, 1)},
+                     default=str), flush=True)
+
+    prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(5))
+    for family in sys.argv[2:] or list(FAMILIES):
+        t0 = time.perf_counter()
+        prog = capture(family, max_cache_len=160, phases=("prefill", "decode"), seed=11)
+        with tempfile.TemporaryDirectory() as d:
+            build = pipeline.build(prog, [{"name": "lowered_decode", "params": {"attn_chunk": 64}}], f"{d}/art",
+                                   mode="tolerance", check_numerics=False, log_code=False)
+            ops, left = op_counts(build.program.graphs["decode"])
+            with kernels_off():
+                inexact = same_decode(prog, build.forwards["decode"], positions=(0, 9, 100))
+            before = dict(fallbacks())
+            ref, ref_logits = greedy(prog, prompt, STEPS, return_logits=True)
+            got, got_logits = greedy(prog, prompt, STEPS, forwards=build.forwards, return_logits=True)
+        err = float((got_logits - ref_logits).norm() / ref_logits.norm())
+        new_fallbacks = {k: v for k, v in fallbacks().items() if k not in before}
+        print(json.dumps(dict(family=family, ref=ref[0].tolist(), got=got[0].tolist(), logits_rel_err=err, ops=ops,
+                              left=sorted(left), inexact=inexact,
+                              fallbacks=new_fallbacks, seconds=round(time.perf_counter() - t0, 1))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

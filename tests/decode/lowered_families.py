@@ -1,0 +1,122 @@
+"""Families beyond the registered ones, as tiny random Hugging Face models (2 layers, 64 wide), with what
+``lowered_decode`` lowers in each decode graph: shared by test_lowered_families.py (in-process, bit-exact off the
+kernel path) and interp_lowered_families.py (greedy tokens with the kernels live under the Triton interpreter).
+
+Each entry: how to build the model, the kernel ops the lowered decode graph holds (every ``torch.ops.tkcc`` kind,
+with its count: a region claimed lowered that is not, or one more op than claimed, fails), and the aten ops allowed
+to stay (anything else left in aten fails too).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=256, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+GPT_OSS_MOE = {"aten.add.Tensor", "aten.add_.Tensor", "aten.bmm.default", "aten.clamp.default", "aten.index.Tensor",
+               "aten.mul.Tensor", "aten.repeat_interleave.self_int", "aten.sigmoid.default", "aten.softmax.int",
+               "aten.sum.dim_IntList", "aten.topk.default"}
+A, G, GG, N, L = ("tkcc.attention_rope.default", "tkcc.gemv.default", "tkcc.gemv_gather.default",
+                  "tkcc.rms_norm.default", "tkcc.layer_norm.default")
+
+# name -> (registry name or (config class, model class, config overrides), kernel ops, aten ops allowed to stay)
+FAMILIES = {
+    # per-head sinks, sliding/full layers, q/k/v/o biases, YaRN over a half table; its MoE stays in aten
+    "gpt-oss": ("gptoss-tiny", {A: 2, G: 6, GG: 1, N: 2}, GPT_OSS_MOE),
+    # partial rotary of a packed q|k|v (sliced), packed gate|up halved by chunk
+    "phi3": (("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5)), {A: 2, G: 8, GG: 1}, set()),
+    # 1 + w norms (sandwich: the residual adds stay), embedding scaled, final logit softcapping, sliding window
+    "gemma2": (("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=8)), {A: 2, G: 9, N: 9},
+               {"aten.add.Tensor", "aten.div.Tensor", "aten.embedding.default", "aten.mul.Tensor",
+                "aten.tanh.default"}),
+    # + per-head 1 + w q/k norms on the transposed heads
+    "gemma3": (("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=8)), {A: 2, G: 9, N: 9},
+               {"aten.add.Tensor", "aten.embedding.default", "aten.mul.Tensor"}),
+    # per-head q/k norms (dense)
+    "qwen3": (("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)), {A: 2, G: 8, GG: 1}, set()),
+    # embedding / residual / attention / logits multipliers (stay as scalar products)
+    "granite": (("GraniteConfig", "GraniteForCausalLM", dict()), {A: 2, G: 9},
+                {"aten.add.Tensor", "aten.div.Tensor", "aten.embedding.default", "aten.mul.Tensor"}),
+    # LayerNorm, partial rotary, heads viewed by explicit counts
+    "stablelm": (("StableLmConfig", "StableLmForCausalLM", dict()), {A: 2, G: 9, L: 5}, {"aten.embedding.default"}),
+    # interleaved rotary from a repeat_interleave'd table, computed in fp32, and its own LayerNorm: the attention and
+    # the norms stay in aten (correct, not fused); the projections lower
+    "cohere": (("CohereConfig", "CohereForCausalLM", dict()), {G: 9, "tkcc.causal_mask.default": 1},
+               {"aten.add.Tensor", "aten.cos.default", "aten.embedding.default", "aten.flatten.using_ints",
+                "aten.index_copy_.default", "aten.matmul.default", "aten.mean.dim", "aten.mul.Tensor",
+                "aten.neg.default", "aten.pow.Tensor_Scalar", "aten.repeat_interleave.self_int", "aten.rsqrt.default",
+                "aten.scaled_dot_product_attention.default", "aten.sin.default", "aten.stack.default",
+                "aten.sub.Tensor", "aten.to.dtype"}),
+}
+
+
+def build(family: str, dtype=torch.float32, seed: int = 0):
+    """The family's tiny model, seeded, in eval mode."""
+    spec = FAMILIES[family][0]
+    if isinstance(spec, str):
+        from tkcc.frontend.models import build_model
+
+        return build_model(spec, dtype, "cpu", seed=seed)
+    import transformers
+
+    cfg_cls, model_cls, kw = spec
+    cfg = getattr(transformers, cfg_cls)(**{**SHAPE, **kw})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(cfg).to(dtype).eval()
+
+
+def capture(family: str, dtype=torch.float32, max_cache_len: int = 32, phases=("decode",), seed: int = 0):
+    from tkcc.frontend.capture import capture as capture_module
+
+    return capture_module(build(family, dtype, seed), phases=list(phases), max_cache_len=max_cache_len)
+
+
+def op_counts(gm) -> dict:
+    """Kernel ops by kind, and the set of aten ops left (views aside)."""
+    from collections import Counter
+
+    from tkcc.passes.lower.decode import VIEWS
+
+    c = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    return {k: v for k, v in c.items() if k.startswith("tkcc.")}, {k for k in c if not k.startswith("tkcc.")
+                                                                   and k not in VIEWS}
+
+
+@contextlib.contextmanager
+def kernels_off():
+    """Every op takes its reference (the region's eager arithmetic) inside the block, even under the interpreter."""
+    was = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = was
+
+
+def same_decode(prog, forward, positions=(0, 9, 30)) -> str | None:
+    """Why ``forward`` (a lowered decode step) is not bit-exact with the captured one from the same random caches at
+    these positions (logits and caches), or None."""
+    for i, p in enumerate(positions):
+        g = torch.Generator().manual_seed(i)
+        inp = list(prog.inputs("decode", generator=g))
+        inp[1] = torch.full_like(inp[1], p)
+        for b in prog.state.buffers():
+            b.copy_(torch.randn(b.shape, generator=g).to(b.dtype))
+        saved = [b.clone() for b in prog.state.buffers()]
+        ref = prog.graphs["decode"](*inp)
+        ref_state = [b.clone() for b in prog.state.buffers()]
+        for b, v in zip(prog.state.buffers(), saved):
+            b.copy_(v)
+        got = forward(*inp)
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        if not torch.equal(ref, got):
+            return f"position {p}: logits differ by {float((ref.float() - got.float()).abs().max())}"
+        if not all(torch.equal(a, b) for a, b in zip(ref_state, prog.state.buffers())):
+            return f"position {p}: the caches differ"
+    return None

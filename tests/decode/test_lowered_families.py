@@ -1,0 +1,271 @@
+"""lowered_decode on families it was not written for (``lowered_families.FAMILIES``: gpt-oss, Phi-3, Gemma 2 and 3,
+Qwen3 dense, Granite, StableLM, Cohere), by op pattern only.
+
+CPU under the Triton interpreter (one subprocess: it must be on before triton is imported): the sink and Gemma
+q/k-norm rewrites against their patterns on fresh random inputs and several shapes with the kernels live; each
+family captured and built through the lowered_decode plan into an artifact, holding exactly the kernel ops claimed
+(counted by kind) and leaving in aten only what is listed, bit-exact with the captured step while the ops take their
+references, and keeping its greedy tokens over a few steps with the kernels live. CPU in-process (the ops take
+their references): gpt-oss's per-layer sinks and windows, and its bf16 graph bit-exact. Bad input: a mask that is
+not the step's, a context past the cache, a family whose capture is refused. GPU: the rewrites in bf16, greedy
+through tkcc.compile.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from lowered_families import FAMILIES, build, capture, op_counts, same_decode  # noqa: E402
+
+
+INTERP_TEST = "test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_run(request):
+    """The interpreter's subprocess, started with the module when its test is selected, so that it runs beside the
+    in-process tests (the machine has 2 cores); its test, the module's last, collects it."""
+    proc = None
+    if any(item.name == INTERP_TEST for item in request.session.items):
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        proc = subprocess.Popen([sys.executable, str(HERE / "interp_lowered_families.py"),
+                                 str(int(torch.randint(0, 1000, (1,))))], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    yield proc
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def _lower(prog):
+    from tkcc.passes.manager import apply_plan
+
+    new, logs = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance")
+    return new, logs[0].notes
+
+
+def test_gpt_oss_attention_keeps_its_sinks_and_windows_per_layer():
+    """Each layer's fused attention takes that layer's sink logits; the sliding layer its window, the full layer
+    none; the MoE block is refused with its reason; nothing of the masks or the rotary table is left."""
+    from tkcc.passes.lower.pattern import _all_args
+
+    prog = capture("gpt-oss")
+    new, notes = _lower(prog)
+    gm = new.graphs["decode"]
+    attn = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.attention_rope.default]
+    kinds = prog.model.config.layer_types
+    assert len(attn) == len(kinds) == 2
+    for i, (n, kind) in enumerate(zip(attn, kinds)):
+        args = _all_args(n)
+        assert args[20].op == "get_attr" and args[20].target == f"lm.model.layers.{i}.self_attn.sinks", args[20]
+        assert args[11] == (prog.model.config.sliding_window if kind == "sliding_attention" else 0), (kind, args[11])
+        assert args[17] is False and args[18] == 0 and args[19] is False  # no q/k norm; rotate-half over the head
+    targets = {str(n.target) for n in gm.graph.nodes}
+    assert not targets & {"tkcc.causal_mask.default", "tkcc.rotary_cos_sin.default", "aten.where.ScalarOther",
+                          "aten.lift_fresh_copy.default", "aten.detach_.default", "aten.cat.default"}, targets
+    assert any("moe[gpt-oss" in n and "left in aten" in n and "no routed-experts kernel" in n for n in notes), notes
+    assert same_decode(prog, gm) is None
+
+
+def test_gpt_oss_bf16_lowers_and_stays_bit_exact():
+    """bf16 (the GPU dtype) has other casts: the RMSNorm's fp32 product, inv_freq cast with the model."""
+    prog = capture("gpt-oss", torch.bfloat16)
+    new, notes = _lower(prog)
+    ops, _ = op_counts(new.graphs["decode"])
+    assert ops == {"tkcc.attention_rope.default": 2, "tkcc.gemv.default": 7, "tkcc.rms_norm.default": 5}, notes[-1]
+    assert same_decode(prog, new.graphs["decode"]) is None
+
+
+def _region_cases(dtype):
+    """(rewrite name, region fn, its tensors, inputs maker) of every exact rewrite the families brought, in ``dtype``."""
+    from tkcc.passes.lower import attention, norms, rotary
+
+    cases = []
+    for S, window in ((24, 0), (40, 8), (100, 33)):
+        def fn(s, pos, S=S, window=window):
+            m = attention.sliding_mask(pos, kv_len=S, window=window) if window else attention.causal_mask(pos, kv_len=S)
+            return torch.where(m, torch.tensor(0.0, device=m.device, dtype=dtype), torch.finfo(dtype).min)
+        cases.append(("additive_mask", fn, {}, lambda S=S: (torch.randint(0, S, (1,)),)))
+    # inv_freq kept in fp32, or cast with the model (in fp32 the two are one program: the first takes it)
+    for R, inv_dtype in ((8, torch.float32), (32, torch.float32)) + (((16, dtype),) if dtype != torch.float32 else ()):
+        def fn(s, pos):
+            return rotary.cos_sin_half(s.inv_freq, pos.unsqueeze(0), scale=1.3465735902799727, dtype=dtype)
+        inv = (1.0 / (150000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))).to(inv_dtype)
+        name = "rotary_cos_sin[half table]" if inv_dtype == torch.float32 else \
+            "rotary_cos_sin[half table, inv_freq in the model dtype]"
+        cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
+    for H in (48, 200, 2048):
+        # in fp32 gpt-oss's RMSNorm is Llama's program (there the GEMV prologue takes it)
+        cases.append(("rms_norm_weight_fp32" if dtype != torch.float32 else "rms_norm",
+                      lambda s, x: norms.rms_norm_weight_fp32(x, s.w, eps=1e-5), {"w": (torch.randn(H) + 1).to(dtype)},
+                      lambda H=H: ((torch.randn(1, 1, H) * 3).to(dtype),)))
+    for n in (16, 96, 256):
+        def fn(s, y):
+            gate, up = y.chunk(2, dim=-1)
+            return up * torch.nn.functional.silu(gate)
+        cases.append(("canonical_gate[chunked, silu]", fn, {}, lambda n=n: (torch.randn(1, 1, 2 * n).to(dtype),)))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_rewrites_are_bit_exact(dtype):
+    """Each exact rewrite (the additive mask, gpt-oss's half table, its RMSNorm, Phi-3's chunked gate) on fresh random
+    inputs at several shapes: it lowers its region (the note says so) and the result is the region's, bit for bit."""
+    from tkcc.passes.lower.checks import Region, _capture, _options
+    from tkcc.passes.lower.decode import lower
+
+    for name, fn, tensors, make in _region_cases(dtype):
+        m = Region(fn, tensors)
+        gm = _capture(m, make())
+        info = lower(gm, dtype, _options())
+        assert any(f": {name}: " in n and "lowered" in n for n in info.notes), (name, info.notes)
+        for _ in range(3):
+            inputs = make()
+            want, got = m(*inputs), gm(*inputs)
+            want, got = (list(want), list(got)) if isinstance(want, tuple) else ([want], [got])
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(want, got)), name
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+def test_a_mask_that_is_not_the_steps_is_refused_with_its_reason():
+    """gpt-oss's attention block under an additive mask the graph takes as input (padding, a custom mask): the
+    kernel attends causally, so the rewrite refuses the region, says why, and the region computes as captured."""
+    from tkcc.passes.lower import attention, rotary
+    from tkcc.passes.lower.checks import Region, _capture, _options
+    from tkcc.passes.lower.decode import lower
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, D, S = 4, 2, 16, 24
+    t = {"kc": torch.randn(1, hkv, S, D, generator=g), "vc": torch.randn(1, hkv, S, D, generator=g),
+         "inv_freq": 1.0 / (150000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)),
+         "sinks": torch.randn(hq, generator=g)}
+    pattern = attention._attention_pattern("", rotary.rope_chunked, sinks=True)[0]
+
+    def fn(s, qkv, pos, mask):
+        cos, sin = rotary.cos_sin_half(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=qkv.dtype)
+        return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, s.sinks, scale=D ** -0.5)
+
+    m = Region(fn, t)
+    mask = torch.zeros(1, 1, 1, S)
+    mask[..., 3] = torch.finfo(torch.float32).min  # a padded position the causal mask would show
+    inputs = (torch.randn(1, 1, (hq + 2 * hkv) * D, generator=g), torch.tensor([7]), mask)
+    gm = _capture(m, inputs)
+    info = lower(gm, torch.float32, _options())
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.attention_rope.default]
+    why = "not where(mask, 0"
+    assert any("attention[gqa, sinks, chunked rotary]" in n and why in n for n in info.notes), info.notes
+    kc, vc = m.kc.clone(), m.vc.clone()
+    want = m(*inputs)
+    m.kc.copy_(kc), m.vc.copy_(vc)
+    assert torch.equal(gm(*inputs), want)
+
+
+def test_a_context_past_the_cache_is_an_error():
+    from tkcc.errors import TkccError
+
+    prog = capture("gpt-oss", max_cache_len=16)
+    new, _ = _lower(prog)
+    inp = list(prog.inputs("decode"))
+    inp[1] = torch.full_like(inp[1], 16)
+    with pytest.raises(TkccError, match="longer than the static cache"):
+        new.graphs["decode"](*inp)
+
+
+def test_a_family_capture_refuses_names_tkccs_frame_and_the_reason():
+    """LFM2's convolution layers keep a state tkcc has no adapter for: refused by tkcc's own probe, by name."""
+    import transformers
+
+    from tkcc.errors import CaptureError
+    from tkcc.frontend.capture import capture as capture_module
+    from lowered_families import SHAPE
+
+    cfg = transformers.Lfm2Config(**{**SHAPE, "layer_types": ["conv", "full_attention"]})
+    cfg._attn_implementation = "sdpa"
+    with pytest.raises(CaptureError) as e:
+        capture_module(transformers.Lfm2ForCausalLM(cfg).eval(), phases=["decode"], max_cache_len=16)
+    msg = str(e.value)
+    assert msg.startswith("tkcc.frontend.hf_cache.probe_layout: cannot capture Lfm2ForCausalLM"), msg
+    assert "layer 0 (conv) keeps a transformers.cache_utils.LinearAttentionLayer" in msg, msg
+
+
+def test_the_sink_check_detects_a_replacement_that_drops_the_sinks(monkeypatch):
+    """The comparison can fail: the sink rewrite's replacement without its sink logits is caught."""
+    from tkcc.passes.lower import pattern, rotary
+    from tkcc.passes.lower.checks_variants import check_sink_attention
+
+    rw = next(r for r in rotary.ATTENTION if r.name == "attention[gqa, sinks, chunked rotary]")
+    good = rw.replacement
+    monkeypatch.setattr(pattern, "_TRACES", dict(pattern._TRACES))  # the wrong replacement's traces go with the test
+
+    def dropped(qkv, kc, vc, pos, cos, sin, mask, sinks, **kw):
+        return good(qkv, kc, vc, pos, cos, sin, mask, torch.full_like(sinks, -1e4), **kw)
+
+    monkeypatch.setattr(rw, "replacement", dropped)
+    rows = check_sink_attention("cpu", torch.float32, torch.Generator().manual_seed(0), shapes=((4, 2, 16, 40, 16, 0),))
+    assert rows and all(not r["ok"] and r["rel_err"] > 1e-2 for r in rows), rows
+
+
+def test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter(interpreter_run):
+    try:
+        out, err = interpreter_run.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        interpreter_run.kill()
+        out, err = interpreter_run.communicate()
+    assert interpreter_run.returncode == 0, err[-3000:]
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    checks, families = lines[0], {r["family"]: r for r in lines[1:]}
+    rows = checks["checks"]
+    assert {r["dtype"].replace("torch.", "") for r in rows} == {"float32", "float16"}
+    assert any("sinks, chunked" in r["case"] and "window" in r["case"] for r in rows), rows
+    assert any("gemma" in r["case"] for r in rows) and any(r["case"].startswith("norm_offset_op") for r in rows)
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, json.dumps(bad, indent=1)
+    assert not [k for k in checks["fallbacks"] if k.startswith("tkcc.")], checks["fallbacks"]  # the kernels ran
+    assert set(families) == set(FAMILIES), set(families)
+    for name, r in families.items():
+        _spec, want_ops, allowed = FAMILIES[name]
+        assert r["ops"] == want_ops, r  # every region claimed lowered is, and nothing more
+        assert set(r["left"]) <= allowed, (name, set(r["left"]) - allowed)
+        assert r["inexact"] is None, r  # off the kernels, the lowered step is the captured one bit for bit
+        assert r["got"] == r["ref"], r
+        assert r["logits_rel_err"] < 1e-4, r
+        assert not [k for k in r["fallbacks"] if k.startswith("tkcc.")], r
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["sinks", "gemma_qk_norm"])
+def test_rewrites_match_their_patterns_gpu_bf16(family):
+    from tkcc.passes.lower.checks import run_checks
+
+    rows = run_checks("cuda", torch.bfloat16, [family])
+    bad = [r for r in rows if not r["ok"]]
+    assert rows and not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["gpt-oss", "phi3", "gemma3", "stablelm", "qwen3"])
+def test_family_greedy_on_gpu_bf16(family, tmp_path):
+    """Through the front door: the lowered step (PDL, replayed from the decode CUDA graph) keeps the captured
+    graph's greedy tokens (the engine's tolerance-mode rule) over 32 steps."""
+    import tkcc
+    from greedy_rule import assert_greedy_agrees
+
+    m = build(family, torch.bfloat16, seed=4).to("cuda")
+    compiled = tkcc.compile(m, plan=[{"name": "lowered_decode", "params": {"tune": False}}], mode="tolerance",
+                            measure=False, max_cache_len=256, out_dir=tmp_path, progress=False)
+    assert compiled.serves == "artifact"
+    src = compiled.artifact.source("decode")
+    assert src.count("torch.ops.tkcc.attention_rope.default(") == 2, src
+    assert_greedy_agrees(compiled, steps=32)
