@@ -50,13 +50,13 @@ import operator
 import numpy as np
 import torch
 import torch.fx
-import torch.nn.functional as F
 
 from tkcc.codegen.targets import OP_TARGETS, check_pass_target, variant_params
 from tkcc.passes.base import RewriteInfo, register
 from tkcc.passes.graph_pass import GraphPass, origin
-from tkcc.passes.lower.moe import TOP_K, _experts, topk_router
-from tkcc.passes.lower.pattern import Match, Rewrite, _common_stack, canonicalize, find
+from tkcc.passes.lower import moe as lower_moe
+from tkcc.passes.lower.moe import TOP_K
+from tkcc.passes.lower.pattern import Match, Rewrite, common_stack, canonicalize, find
 
 aten = torch.ops.aten
 _log = logging.getLogger(__name__)
@@ -78,13 +78,7 @@ def routed_pattern(router: str, norm_topk: bool):
     xs [T, H] to its [T, H] output: the top-k router (``tkcc.passes.lower.moe.topk_router``: "softmax" in
     fp32 with the weights rounded to the dtype, OLMoE / Qwen; "softmax_fp32" of the upcast logits with the
     weights kept fp32, Mixtral / MiniMax; renormalised with ``norm_topk``) and the ``batched_mm`` experts."""
-
-    def pattern(xs, router_w, gate_up, down, *, top_k):
-        hidden_dim = xs.shape[-1]
-        router_logits = F.linear(xs.reshape(-1, hidden_dim), router_w)
-        router_top_value, router_indices = topk_router(router_logits, router, norm_topk, top_k)
-        return _experts(xs, router_top_value, router_indices, gate_up, down, top_k)
-
+    pattern = lower_moe.routed_pattern(router, norm_topk)
     pattern.__qualname__ = f"moe_regroup.pattern[{router}{'+renorm' if norm_topk else ''}]"
     return pattern
 
@@ -310,7 +304,7 @@ def _replace(gm, m: Match, fn, args: tuple, kwargs: dict, phase: str, info: Rewr
     with gm.graph.inserting_before(out):
         new = gm.graph.call_function(fn, tuple(args), dict(kwargs))
     new.meta["val"] = out.meta.get("val")
-    new.meta["nn_module_stack"] = _common_stack(m.nodes)
+    new.meta["nn_module_stack"] = common_stack(m.nodes)
     origin(new, *m.nodes)
     out.replace_all_uses_with(new)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

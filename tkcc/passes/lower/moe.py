@@ -49,7 +49,7 @@ def _moe_pattern(norm_topk: bool, residual: bool, router: str):
         router_logits = F.linear(hidden_states.reshape(-1, hidden_dim), router_w)
         router_top_value, router_indices = topk_router(router_logits, router, norm_topk, top_k)
         # the experts (transformers.integrations.moe.batched_mm_experts_forward)
-        final = _experts(hidden_states, router_top_value, router_indices, gate_up, down, top_k)
+        final = experts(hidden_states, router_top_value, router_indices, gate_up, down, top_k)
         final = final.reshape(batch_size, sequence_length, hidden_dim)
         return h + final if residual else final
 
@@ -68,7 +68,7 @@ def routed(xs, router_w, gate_up, down, *, top_k):
     router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
     router_top_value, router_indices = torch.topk(router_probs, top_k, dim=-1)
     router_top_value = router_top_value.to(router_logits.dtype)
-    return _experts(xs, router_top_value, router_indices, gate_up, down, top_k)
+    return experts(xs, router_top_value, router_indices, gate_up, down, top_k)
 
 
 def _routed_replacement(xs, router_w, gate_up, down, *, top_k, count, configs, pdl):
@@ -123,7 +123,7 @@ def _rewrites():
     return out
 
 
-def _experts(xs, router_top_value, router_indices, gate_up, down, top_k):
+def experts(xs, router_top_value, router_indices, gate_up, down, top_k):
     """transformers' ``batched_mm_experts_forward`` (shared by the patterns)."""
     hidden_dim = xs.shape[-1]
     selected_hidden_states = xs.repeat_interleave(top_k, dim=0)
@@ -137,6 +137,21 @@ def _experts(xs, router_top_value, router_indices, gate_up, down, top_k):
     weighted_out = proj_out * sample_weights.unsqueeze(-1)
     final = weighted_out.view(xs.shape[0], top_k, hidden_dim).sum(dim=1)
     return final.to(xs.dtype)
+
+
+def routed_pattern(router: str, norm_topk: bool):
+    """The routed part of a sparse-MoE block on its flattened input xs [T, H] to its [T, H] output: the router
+    linear, ``topk_router`` (``router``, renormalised with ``norm_topk``) and the ``batched_mm`` experts. The
+    pattern of the routed-experts rewrite (a normed input) and of ``moe_regroup``."""
+
+    def pattern(xs, router_w, gate_up, down, *, top_k):
+        hidden_dim = xs.shape[-1]
+        router_logits = F.linear(xs.reshape(-1, hidden_dim), router_w)
+        router_top_value, router_indices = topk_router(router_logits, router, norm_topk, top_k)
+        return experts(xs, router_top_value, router_indices, gate_up, down, top_k)
+
+    pattern.__qualname__ = f"routed[{router}{'+renorm' if norm_topk else ''}]"
+    return pattern
 
 
 def _grouped_pattern(norm_topk: bool):
@@ -166,7 +181,7 @@ def _grouped_pattern(norm_topk: bool):
             topk_weights /= denominator
         topk_weights = topk_weights * scaling
         xs = h.view(-1, hidden_dim)
-        return _experts(xs, topk_weights, topk_indices, gate_up, down, top_k).view(*h.shape)
+        return experts(xs, topk_weights, topk_indices, gate_up, down, top_k).view(*h.shape)
 
     def replacement(h, router_w, bias, gate_up, down, *, top_k, n_group, topk_group, scaling, count, configs, pdl):
         return torch.ops.tkcc.moe(h, None, 1e-6, router_w, gate_up, down, top_k, norm_topk, False, count, configs,

@@ -28,7 +28,6 @@ the dtype a tensor already has and ``aten.alias`` are dropped), so one pattern s
 from __future__ import annotations
 
 import heapq
-import inspect
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -487,7 +486,7 @@ def _replace(match: Match, ctx: Context) -> list[torch.fx.Node]:
     first = min(match.nodes, key=lambda n: order[n])
     where = first if order[first] > order[anchor] else anchor.next
     new_nodes = []
-    stack = _common_stack(match.nodes)
+    stack = common_stack(match.nodes)
     mode = _fake_mode(graph)
     outs = None
     with graph.inserting_before(where):
@@ -538,7 +537,7 @@ def _replacement_fn(rw: Rewrite, n: int, extra_names: tuple):
     return fn
 
 
-def _common_stack(nodes) -> dict:
+def common_stack(nodes) -> dict:
     """The module stack every node of the region shares (the innermost module holding all of it: a norm and the
     projection after it are in their decoder layer, not in the norm), so that passes that find regions by
     module never take a fused node for a piece of one module."""

@@ -9,18 +9,13 @@ experts. It becomes ``tkcc.moe`` without the norm prologue: the routed kernels r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from tkcc.passes.lower.moe import _experts, _params, _routed_check, _routed_example, topk_router
+from tkcc.passes.lower.moe import _params, _routed_check, _routed_example, routed_pattern
 from tkcc.passes.lower.pattern import Rewrite
 
 
 def _routed_pattern(router: str, norm_topk: bool):
-    def pattern(xs, router_w, gate_up, down, *, top_k):
-        hidden_dim = xs.shape[-1]
-        router_logits = F.linear(xs.reshape(-1, hidden_dim), router_w)
-        router_top_value, router_indices = topk_router(router_logits, router, norm_topk, top_k)
-        return _experts(xs, router_top_value, router_indices, gate_up, down, top_k)
+    pattern = routed_pattern(router, norm_topk)
 
     def replacement(xs, router_w, gate_up, down, *, top_k, count, configs, pdl):
         return torch.ops.tkcc.moe(xs, None, 1e-6, router_w, gate_up, down, top_k, norm_topk, False, count, configs,
