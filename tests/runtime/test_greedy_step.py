@@ -32,6 +32,11 @@ def _check(device, dtype):
 def test_the_greedy_step_gives_the_plain_loops_tokens_cpu():
     step, _, _ = _check("cpu", torch.float32)
     assert step.graph is None and step.refused  # no CUDA tensor: the cache's eager call, same body
+    assert cache_report(step)["greedy_step"] == {"captured": False, "refused": step.refused}
+
+
+def cache_report(step):
+    return step.cache.report()
 
 
 def test_greedy_body_feeds_itself():

@@ -665,7 +665,9 @@ class GraphCache:
         return step
 
     def report(self) -> dict:
-        return {"name": self.name, "graphs": len(self.graphs),
+        step = self.__dict__.get("_greedy")
+        greedy = None if step is None else {"captured": step.graph is not None, "refused": step.refused}
+        return {"name": self.name, "graphs": len(self.graphs), "greedy_step": greedy,
                 "nodes": [g.nodes for g in self.graphs.values()],
                 "speculated_host_reads": [g.host_reads for g in self.graphs.values()] if self.speculate else None,
                 "guard_failures": sum(g.guard_failures for g in self.graphs.values()),
