@@ -279,8 +279,12 @@ def register(subparsers) -> None:
     p.add_argument("--trace", default=None, help="trace file or bundled trace name (default: azure-conv)")
     p.add_argument("--plan", default=None, help="measure this pass plan (JSON text or file) beside the references "
                                                 "instead of searching")
-    p.add_argument("--budget", default=None, help="wall-clock bound on the whole compile, e.g. 90s or 3m (default: "
-                                                  "2m on a GPU, 30s on CPU; 0: measure the references only)")
+    from tkcc.defaults import DEFAULT_BUDGET_S
+
+    p.add_argument("--budget", default=None, help=f"wall-clock bound on the whole compile, e.g. 90s or 3m (default: "
+                                                  f"{DEFAULT_BUDGET_S['cuda']:.0f}s on a GPU, "
+                                                  f"{DEFAULT_BUDGET_S['cpu']:.0f}s on CPU; 0: measure the references "
+                                                  "only)")
     p.add_argument("--mode", default="exact", choices=["exact", "tolerance"], help=_MODE_HELP)
     p.add_argument("--out", default="tkcc-out", help="output directory (default: tkcc-out)")
     p.add_argument("--device", default="cpu", help=_DEVICE_HELP)
