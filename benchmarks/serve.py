@@ -759,6 +759,9 @@ def run_model(args) -> dict:
     try:
         out["startup_s"] = srv.ready["startup_s"]
         out["forward"] = srv.ready["forward"]
+        out["artifact"] = args.artifact
+        if getattr(args, "compile_report", None):
+            out["compiled"] = args.compile_report
         out["decode_graph"] = srv.ready.get("decode_graph")
         log(f"  ready in {srv.ready['startup_s']} s (decode step: {_graph_text(srv.ready.get('decode_graph'))}); "
             "single stream")
@@ -903,6 +906,11 @@ def main(argv=None):
     g = ap.add_argument_group("batching (--batching): throughput and per-request latency at batch 1 and batch B")
     g.add_argument("--batching", action="store_true",
                    help="only this comparison (results to benchmarks/results/serve_batching.json)")
+    ap.add_argument("--artifact", default=None,
+                    help="serve this saved artifact (compiled.save / tkcc compile's model/) from the start")
+    ap.add_argument("--compile-budget", default=None,
+                    help="first compile the model for the Azure conv trace with this budget (tkcc compile, "
+                         "tolerance mode, e.g. 150s) and serve what it ships: the front door's winner")
     g.add_argument("--batches", default="1,8", help="batch sizes to serve at, comma-separated (default 1,8)")
     g.add_argument("--in-process", action="store_true",
                    help="drive the server's scheduler in this process (no HTTP: needs no serve wheels)")
@@ -934,6 +942,10 @@ def main(argv=None):
     a.server_args = ["--max-queue", "256"] + (["--max-cache-len", str(a.max_cache_len)] if a.max_cache_len else [])
     a.workdir = Path(tempfile.mkdtemp(prefix="tkcc-bench-serve-"))
     log(f"benchmark serve: {a.model} on {a.device}; work in {a.workdir}")
+    if a.compile_budget is not None and a.artifact is None:
+        a.artifact, a.compile_report = compile_first(a)
+    if a.artifact is not None:
+        a.server_args += ["--artifact", str(a.artifact)]
     run = run_model(a)
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -948,6 +960,25 @@ def main(argv=None):
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], path.name).write_text(path.read_text())
     log(f"wrote {path} ({run['wall_s']} s)")
+
+
+def compile_first(a) -> tuple[str, dict]:
+    """``tkcc compile`` of the model (the front door, its loop at ``--compile-budget``) into the work folder, as a
+    user would before serving; (the saved model folder, what its report says ships)."""
+    out = a.workdir / "compiled"
+    dtype = "bfloat16" if a.device.startswith("cuda") else "float32"
+    cmd = [sys.executable, "-m", "tkcc.cli", "compile", "--model", a.model, "--device", a.device, "--dtype", dtype,
+           "--mode", "tolerance", "--budget", str(a.compile_budget), "--out", str(out), "--json"]
+    t0 = time.time()
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=a.workdir)
+    if r.returncode != 0:
+        raise SystemExit(f"tkcc compile failed ({r.returncode}): {r.stderr[-3000:]}")
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    info = {"compile_s": round(time.time() - t0, 1), "serves": rep.get("serves"), "plan": rep.get("plan"),
+            "loop": {k: (rep.get("loop") or {}).get(k) for k in ("serving", "why", "side_by_side")}}
+    log(f"  compiled in {info['compile_s']} s: {info['loop'].get('serving')} ({info['loop'].get('why')})")
+    return str(out / "model"), info
 
 
 PHASE_KEYS = {"load", "max_rate_factor_p90_ttft_under_1s", "load_max_output_tokens", "campaign_cost", "drift_run"}
