@@ -54,8 +54,7 @@ def main(argv=None):
     model = build_model(a.model, dtype=torch.bfloat16, device="cuda", max_position_embeddings=cap + 64)
     prog = capture(model, phases=["decode"], max_cache_len=cap)
     kv = prog.state
-    keys = [kv.key(i)[0] for i in range(kv.num_layers)]
-    vals = [kv.value(i)[0] for i in range(kv.num_layers)]
+    keys, vals = decode_graph.cache_tensors(kv)
     opts = dict(attn_chunk=0, pdl=True, fused_attention=True, routed_moe=True, fused_ends=True, attn_tile="64x4",
                 attn_spans="1024,4096")
     rows, notes = [], {"model": a.model, "max_cache_len": cap, "device": torch.cuda.get_device_name(),

@@ -526,7 +526,7 @@ class GreedyStep:
     def _start(self, tok, pos) -> None:
         if pos is None:
             raise GraphCaptureError("a greedy step starts from a position (pos is None and not continued)")
-        key = (self.cache._key((tok, pos), {}), )
+        key = self.cache._key((tok, pos), {})
         if self.graph is not None and self.key == key:
             ids_s, pos_s = self.graph.static_inputs
             ids_s.copy_(tok)

@@ -131,12 +131,16 @@ def _tuned(program, dec, opts: dict, keys, vals, fused_attention: bool, info):
     return dec
 
 
+def cache_tensors(kv) -> tuple[list, list]:
+    """Each layer's key and value cache of batch row 0, [H_kv, S, D]: what the fused decoder reads and writes."""
+    return [kv.key(i)[0] for i in range(kv.num_layers)], [kv.value(i)[0] for i in range(kv.num_layers)]
+
+
 def _tuned_on_whole(whole, opts: dict, fused_attention: bool, info) -> None:
     """Time the step's configs on the whole model (its own cache, rows put back), into the shared
     ``Program.tuned``; the decoder built for it goes when this returns."""
     kv = whole.state
-    keys = [kv.key(i)[0] for i in range(kv.num_layers)]
-    vals = [kv.value(i)[0] for i in range(kv.num_layers)]
+    keys, vals = cache_tensors(kv)
     dec = decoder_for(whole.model, kv.max_cache_len, (keys, vals), opts)
     info.notes.append(f"tuned on the whole model ({kv.num_layers} layers), for this tier of its first blocks")
     _tuned(whole, dec, opts, keys, vals, fused_attention, info)
@@ -196,8 +200,7 @@ class DecodeFusedStep(Pass):
         elif kv.batch != 1:
             unsupported = f"batch {kv.batch} (the fused step is batch-1 decode)"
         else:
-            keys = [kv.key(i)[0] for i in range(kv.num_layers)]
-            vals = [kv.value(i)[0] for i in range(kv.num_layers)]
+            keys, vals = cache_tensors(kv)
             unsupported = fallback_reason(keys[0])
             if unsupported is None:
                 try:
