@@ -1,5 +1,5 @@
 """A device whose memory is the test's: ``FakeDevice`` has ``tkcc.runtime.device_memory.CudaMemory``'s methods
-(read, collect, cap, fraction, set_fraction) and counts as allocated the bytes of the ``Block`` objects alive.
+(read, collect, cap, fraction, set_fraction, reset_peak, oom) and counts as allocated the bytes of the ``Block`` objects alive.
 
 A block is freed when the last reference to it goes, as a tensor's memory is, so a candidate that keeps one
 in a module global leaks it for real (and dropping the module frees it). Like the caching allocator, freed
@@ -60,6 +60,11 @@ class FakeDevice:
 
     def set_fraction(self, value: float) -> None:
         self.frac = float(value)
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
+
+    oom = OutOfMemoryError
 
 
 class Block:

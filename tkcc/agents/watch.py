@@ -26,7 +26,7 @@ from tkcc.passes.plan import PassPlan
 @dataclass
 class WatchEvent:
     time: float
-    kind: str  # waiting | reference | drift | recheck | campaign | quiet
+    kind: str  # waiting | reference | drift | recheck | campaign | failed | quiet
     detail: dict = field(default_factory=dict)
 
     def line(self) -> str:
@@ -45,6 +45,8 @@ class WatchEvent:
         if self.kind == "campaign":
             return (f"{when} campaign {d.get('name')}: serving {(d.get('shipped') or [None])[0]}; "
                     f"tried {d.get('tried')}; {d.get('stopped') or ''}")
+        if self.kind == "failed":
+            return f"{when} failed: {d.get('stage')} {d.get('name') or ''}: {d.get('error')}; {d.get('note')}"
         return f"{when} {self.kind}: {d}"
 
 
@@ -88,7 +90,7 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
             rolling.set_reference(cur)
             emit("reference", {"requests": len(cur)})
             campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                           model, budget_s, wk, tiers, progress, emit, campaign_id)
+                                           model, budget_s, wk, tiers, progress, emit, campaign_id, noise)
             rounds += 1
         else:
             verdict = rolling.check()
@@ -96,12 +98,15 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
                 detail = {"field": verdict.field, "direction": verdict.direction, "magnitude": verdict.magnitude,
                           "shifts": verdict.shifts, "requests": verdict.requests}
                 emit("drift", detail)
-                ev = make_evaluator(rolling.workload(**wk))
-                rc = recheck_and_revert(store, campaign_id, ev, noise)
-                emit("recheck", {"reverted": rc.reverted, "reason": rc.reason, "objectives": rc.objectives})
+                try:
+                    ev = make_evaluator(rolling.workload(**wk))
+                    rc = recheck_and_revert(store, campaign_id, ev, noise)
+                    emit("recheck", {"reverted": rc.reverted, "reason": rc.reason, "objectives": rc.objectives})
+                except TkccError as e:
+                    _failed(emit, "recheck", "", e)
                 rolling.set_reference(cur)
                 campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                               model, budget_s, wk, tiers, progress, emit, campaign_id)
+                                               model, budget_s, wk, tiers, progress, emit, campaign_id, noise)
                 rounds += 1
             else:
                 note = quiet_note(verdict, rolling.params)
@@ -145,13 +150,24 @@ def serving_starts(store, campaign_id) -> list[Candidate] | None:
     return [Candidate("serving", plan), Candidate("baseline", PassPlan())]
 
 
+def _failed(emit, stage: str, name: str, e: Exception) -> None:
+    emit("failed", {"stage": stage, "name": name, "error": f"{type(e).__name__}: {e}",
+                    "note": "what serves keeps serving; the next drift verdict tries again"})
+
+
 def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget_s, wk, tiers, progress, emit,
-              previous=None):
+              previous=None, noise=None):
+    """One re-optimisation campaign; (its id, its noise). One that fails is an event, and the loop goes on
+    from the last campaign that ran (a watcher in a server must outlive a failed campaign)."""
     workload = rolling.workload(**wk)
     cfg = CampaignConfig(name=name, model=model, budget_s=budget_s, tiers=tuple(tiers),
                          extra={"buckets": [b.__dict__ for b in workload.buckets], "objective": workload.objective})
-    state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress,
-                         starts=serving_starts(store, previous))
+    try:
+        state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress,
+                             starts=serving_starts(store, previous))
+    except TkccError as e:
+        _failed(emit, "campaign", name, e)
+        return previous, noise
     emit("campaign", {"name": name, "shipped": state.shipped, "evaluated": state.evaluated, "tried": state.tried,
                       "stopped": state.stopped, "decisions": [d.get("why") for d in state.decisions]})
     return state.campaign_id, state.noise

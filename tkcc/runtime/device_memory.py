@@ -83,6 +83,14 @@ class CudaMemory:
     def set_fraction(self, value: float) -> None:
         self.torch.cuda.set_per_process_memory_fraction(float(value), self.device)
 
+    def reset_peak(self) -> None:
+        self.torch.cuda.reset_peak_memory_stats(self.device)
+
+    @property
+    def oom(self) -> type:
+        """The exception an allocation past the cap raises."""
+        return self.torch.cuda.OutOfMemoryError
+
 
 def reserve_of(total: int) -> int:
     """Device memory the cap leaves to what lives outside the caching allocator."""
@@ -201,6 +209,47 @@ class DeviceBudget:
         """Put the cap on (again)."""
         self.reader.cap(self.limit)
         self.fraction = self.reader.fraction()
+
+    def reference(self, run, reset=lambda: None, what: str = ""):
+        """``run()`` of the model's own reference at a shape of the workload, with the room it needs: the limit
+        grows to what was live before it plus 2x its transient peak when that is more (at most the device less
+        its reserve), and a reference that ran out of memory under the cap runs again with it lifted
+        (``reset()`` first: put back the state the failed run left). The cap bounds candidates against the
+        model's own needs; a workload's shapes that the start-up never saw (a served long prompt's logits, say)
+        are the model's needs, not a candidate's failure (the H200 serve run's watcher died on exactly that).
+        A limit the user gave (``--device-max-mem``) stays as given."""
+        if self.how == "--device-max-mem":
+            return run()
+        before = self.reader.read().allocated
+        self.reader.reset_peak()
+        try:
+            out = run()
+        except self.reader.oom:
+            reset()
+            self.reader.collect()
+            before = self.reader.read().allocated
+            self.reader.reset_peak()
+            total = self.reader.read().total
+            self.reader.cap(total - reserve_of(total))
+            try:
+                out = run()
+            finally:
+                self._room_for(before, what)
+            return out
+        self._room_for(before, what)
+        return out
+
+    def _room_for(self, before: int, what: str) -> None:
+        r = self.reader.read()
+        need = before + TRANSIENT_FACTOR * max(0, r.peak - before)
+        cap = r.total - reserve_of(r.total)
+        if need > self.limit and self.limit < cap:
+            grown = min(need, cap)
+            self.how += (f"; raised {self.limit / GiB:.2f} -> {grown / GiB:.2f} GiB for the reference"
+                         f"{' at ' + what if what else ''} (live {before / GiB:.2f} GiB + {TRANSIENT_FACTOR}x its "
+                         f"transient {(r.peak - before) / GiB:.2f} GiB)")
+            self.limit = int(grown)
+        self.enforce()  # the cap back on, at the limit as it now is
 
     def held(self) -> Held:
         """What the worker holds now, after a collection (before a candidate's first load; after its unload)."""

@@ -339,7 +339,7 @@ def _bank_entry(seed: int, guard: "StateGuard", reference: tuple):
 
 def validate(program, reference: dict, candidate: dict, buckets: list, exact: bool, atol: float, rtol: float,
              seed: int, weights: tuple | None = None, policy=None, bank=None, tier: str = "",
-             candidate_id: str = "") -> dict:
+             candidate_id: str = "", room=None) -> dict:
     """Check ``candidate`` ({phase: callable}) against ``reference`` on ``buckets``; see the module docstring.
 
     ``weights``: (whole model, its checksum at start): the candidate must leave every weight untouched.
@@ -347,7 +347,9 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
     from the reference's measured self-disagreement replaces atol/rtol, and greedy tokens are checked where
     the reference agrees with itself (its golden-prompt sequences) instead of on one fresh prompt.
     ``bank`` (a ``tkcc.runtime.refbank.ReferenceBank``, with the ``tier`` and ``candidate_id``): the
-    reference's results on earlier draws, reused on draws this candidate has not seen."""
+    reference's results on earlier draws, reused on draws this candidate has not seen.
+    ``room`` (the engine's ``DeviceBudget.reference``): runs each first reference run, so that the device-memory
+    cap leaves the room the model itself needs at the workload's shapes."""
     scaled = policy.tolerance if policy is not None and not exact else None
     device = torch.device(program.meta.get("device", "cpu"))
     gen = torch.Generator().manual_seed(seed)
@@ -366,8 +368,10 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
                 inputs = _draw_inputs(program, b, draw)
                 guard = StateGuard(program.state)
                 try:
-                    entry = _bank_entry(draw, guard, _reference_run(reference[b.phase], inputs, guard, exact, device,
-                                                                    f"bucket {b.key()}"))
+                    def ref_run(b=b, inputs=inputs, guard=guard):
+                        return _reference_run(reference[b.phase], inputs, guard, exact, device, f"bucket {b.key()}")
+                    out = ref_run() if room is None else room(ref_run, reset=guard.restore, what=f"bucket {b.key()}")
+                    entry = _bank_entry(draw, guard, out)
                 finally:
                     guard.restore()
                 if bank is not None:

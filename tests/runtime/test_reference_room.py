@@ -1,0 +1,121 @@
+"""The device-memory cap leaves the model's own reference the room it needs at a workload's shapes
+(``DeviceBudget.reference``), on a CPU with a fake device; and ``validate`` runs its reference through it."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fake_device  # noqa: E402
+from fake_device import GiB, FakeDevice  # noqa: E402
+
+from tkcc.runtime import device_memory as dm  # noqa: E402
+
+
+def _started(total=80 * GiB, resident=3 * GiB, model_bytes=GiB):
+    dev = FakeDevice(total=total)
+    keep = dev.alloc(resident)
+    b = dm.DeviceBudget.start(dev, 0, model_bytes=model_bytes, device="cuda:0")
+    return dev, keep, b
+
+
+def test_a_reference_within_the_headroom_leaves_the_limit_as_it_was():
+    dev, keep, b = _started()
+    limit = b.limit  # 3 GiB resident + the 2 GiB floor
+
+    def run():
+        scratch = dev.alloc(GiB // 2)  # 2x of it fits in the headroom
+        return scratch.nbytes
+
+    assert b.reference(run) == GiB // 2
+    assert b.limit == limit and "raised" not in b.how
+    assert dev.fraction() == pytest.approx(limit / dev.total)
+
+
+def test_a_reference_whose_transient_needs_more_raises_the_limit_to_twice_it():
+    dev, keep, b = _started()
+    assert b.limit == 5 * GiB
+
+    def run():  # fits under the cap (1.5 GiB of the 2 left), but a candidate at twice it would not
+        scratch = dev.alloc(3 * GiB // 2)
+        return scratch.nbytes
+
+    b.reference(run, what="bucket prefill/b1/c10000")
+    assert b.limit == 3 * GiB + 3 * GiB
+    assert "raised 5.00 -> 6.00 GiB for the reference at bucket prefill/b1/c10000" in b.how
+    assert dev.fraction() == pytest.approx(6 / 80)
+    ok = dev.alloc(3 * GiB - 1)  # a candidate now has the room: up to the new limit
+    with pytest.raises(fake_device.OutOfMemoryError):
+        dev.alloc(2)  # and the cap is still in force past it
+    del ok
+
+
+def test_a_reference_that_runs_out_under_the_cap_runs_again_with_room_and_its_state_put_back():
+    dev, keep, b = _started()
+    calls, resets = [], []
+
+    def run():
+        calls.append(1)
+        scratch = dev.alloc(4 * GiB)  # more than the 2 GiB the cap leaves: the first run fails
+        return scratch.nbytes
+
+    assert b.reference(run, reset=lambda: resets.append(1), what="bucket x") == 4 * GiB
+    assert len(calls) == 2 and len(resets) == 1
+    assert b.limit == 3 * GiB + 8 * GiB and "raised" in b.how
+    assert dev.fraction() == pytest.approx(11 / 80)
+
+
+def test_the_room_never_passes_the_device_less_its_reserve_and_a_reference_too_big_for_it_fails():
+    dev, keep, b = _started(total=8 * GiB, resident=3 * GiB)
+
+    def run():
+        scratch = dev.alloc(3 * GiB)
+        return scratch.nbytes
+
+    b.reference(run)
+    assert b.limit == 8 * GiB - dm.reserve_of(8 * GiB)
+
+    def too_big():
+        return dev.alloc(6 * GiB)
+
+    with pytest.raises(fake_device.OutOfMemoryError):
+        b.reference(too_big)
+    assert dev.fraction() == pytest.approx(b.limit / dev.total)  # the cap is back on after the failure
+
+
+def test_a_limit_the_user_gave_is_not_raised():
+    dev = FakeDevice(total=80 * GiB)
+    keep = dev.alloc(3 * GiB)
+    b = dm.DeviceBudget.start(dev, 4 * GiB, model_bytes=GiB)
+
+    def run():
+        return dev.alloc(2 * GiB)
+
+    with pytest.raises(fake_device.OutOfMemoryError):
+        b.reference(run)
+    assert b.limit == 4 * GiB and b.how == "--device-max-mem"
+    del keep
+
+
+def test_validate_runs_each_first_reference_run_through_the_room():
+    from tkcc.frontend.capture import capture
+    from tkcc.frontend.models import build_model
+    from tkcc.runtime.validation import validate
+    from tkcc.runtime.workloads import default_workload
+
+    model = build_model("llama-tiny", torch.float32, "cpu")
+    prog = capture(model, phases=["decode"], max_cache_len=32)
+    fwd = prog.graphs["decode"]
+    seen = []
+
+    def room(run, reset, what):
+        seen.append(what)
+        return run()
+
+    buckets = default_workload(prog).buckets[:2]
+    res = validate(prog, {"decode": fwd}, {"decode": fwd}, buckets, True, 0.0, 0.0, seed=0, room=room)
+    assert res["ok"], res["reason"]
+    assert seen == [f"bucket {b.key()}" for b in buckets]
