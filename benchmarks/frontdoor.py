@@ -103,6 +103,24 @@ def loaded_rows(name, path, contexts, n, reps, dtype) -> tuple[list, dict]:
     return rows, got
 
 
+def experiment_timeline(loop: dict | None) -> list[dict]:
+    """Each experiment of the compile's loop, from its store: when it started (s after the first), its tier,
+    passes, verdict, seconds, and where they went on the engine's critical path (what a compile wall past its
+    budget is read from)."""
+    from tkcc.agents.store import ExperimentStore
+
+    if not loop or not loop.get("store") or not loop.get("campaign"):
+        return []
+    store = ExperimentStore(loop["store"])
+    exps = store.experiments(int(loop["campaign"]))
+    t0 = min((e.started for e in exps), default=0.0)
+    return [{"start_s": round(e.started - t0, 1), "seconds": round(e.finished - e.started, 1), "tier": e.tier,
+             "candidate": e.candidate[:8], "proposer": e.proposer, "verdict": e.verdict,
+             "passes": [(st.get("name"), st.get("params") or {}) for st in e.plan],
+             "objective": e.objective, "critical": (e.timing or {}).get("critical"), "reason": e.reason}
+            for e in exps]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["llama-1b-16l", "olmoe-16l"])
@@ -165,7 +183,7 @@ def main(argv=None):
         rep = compiled.report(print_report=False)
         log(rep.text())
         notes[name] = {"loop": rep.loop, "serves": compiled.serves, "plan": rep.plan, "speed": rep.speed,
-                       "passes": rep.to_json().get("passes")}
+                       "passes": rep.to_json().get("passes"), "experiments": experiment_timeline(rep.loop)}
         for c in a.contexts:
             ms = ms_per_token(compiled.generate, prompt(c, vocab, dev), a.tokens, a.reps)
             rows.append(dict(model=name, context=c, variant="frontdoor", ms_per_token=ms, compile_wall_s=wall,
