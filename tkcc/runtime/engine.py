@@ -280,7 +280,8 @@ class EngineCore:
         return validate(prog, reference, forwards, buckets, exact, atol, rtol, seed, (self.program.model, self.weights),
                         policy=policy, bank=bank, tier=f"{tier}/{'exact' if exact else 'tolerance'}/{how}",
                         candidate_id=getattr(self, "_validating", ""),
-                        room=self.device_memory.reference if self.device_memory is not None else None)
+                        # one rank alone re-running its reference would leave the others' collectives unpaired
+                        room=self.device_memory.reference if self.device_memory is not None and self.tp == 1 else None)
 
     def _agree(self, res: dict) -> dict:
         """A validation verdict as every rank sees it (one rank: its own)."""
