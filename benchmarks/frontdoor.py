@@ -117,8 +117,21 @@ def experiment_timeline(loop: dict | None) -> list[dict]:
     return [{"start_s": round(e.started - t0, 1), "seconds": round(e.finished - e.started, 1), "tier": e.tier,
              "candidate": e.candidate[:8], "proposer": e.proposer, "verdict": e.verdict,
              "passes": [(st.get("name"), st.get("params") or {}) for st in e.plan],
-             "objective": e.objective, "critical": (e.timing or {}).get("critical"), "reason": e.reason}
+             "objective": e.objective, "critical": (e.timing or {}).get("critical"), "reason": e.reason,
+             "validation": _validation_brief((e.measurement or {}).get("validation")),
+             "pass_notes": [n for p in (e.measurement or {}).get("passes") or [] if isinstance(p, dict)
+                            for n in (p.get("notes") or [])][-8:]}
             for e in exps]
+
+
+def _validation_brief(v: dict | None) -> dict | None:
+    """How long a validation took and what made it long: redrawn inputs, shapes not judged, the greedy check."""
+    if not v:
+        return None
+    return {"seconds": v.get("seconds"), "mode": v.get("mode"),
+            "shape_notes": [s.get("note") for s in v.get("shapes") or [] if s.get("note")],
+            "greedy": {k: (v.get("greedy") or {}).get(k) for k in ("ok", "tokens", "judged", "prompts")}
+            if v.get("greedy") else None}
 
 
 def main(argv=None):

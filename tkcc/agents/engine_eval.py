@@ -183,7 +183,7 @@ class EngineEvaluator:
             return EvalResult("invalid", reason=f"the engine measured no objective: {m.get('note', 'no reason given')}")
         m = {**m, "device": self.device, "seconds": rec.get("seconds"),
              "validation": {k: v for k, v in (rec.get("validation") or {}).items()
-                            if k in ("ok", "mode", "shapes", "tolerance", "greedy", "policy")}}
+                            if k in ("ok", "mode", "shapes", "tolerance", "greedy", "policy", "seconds")}}
         info = self.build_info.get(key) or {}
         if info.get("passes"):
             m["passes"] = info["passes"]

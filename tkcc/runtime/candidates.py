@@ -319,6 +319,9 @@ def _log_summary(log) -> dict:
         v = getattr(log, k, None)
         if v is not None and not callable(v):
             out[k] = v
+    notes = getattr(log, "notes", None)
+    if notes:  # what a pass says it did (a tuner: what it timed, or whose configs it took), the last few
+        out["notes"] = [str(n)[:400] for n in list(notes)[-6:]]
     return out
 
 
