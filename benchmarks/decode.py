@@ -533,6 +533,7 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
                                 pos = pos + 1
                     run(2)
                     ms = time_steps(run, tokens, reps)
+                    split = device_split(fwd, start_tok, start_pos) if CUDA else {}  # positions c .. c + ~25: in the cache
                     logs = [log.summary() for log in compiled.logs] if compiled.logs else []
                     plan_notes = [n for log in compiled.logs for n in getattr(log, "notes", [])]
             except Exception as e:
@@ -542,7 +543,7 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
                 continue
             rows.append(dict(model=name, context=c, routing="router", variant=variant, ms_per_token=ms,
                              peak_mem_bytes=peak(model, before), peak_mem_bytes_raw=peak(), family=family,
-                             build_s=round(build_s, 1), plan=FRONT_DOOR[variant](c)))
+                             build_s=round(build_s, 1), plan=FRONT_DOOR[variant](c), **split))
             notes.setdefault("front_door_pass_notes", {})[f"{variant} ctx {c}"] = plan_notes[-12:]
             notes.setdefault("front_door_pass_logs", {})[f"{variant} ctx {c}"] = logs
             log(f"{name} {variant} ctx={c}: {ms:.3f} ms/token (build {build_s:.0f}s)")
@@ -554,6 +555,27 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
     if failed:
         notes["variant_fallbacks"] = failed
     return rows, notes
+
+
+def device_split(fwd, tok, pos) -> dict:
+    """Where a CUDA-graphed forward's ms/token goes, for a forward without a self-feeding step of its own (the
+    lowered one): device ms of the forward alone, and of the greedy body (forward, argmax, token and position
+    written back), each replayed from one CUDA graph as the tuners time them. Their difference is the greedy
+    loop's own kernels; the row's ms/token over the greedy body is what the loop adds on the host."""
+    from tkcc.kernels.graph_replay import greedy_body, replay_us
+
+    inner = getattr(fwd, "fn", None)
+    if inner is None or getattr(inner, "tkcc_greedy", None) is not None:
+        return {}
+    pdl = bool(getattr(fwd, "pdl", False))
+    try:
+        with torch.no_grad():
+            ids, p = tok.clone(), pos.clone()
+            f_us = replay_us(lambda: inner(ids, p), pdl=pdl)
+            g_us = replay_us(lambda: greedy_body(inner, ids, p), pdl=pdl)
+    except Exception as e:  # noqa: BLE001 - the row's own timing stands; say why the split is missing
+        return {"device_split_error": f"{type(e).__name__}: {e}"[:300]}
+    return {"forward_replay_ms": round(f_us / 1e3, 4), "greedy_body_replay_ms": round(g_us / 1e3, 4)}
 
 
 def lowered_vs_fused(rows) -> list[dict]:
