@@ -299,6 +299,78 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
 # on the interpreter: the first two shapes and the three laid out for a span shorter than the context
 check_attention_rope.cpu_shapes = check_attention_rope.__defaults__[1][:2] + check_attention_rope.__defaults__[1][5:]
 
+LAYERS = 2  # caches one layout's scratch serves in a row in check_attention_long, as a step's layers share it
+
+
+def check_attention_long(device, dtype, g, pdl=False, shapes=(
+        (16, 16, 128, 8232, (8192, 8191, 5806), (64, 128, 256, 512, 1024, 2048), ((256, 1024), (512, 4096))),
+        (32, 8, 64, 8232, (8192, 8191), (128, 512, 2048), ((256, 1024),)))):
+    """Decode attention at long context on the reference models' heads: OLMoE's (16 MHA heads of 128, q/k
+    norm over the whole projection) and Llama-1B's (32 q / 8 kv heads of 64), a cache of 8232 positions (the
+    benchmark's at context 8192). The new token on a split boundary (8192: its split holds no cached position,
+    only the new one) and inside a split; every chunk the tuners try (several splits merged in the kernel, more
+    than MERGE_MAX_SPLITS merged by the combine launch) and layouts laid out for a shorter span (the fused
+    decoder's ``attn_spans``: its last split takes every position past the grid); tiles cycled. The fused
+    kernel (attention_rope) and the separate path (rope, attention + combine, same layout) against rope_ref
+    then attention_ref, each layout's scratch serving LAYERS caches in a row as a step's layers share it.
+    Cache positions from pos on are NaN before the launch (pos is written, never read; later ones untouched).
+    Shapes: (hq, hkv, D, S, positions, chunks, (chunk, span) layouts)."""
+    from tkcc.kernels.attention import attention
+    from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref, tile_fits
+    from tkcc.kernels.rotary import rope
+
+    rows = []
+    i = 0
+    for hq, hkv, D, S, positions, chunks, spans in shapes:
+        inv_freq = _inv_freq(D, device)
+        layouts = [(c, None) for c in chunks] + [tuple(s) for s in spans]
+        for pos in positions:
+            for chunk, span in layouts:
+                bs, nw = _attn_tile(i)
+                while not tile_fits(device, hq // hkv, D, True, bs, nw):  # a tile the device cannot run: the next
+                    i += 1
+                    bs, nw = _attn_tile(i)
+                i += 1
+                ar = AttentionRope(hq, hkv, D, S, chunk, device, block_s=bs, num_warps=nw, span=span)
+                p = torch.tensor([pos], device=device, dtype=torch.int32)
+                errs, sep = [], []
+                for _layer in range(LAYERS):
+                    qkv = _rand((hq + 2 * hkv) * D, device=device, dtype=dtype, g=g)
+                    qn = _rand(hq * D, device=device, dtype=dtype, g=g)
+                    kn = _rand(hkv * D, device=device, dtype=dtype, g=g)
+                    kc, vc = (_rand(hkv, S, D, device=device, dtype=dtype, g=g) for _ in range(2))
+                    kc[:, pos:] = float("nan")
+                    vc[:, pos:] = float("nan")
+                    kr, vr = kc.clone(), vc.clone()
+                    k2, v2 = kc.clone(), vc.clone()
+                    out = torch.full((hq, D), float("nan"), device=device, dtype=dtype)
+                    ar(qkv, kc, vc, p, inv_freq, qn, kn, out=out, pdl=pdl)
+                    ref = attention_rope_ref(qkv, kr, vr, pos, inv_freq, hq, hkv, qn, kn)
+                    err = max(rel_err(out, ref), rel_err(kc[:, :pos + 1], kr[:, :pos + 1]),
+                              rel_err(vc[:, :pos + 1], vr[:, :pos + 1]))
+                    if int(ar.count.sum()) != 0 or not torch.isnan(kc[:, pos + 1:]).all():
+                        err = float("inf")
+                    errs.append(err)
+                    if span is None:  # the separate path takes the whole cache's grid only
+                        q = rope(qkv, k2, v2, p, inv_freq, hq, hkv, qn, kn, pdl=pdl)
+                        out2 = torch.full((hq, D), float("nan"), device=device, dtype=dtype)
+                        attention(q, k2, v2, p + 1, splits=ar.splits, chunk=ar.chunk, out=out2,
+                                  partials=(ar.po, ar.plse), block_s=bs, num_warps=nw, pdl=pdl)
+                        sep.append(rel_err(out2, ref))
+                shape = (hq, hkv, D, S, pos, f"splits={ar.splits}x{ar.chunk}", f"tile={bs}x{nw}",
+                         *((f"span={span}",) if span else ()))
+                rows.append(_row("attention_long:attention_rope+qknorm", shape, dtype, max(errs)))
+                if sep:
+                    rows.append(_row("attention_long:rope+attention", shape, dtype, max(sep)))
+    return rows
+
+
+# on the interpreter: OLMoE's head (MHA, 128 wide) and a GQA head over 300 positions, the same cases at that
+# scale: the new token on a split boundary (256) and inside one; 19 splits (combine), 10 (merged in the
+# kernel), 3; a grid laid out for a 128-position span; the GQA head on the boundary over 19 splits
+check_attention_long.cpu_shapes = ((2, 2, 128, 300, (256, 255), (16, 32, 128), ((32, 128),)),
+                                   (4, 1, 64, 300, (256,), (16,), ()))
+
 
 def check_cache_bounds(device, dtype, g, pdl=False, shapes=((4, 2, 32, 40, 16), (8, 2, 16, 24, 24),
                                                              (32, 8, 64, 300, 128))):
@@ -354,6 +426,7 @@ FAMILIES = {
     "rope": check_rope,
     "moe_routed": check_moe_routed,
     "attention_rope": check_attention_rope,
+    "attention_long": check_attention_long,
     "cache_bounds": check_cache_bounds,
 }
 
