@@ -119,3 +119,33 @@ def test_validate_runs_each_first_reference_run_through_the_room():
     res = validate(prog, {"decode": fwd}, {"decode": fwd}, buckets, True, 0.0, 0.0, seed=0, room=room)
     assert res["ok"], res["reason"]
     assert seen == [f"bucket {b.key()}" for b in buckets]
+
+
+def test_a_long_context_decode_bucket_joins_the_validation_when_the_workload_stays_short():
+    """An artifact serves every position of its cache: where the workload's decode buckets reach less than half
+    of it, the engine's validation (on a GPU) also judges a decode step at the cache's last position."""
+    from tkcc.frontend.capture import capture
+    from tkcc.frontend.models import build_model
+    from tkcc.runtime.validation import long_context_bucket, pick_buckets, validate
+    from tkcc.runtime.workloads import default_workload
+    from tkcc.traffic.workload import Bucket
+
+    model = build_model("llama-tiny", torch.float32, "cpu")
+    prog = capture(model, max_cache_len=96)
+    short = [Bucket("prefill", 1, 8, 1, 1.0), Bucket("decode", 1, 20, 1, 1.0)]
+    b = long_context_bucket(prog, short)
+    assert (b.phase, b.batch, b.context, b.weight) == ("decode", 1, 95, 0.0)
+    assert long_context_bucket(prog, short[:1] + [Bucket("decode", 1, 48, 1, 1.0)]) is None  # reaches half already
+    assert long_context_bucket(prog, short[:1]) is None  # no decode bucket: nothing to extend
+    # the step at that position is judged like any other (the captured graph against itself here)
+    buckets = pick_buckets(default_workload(prog), 4) + [b]
+    res = validate(prog, prog.graphs, prog.graphs, buckets, True, 0.0, 0.0, seed=1)
+    assert res["ok"], res["reason"]
+    assert any(sh["bucket"] == b.key() for sh in res["shapes"])
+
+    def off_at_the_end(ids, pos):  # a step wrong only near the end of the cache is caught there
+        out = prog.graphs["decode"](ids, pos)
+        return out + (pos.max() > 64).to(out.dtype)
+
+    bad = validate(prog, prog.graphs, {**prog.graphs, "decode": off_at_the_end}, buckets, True, 0.0, 0.0, seed=1)
+    assert not bad["ok"] and b.key() in bad["reason"]

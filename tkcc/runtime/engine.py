@@ -41,8 +41,8 @@ from tkcc.runtime.programs import (build_tiers, check_device, check_tier, fast_b
                                    parse_dtype)
 from tkcc.runtime.timing import bucket_inputs, objective_of, time_bucket
 from tkcc.runtime.validation import (TOLERANCES, WEIGHTS_CHANGED, StateGuard, ValidationFailure, clone_all,
-                                     compare, pick_buckets, poison, tensors_of, validate, weights_checksum,
-                                     changed_weight)
+                                     compare, long_context_bucket, pick_buckets, poison, tensors_of, validate,
+                                     weights_checksum, changed_weight)
 from tkcc.runtime.stability import unstable_error
 from tkcc.runtime.workloads import check_buckets, default_workload, for_program, workload_from_json
 
@@ -466,6 +466,9 @@ class EngineCore:
         atol, rtol = self._tolerance(cand)
         seed = secrets.randbits(62) if seed is None else int(seed)  # fresh: drawn after the candidate loaded
         buckets = pick_buckets(w, max_shapes)
+        longest = long_context_bucket(prog, buckets) if self.device.type == "cuda" else None  # (interpreter: slow)
+        if longest is not None:
+            buckets.append(longest)
         self._validating = candidate  # the reference bank gives it only draws it has not been validated on
         fwd, ref = self._validation_forwards(cand, tier, fwd)
         res = self._run_validation(prog, ref, fwd, buckets, exact, atol, rtol, seed)

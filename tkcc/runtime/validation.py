@@ -481,6 +481,23 @@ def check_greedy(program, reference: dict, candidate: dict, gen, bound: float) -
     return {"tokens": n, "prompt": GREEDY_PROMPT, "judged": int(judged.sum()), "bound": bound}
 
 
+def long_context_bucket(program, buckets: list):
+    """A batch-1 decode bucket at the last position the Program's cache holds, when the workload's decode
+    buckets reach less than half of it; else None. An artifact serves every position of its cache, and the
+    layouts a long context takes (split-KV grids, attention spans) are otherwise validated nowhere: the engine
+    validated olmoe-16l's fused step at contexts up to 128 only, while at 8k its first step was 0.27 off the
+    captured graph on an H200 (and the lowered step 0.665). Weight 0: judged, never measured."""
+    from tkcc.traffic.workload import Bucket
+
+    if "decode" not in program.graphs or getattr(program, "state", None) is None:
+        return None
+    cap = int(program.meta.get("max_cache_len") or 0)
+    reach = [b.context for b in buckets if b.phase == "decode" and b.batch == 1]
+    if cap < 2 or not reach or 2 * max(reach) >= cap:
+        return None
+    return Bucket("decode", 1, cap - 1, 1, 0.0)
+
+
 def pick_buckets(workload, max_shapes: int = 4) -> list:
     """Several of the workload's shapes: per phase the heaviest and the longest-context bucket, then the rest."""
     chosen = []
