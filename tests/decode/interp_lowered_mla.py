@@ -1,7 +1,7 @@
 """Run under TRITON_INTERPRET=1 (by test_lowered_mla.py): every interpreter case of MLA in one process (imports
 paid once): the MLA rewrite against its pattern in fp32 and fp16 (one JSON line of check rows), then
 interp_lowered_greedy.py on deepseekv3-tiny (greedy tokens of the captured graphs and of the lowered_decode
-artifact, every kernel live, over 32 steps: one JSON line)."""
+artifact, every kernel live, over 8 steps: one JSON line)."""
 import json
 import runpy
 import sys

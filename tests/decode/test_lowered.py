@@ -3,7 +3,7 @@
 CPU: every rewrite against its pattern with the kernels live (Triton interpreter, fp32/fp16, in a
 subprocess: the interpreter must be on before triton is imported); the pass on llama-tiny / olmoe-tiny
 in-process, where the ops take their references, so the lowered graph must be bit-exact with the captured
-one and a wrong rewiring shows; greedy tokens over 32 steps with the kernels live; per-region fallbacks with
+one and a wrong rewiring shows; greedy tokens over 8 steps with the kernels live; per-region fallbacks with
 their reasons; the artifact through tkcc.compile, save and load. GPU: the same in bf16.
 """
 import json

@@ -2,7 +2,7 @@
 experts, the dense first layer.
 
 CPU: the MLA rewrite against its pattern with the kernels live (Triton interpreter, fp32 and fp16) and greedy
-tokens over 32 steps with every kernel live (one subprocess); in-process, where the ops take their references,
+tokens over 8 steps with every kernel live (one subprocess); in-process, where the ops take their references,
 the lowered step must be bit-exact with the captured one (a wrong rewiring shows), per-region fallbacks with
 their reasons, a context past the cache. GPU: the same checks in bf16 at DeepSeek's widths, greedy through the
 front door.

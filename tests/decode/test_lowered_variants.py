@@ -4,7 +4,7 @@ recurrence, and the MoE families (Mixtral, Qwen3-MoE, Qwen2-MoE, MiniMax).
 CPU: the kernels against their references under the Triton interpreter (fp32/fp16, fresh random inputs, several
 shapes; in a subprocess: the interpreter must be on before triton is imported); each family's decode graph
 lowered in-process, where the ops take their references, so the lowered step must be bit-exact with the
-captured one; MiniMax's greedy tokens over 32 steps with the kernels live; bad input refused with its reason.
+captured one; MiniMax's greedy tokens over 8 steps with the kernels live; bad input refused with its reason.
 GPU: the same rewrites in bf16 and every family's greedy tokens through tkcc.compile.
 """
 import json
