@@ -158,6 +158,7 @@ class _Run:
     serving_cand: Candidate | None = None
     throughput: Throughput = field(default_factory=Throughput)
     prepared: dict = field(default_factory=dict)  # candidate key -> Candidate, compiling ahead, not measured yet
+    served_before: list = field(default_factory=list)  # (shipped, serving_slow, serving_cand, serving_screen) per ship
 
     @property
     def screen(self) -> str:
@@ -524,7 +525,11 @@ def _aa_step(run: _Run, why: str = "") -> bool:
     obj, _ = _evaluate(run, cand, run.screen, reuse=False, judge=judge, proposer="aa",
                        extra=lambda o: {"aa_pair": o / prev - 1.0, "a": prev, "b": o})
     if obj is None:
-        raise TkccError(f"A/A calibration failed: the serving candidate did not measure ({_last_reason(run)})")
+        why = _last_reason(run)
+        if not run.served_before:
+            raise TkccError(f"A/A calibration failed: the serving candidate did not measure ({why})")
+        return _revert(run, f"the serving candidate {run.serving_cand.key} failed an A/A measurement on fresh "
+                            f"inputs ({why})")
     run.state.noise.add_pair(prev, obj)
     run.serving_screen.append(obj)
     return True
@@ -941,6 +946,7 @@ def _ship_done(run: _Run, cand: Candidate, obj: float, d: dict, err: str | None 
         d.update(action="refused", why=f"{d['why']}, but re-validation before serving failed: {err}")
     elif d["ship"]:
         d["action"] = "ship"
+        run.served_before.append((st.shipped, run.serving_slow, run.serving_cand, list(run.serving_screen)))
         st.shipped = (cand.key, obj)
         run.serving_slow, run.serving_cand = obj, cand
         run.serving_screen = [o.objective for o in st.history if o.tier == run.screen and o.objective
@@ -950,6 +956,30 @@ def _ship_done(run: _Run, cand: Candidate, obj: float, d: dict, err: str | None 
     run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), obj, d["action"], d["why"], d)
     st.decisions.append(d)
     run.say(f"{'shipped' if d['action'] == 'ship' else 'not shipped'} {cand.key}: {d['why']}")
+
+
+def _revert(run: _Run, why: str) -> bool:
+    """A shipped candidate failed on fresh inputs after it shipped: what served before it serves again (shipped
+    through the evaluator, which validates it), recorded as a revert with ``why``; the search goes on. False
+    (the loop stops, what serves stays) when the one before cannot be shipped either."""
+    st = run.state
+    shipped, slow, cand, screen = run.served_before[-1]
+    failed = st.shipped[0]
+    try:
+        run.evaluator.ship(run.evaluator.build(cand, "slow"))
+    except TkccError as e:
+        st.stopped = f"{why}; reverting to {cand.key} failed too ({e})"
+        run.store.record_ship(st.campaign_id, failed, run.serving_cand.plan.to_json(), st.shipped[1], "refused",
+                              st.stopped, {"why": st.stopped, "action": "refused", "revert_to": cand.key})
+        run.say(st.stopped)
+        return False
+    run.served_before.pop()
+    d = {"action": "revert", "why": f"{why}: reverted to {cand.key}", "candidate": cand.key, "reverted": failed}
+    run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), slow, "revert", d["why"], d)
+    st.decisions.append(d)
+    st.shipped, run.serving_slow, run.serving_cand, run.serving_screen = shipped, slow, cand, screen
+    run.say(f"reverted {failed}: {d['why']}")
+    return True
 
 
 def _est(run: _Run, *kinds: str) -> str:
