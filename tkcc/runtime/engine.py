@@ -94,6 +94,7 @@ class EngineCore:
         self.kernel_cache = prefetch.setup(cfg)  # before anything compiles: the shared, checksummed cache
         self.device = torch.device(check_device(self._device_name(cfg)))
         self.dtype = parse_dtype(cfg.get("dtype", "float32"))
+        self._upcast: dict = {}  # id(Program) -> {phase: its graph computing in fp32} (tkcc.runtime.exact_reference)
         self.work_dir = cfg.get("work_dir") or os.path.join(cfg.get("state_dir", "/tmp"), "candidates")
         os.makedirs(self.work_dir, exist_ok=True)
         self.max_bytes = int(cfg.get("max_artifact_bytes", 256 << 20))
@@ -281,7 +282,21 @@ class EngineCore:
                         policy=policy, bank=bank, tier=f"{tier}/{'exact' if exact else 'tolerance'}/{how}",
                         candidate_id=getattr(self, "_validating", ""),
                         # one rank alone re-running its reference would leave the others' collectives unpaired
-                        room=self.device_memory.reference if self.device_memory is not None and self.tp == 1 else None)
+                        room=self.device_memory.reference if self.device_memory is not None and self.tp == 1 else None,
+                        exact_reference=self._exact_reference(prog) if policy is not None else None)
+
+    def _exact_reference(self, prog) -> dict | None:
+        """{phase: the captured graph computing in fp32}, for tolerance mode's second opinion
+        (``tkcc.runtime.exact_reference``); None where it cannot run here: with process isolation this process
+        computes nothing (it forks trials), and one rank alone would leave collectives unpaired."""
+        from tkcc.runtime.exact_reference import upcast
+
+        if self.trials is not None or self.tp != 1 or self.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        if id(prog) not in self._upcast:
+            ups = ((p, upcast(gm)) for p, gm in prog.graphs.items() if isinstance(gm, torch.fx.GraphModule))
+            self._upcast[id(prog)] = {p: g for p, g in ups if g is not None}
+        return self._upcast[id(prog)]
 
     def _agree(self, res: dict) -> dict:
         """A validation verdict as every rank sees it (one rank: its own)."""

@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 
 # (atol, rtol) per dtype for tolerance mode; a model/plan may declare its own.
 from tkcc.passes.lint import TOLERANCES  # noqa: E402,F401 - re-exported: one table for passes, golden, engine
+from tkcc.runtime.exact_reference import closer_to_exact
 from tkcc.runtime.stability import MAX_DRAWS, unstable_error
 from tkcc.runtime.workloads import input_bucket
 
@@ -275,11 +276,12 @@ def _reference_run(ref_fn, inputs: tuple, guard: "StateGuard", exact: bool, devi
 
 
 def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, atol: float, rtol: float,
-           scaled, device: torch.device, what: str, cached=None) -> tuple[dict, tuple]:
+           scaled, device: torch.device, what: str, cached=None, exact_fn=None) -> tuple[dict, tuple]:
     """Steps 2-4 of the module docstring on one draw of inputs: (the bucket's record, the reference's
     (outputs, state, reproducible)), or ValidationFailure (carrying the reference's outputs as ``.ref`` for
     the stability check). ``cached``: the reference's result on these inputs, from the bank
-    (``tkcc.runtime.refbank``): it is not run again."""
+    (``tkcc.runtime.refbank``): it is not run again. ``exact_fn``: the reference computing in fp32
+    (``tkcc.runtime.exact_reference``), asked where the candidate exceeds the scaled bound."""
     if cached is not None:
         ref, ref_state, reproducible = cached.outputs, cached.state_after(guard.saved), cached.reproducible
     else:
@@ -288,13 +290,32 @@ def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, ato
     exact_b, note = exact, ""
     if exact and device.type == "cuda" and reproducible is False:
         exact_b, note = False, "reference not bitwise reproducible here: checked in tolerance mode"
+    seconds = []  # what the fp32 reference said, where it was asked
+
+    def held(r, o, label, of_state=False):
+        """compare(), with the fp32 reference's second opinion where a candidate exceeds the scaled bound."""
+        try:
+            return compare(r, o, exact_b, atol, rtol, label, scaled)
+        except ValidationFailure as e:
+            if exact_fn is None or scaled is None or exact_b or not e.mismatch:
+                raise
+            got = _exact_run(exact_fn, inputs, guard, memo)
+            if got is None:
+                raise
+            ok, found = closer_to_exact(r, o, got[1] if of_state else got[0], scaled.bound)
+            if not ok:
+                raise ValidationFailure(f"{e}; {found}", e.mismatch) from None
+            seconds.append(f"{label}: {found}")
+            return compare(r, o, False, float("inf"), float("inf"), label)
+
+    memo: dict = {}
     try:
         runs, prev = [], []
         err = 0.0
         for k in range(2):
             outs = run_candidate(cand_fn, inputs, guard, prev, device, poison_bytes, f"{what} run {k + 1}")
-            err = max(err, compare(ref, outs, exact_b, atol, rtol, f"{what} run {k + 1}", scaled))
-            compare(ref_state, guard.current(), exact_b, atol, rtol, f"{what} run {k + 1} cache state", scaled)
+            err = max(err, held(ref, outs, f"{what} run {k + 1}"))
+            held(ref_state, guard.current(), f"{what} run {k + 1} cache state", of_state=True)
             if scaled is not None:
                 why = greedy_mismatch(ref, outs, scaled)
                 if why:
@@ -314,9 +335,28 @@ def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, ato
         e.ref = ref
         e.reference = (ref, ref_state, reproducible)
         raise
+    if seconds:
+        note = "; ".join(([note] if note else []) + seconds)
     rec = {"max_abs_err": err, "outputs": len(ref), "mode": "exact" if exact_b else "tolerance",
            **({"note": note} if note else {}), **({"reference": "kept"} if cached is not None else {})}
     return rec, (ref, ref_state, reproducible)
+
+
+def _exact_run(exact_fn, inputs: tuple, guard: "StateGuard", memo: dict):
+    """(outputs, cache state) of the fp32 reference on ``inputs`` from the state before the draw, once per draw;
+    the cache the candidate left is put back. None when the fp32 reference cannot run here (no second opinion)."""
+    if "v" not in memo:
+        left = guard.current()
+        guard.restore()
+        try:
+            with torch.no_grad():
+                memo["v"] = ([t.detach().clone() for t in tensors_of(exact_fn(*clone_all(inputs)))], guard.current())
+        except Exception:  # noqa: BLE001 - e.g. out of memory: the bound against the low-precision reference stands
+            memo["v"] = None
+        with torch.no_grad():
+            for b, v in zip(guard.buffers, left):
+                b.copy_(v)
+    return memo["v"]
 
 
 def _draw_inputs(program, b, seed: int) -> tuple:
@@ -339,7 +379,7 @@ def _bank_entry(seed: int, guard: "StateGuard", reference: tuple):
 
 def validate(program, reference: dict, candidate: dict, buckets: list, exact: bool, atol: float, rtol: float,
              seed: int, weights: tuple | None = None, policy=None, bank=None, tier: str = "",
-             candidate_id: str = "", room=None) -> dict:
+             candidate_id: str = "", room=None, exact_reference: dict | None = None) -> dict:
     """Check ``candidate`` ({phase: callable}) against ``reference`` on ``buckets``; see the module docstring.
 
     ``weights``: (whole model, its checksum at start): the candidate must leave every weight untouched.
@@ -349,7 +389,9 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
     ``bank`` (a ``tkcc.runtime.refbank.ReferenceBank``, with the ``tier`` and ``candidate_id``): the
     reference's results on earlier draws, reused on draws this candidate has not seen.
     ``room`` (the engine's ``DeviceBudget.reference``): runs each first reference run, so that the device-memory
-    cap leaves the room the model itself needs at the workload's shapes."""
+    cap leaves the room the model itself needs at the workload's shapes.
+    ``exact_reference`` ({phase: callable}, tolerance mode): the reference computing in fp32, the second opinion
+    where a candidate exceeds the bound (``tkcc.runtime.exact_reference``)."""
     scaled = policy.tolerance if policy is not None and not exact else None
     device = torch.device(program.meta.get("device", "cpu"))
     gen = torch.Generator().manual_seed(seed)
@@ -387,7 +429,8 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
                 guard = StateGuard(program.state)
                 try:
                     shape, _ = _judge(reference[b.phase], candidate[b.phase], inputs, guard, exact, atol, rtol,
-                                      scaled, device, what, cached=entry)
+                                      scaled, device, what, cached=entry,
+                                      exact_fn=(exact_reference or {}).get(b.phase))
                     if entry is not None and bank is not None and entry.uses > 1:
                         shape["reference"] = "kept from an earlier draw"
                     else:

@@ -1,0 +1,126 @@
+"""Tolerance mode's second opinion (tkcc.runtime.exact_reference): the captured graph computing in fp32 on the
+same weights and cache, against an fp32 model on fresh inputs and several contexts; the rule that judges a
+candidate against it; and validation asking it only where a candidate exceeds the bound against the bf16 graph."""
+import pytest
+import torch
+
+from tkcc.runtime.exact_reference import closer_to_exact, upcast
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _logits(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from tkcc.frontend.capture import capture
+    from tkcc.frontend.models import build_model
+
+    m = build_model("llama-tiny", torch.bfloat16, "cpu")
+    m32 = build_model("llama-tiny", torch.float32, "cpu")
+    m32.load_state_dict({k: v.float() for k, v in m.state_dict().items()})
+    return capture(m, phases=["decode"], max_cache_len=64), capture(m32, phases=["decode"], max_cache_len=64)
+
+
+@pytest.mark.parametrize("context", [5, 31, 62])
+def test_upcast_graph_computes_in_fp32_on_the_same_weights(llama, context):
+    prog, prog32 = llama
+    gm = prog.graphs["decode"]
+    up = upcast(gm)
+    g = torch.Generator().manual_seed(context)
+    prog.state.fill_random(context, g)
+    before = [b.clone() for b in prog.state.buffers()]
+    tok = torch.randint(0, 100, (1, 1), generator=g)
+    pos = torch.tensor([context])
+    with torch.no_grad():
+        bf16 = _logits(gm(tok, pos))
+        after_bf16 = [b.clone() for b in prog.state.buffers()]
+        for b, s in zip(prog.state.buffers(), before):
+            b.copy_(s)
+        exact = _logits(up(tok, pos))
+        after_up = [b.clone() for b in prog.state.buffers()]
+        for b, s in zip(prog32.state.buffers(), before):
+            b.copy_(s.float())
+        truth = _logits(prog32.graphs["decode"](tok, pos))
+    assert exact.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert _rel(exact, truth) < 0.2 * _rel(bf16, truth), (_rel(exact, truth), _rel(bf16, truth))
+    # the cache keeps its dtype; the upcast graph wrote the same row the bf16 graph did, within bf16 rounding
+    for a, b, s in zip(after_up, after_bf16, before):
+        assert a.dtype == s.dtype
+        assert torch.equal(a[..., :context, :], s[..., :context, :])  # nothing else written
+        assert not torch.equal(a, s)
+        assert _rel(a[..., context, :], b[..., context, :]) < 0.05
+    # no weight copied: every parameter the upcast graph reads is the model's own tensor
+    ptrs = {t.data_ptr() for t in gm.parameters()}
+    assert ptrs and ptrs == {t.data_ptr() for t in up.parameters()}
+
+
+def test_a_bitcast_has_no_fp32_twin():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.view.dtype(x, torch.int16)
+
+    gm = torch.fx.symbolic_trace(M())
+    assert upcast(gm) is None
+
+
+def test_the_rule():
+    torch.manual_seed(0)
+    exact = torch.randn(1000)
+    ref = exact + 0.04 * torch.randn(1000)  # the low-precision reference, itself off
+    close = exact + 0.01 * torch.randn(1000)  # a candidate nearer the exact result than the reference
+    wrong = exact + 0.5 * torch.randn(1000)
+    bound = 0.01  # both candidates are past it against ``ref``
+    ok, why = closer_to_exact([ref], [close], [exact], bound)
+    assert ok and "fp32" in why
+    ok, why = closer_to_exact([ref], [wrong], [exact], bound)
+    assert not ok and "output 0" in why
+    assert closer_to_exact([ref], [ref.clone()], [exact], bound)[0]  # within the bound: not asked
+
+
+def test_validation_asks_the_fp32_reference_only_past_the_bound(llama):
+    """The reference here is the bf16 graph made 2% of scale off (as a bf16 MoE graph is, where routing rounds
+    its own way); a candidate that computes more exactly (the upcast graph, rounded to bf16) exceeds a 1.5% bound
+    against it, at inputs where the reference is stable, and passes on the fp32 reference's word; a wrong one
+    (5% off) fails with it; without the second opinion the exact candidate fails."""
+    from tkcc.runtime.determinism import ScaledTolerance, TierPolicy
+    from tkcc.runtime.validation import validate
+    from tkcc.traffic.workload import Bucket
+
+    prog, _ = llama
+    gm = prog.graphs["decode"]
+    up = upcast(gm)
+
+    def each(out, f):
+        return torch.utils._pytree.tree_map(lambda t: f(t) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                            else t, out)
+
+    def off(t):
+        wiggle = torch.cos(torch.arange(t.numel(), dtype=torch.float32)).view(t.shape)
+        return (t.float() + 0.02 * t.float().abs().amax() * wiggle).to(t.dtype)
+
+    def coarse(*a):
+        return each(gm(*a), off)
+
+    def finer(*a):
+        return each(up(*a), lambda t: t.to(torch.bfloat16))
+
+    def wrong(*a):
+        return each(gm(*a), lambda t: t * 1.05)
+
+    tol = ScaledTolerance(bound=0.015, measured=0.0, measured_abs=0.0, safety=4.0, floor=0.015, dtype="bfloat16")
+    policy = TierPolicy(mode="tolerance", source="forced", probe={}, tolerance=tol)
+    buckets = [Bucket("decode", 1, c, 1, 1.0) for c in (7, 40)]
+    ref, second = {"decode": coarse}, {"decode": up}
+    ok = validate(prog, ref, {"decode": finer}, buckets, False, 1e-2, 1e-2, 0, policy=policy, exact_reference=second)
+    assert ok["ok"], ok["reason"]
+    notes = [sh.get("note") or "" for sh in ok["shapes"]]
+    assert all("judged against the reference run in fp32" in n for n in notes), notes
+    alone = validate(prog, ref, {"decode": finer}, buckets, False, 1e-2, 1e-2, 0, policy=policy)
+    assert not alone["ok"] and "exceeds the tolerance" in alone["reason"], alone["reason"]
+    bad = validate(prog, ref, {"decode": wrong}, buckets, False, 1e-2, 1e-2, 0, policy=policy, exact_reference=second)
+    assert not bad["ok"] and "against the reference run in fp32" in bad["reason"], bad["reason"]
