@@ -5,19 +5,22 @@ generated forward of each tier, the engine's source and the measurements so far.
 generated forward source of both tiers; the engine opens the edited (resealed) artifacts, validates and
 measures them. Another returns garbage in the forward source; the engine refuses it and the campaign goes
 on. Both campaigns use one running engine (``--engine-socket``).
+
+The command runs in this process (``tkcc.cli.main``), its campaign on a fake clock: each engine step and
+each agent round advances it by a fixed cost (the engine and the agent behind them are real), so how many
+rounds fit in the budget does not depend on the machine's load.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 import sqlite3
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from campaign_helpers import FakeClock
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.timeout(300)
 
 # An edit a person (or a coding agent) might make: wrap the generated decode forward so it runs without
@@ -66,17 +69,67 @@ def engine(tmp_path_factory):
         yield client
 
 
-def _campaign(engine, tmp_path, name: str, script: str) -> tuple[list, dict]:
+# fake seconds each step costs: an engine build, a measurement per tier, a ship (the slow tier's re-validation)
+# and an agent round
+COSTS = {"build": 1.0, "fast": 2.0, "slow": 6.0, "ship": 6.0, "agent": 5.0}
+BUDGET_S = 60.0  # fake seconds: the baseline, the A/A pairs and a few agent rounds
+
+
+class _Stepped:
+    """The real evaluator or proposer, each call of ``steps`` advancing ``clock`` by its fixed cost."""
+
+    def __init__(self, inner, clock, steps: dict):
+        self._inner, self._clock, self._steps = inner, clock, steps
+
+    def __getattr__(self, name):
+        fn = getattr(self._inner, name)
+        if name not in self._steps:
+            return fn
+
+        def step(*args, **kw):
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._clock.t += self._steps[name](*args, **kw)
+
+        return step
+
+
+def _on_a_fake_clock(monkeypatch) -> FakeClock:
+    """Have ``tkcc campaign`` keep its budget on a fake clock that the engine's steps and the agent advance."""
+    import tkcc.agents.campaign as campaign
+
+    clock, real = FakeClock(), campaign.run_campaign
+
+    def run_campaign(cfg, store, proposer, evaluator, progress=True, **kw):
+        ev = _Stepped(evaluator, clock, {"build": lambda cand, tier: COSTS["build"],
+                                         "measure": lambda key, tier: COSTS[tier],
+                                         "ship": lambda key: COSTS["ship"]})
+        agent = _Stepped(proposer, clock, {"propose": lambda *a, **k: COSTS["agent"]})
+        return real(dataclasses.replace(cfg, started=clock()), store, agent, ev, progress, clock=clock, **kw)
+
+    monkeypatch.setattr(campaign, "run_campaign", run_campaign)  # what the command calls
+    return clock
+
+
+def _campaign(engine, tmp_path, monkeypatch, capsys, name: str, script: str) -> tuple[list, dict]:
+    from tkcc.cli import main
+
     agent = tmp_path / f"{name}.py"
     agent.write_text(script)
     store = tmp_path / "store.db"
-    cmd = [sys.executable, "-m", "tkcc.cli", "campaign", "--engine-socket", engine.socket_path, "--store",
-           str(store), "--name", name, "--budget", "12s", "--batch", "1", "--reps", "5", "--no-progress", "--json",
-           "--proposer", "agent", "--agent-cmd", f"{sys.executable} {agent}", "--agent-time-limit", "60s"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout)
+    clock = _on_a_fake_clock(monkeypatch)
+    argv = ["campaign", "--engine-socket", engine.socket_path, "--store", str(store), "--name", name, "--budget",
+            f"{BUDGET_S:.0f}s", "--batch", "1", "--reps", "5", "--no-progress", "--json", "--proposer", "agent",
+            "--agent-cmd", f"{sys.executable} {agent}", "--agent-time-limit", "60s"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    capsys.readouterr()
+    t0 = clock()
+    rc = main(argv)
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:] + captured.out[-3000:]
+    out = json.loads(captured.out)
+    assert out["budget"]["total_s"] == BUDGET_S and clock() - t0 <= BUDGET_S, (out["budget"], clock() - t0)
     db = sqlite3.connect(store)
     cid = db.execute("SELECT id FROM campaigns WHERE name=?", (name,)).fetchone()[0]
     rows = db.execute("SELECT proposer, tier, verdict, objective, reason, candidate FROM experiments "
@@ -85,8 +138,9 @@ def _campaign(engine, tmp_path, name: str, script: str) -> tuple[list, dict]:
     return rows, out
 
 
-def test_a_scripted_agent_edits_the_generated_forward_and_it_is_validated_and_measured(engine, tmp_path):
-    rows, out = _campaign(engine, tmp_path, "edits", EDIT)
+def test_a_scripted_agent_edits_the_generated_forward_and_it_is_validated_and_measured(engine, tmp_path, monkeypatch,
+                                                                                      capsys):
+    rows, out = _campaign(engine, tmp_path, monkeypatch, capsys, "edits", EDIT)
     agent = [r for r in rows if r[0] == "agent"]
     assert agent, rows
     measured = [r for r in agent if r[2] == "measured"]
@@ -100,8 +154,8 @@ def test_a_scripted_agent_edits_the_generated_forward_and_it_is_validated_and_me
     assert "edited" in (ws / "agent.log").read_text()
 
 
-def test_an_agent_that_returns_garbage_is_refused_and_the_campaign_goes_on(engine, tmp_path):
-    rows, out = _campaign(engine, tmp_path, "garbage", GARBAGE)
+def test_an_agent_that_returns_garbage_is_refused_and_the_campaign_goes_on(engine, tmp_path, monkeypatch, capsys):
+    rows, out = _campaign(engine, tmp_path, monkeypatch, capsys, "garbage", GARBAGE)
     agent = [r for r in rows if r[0] == "agent"]
     assert agent and all(r[2] == "invalid" for r in agent), agent
     assert "failed to import" in agent[0][4] and "SyntaxError" in agent[0][4], agent[0][4]

@@ -2,11 +2,14 @@
 
 The evaluator here is a test double for the engine (the loop's contract is the
 Evaluator protocol); the engine-backed evaluator has its own integration test.
+Each measurement advances a fake clock by a fixed cost, and the campaign keeps
+its budget with that clock, so what fits in a budget does not depend on the
+machine's load.
 """
 import random
-import time
 
 import pytest
+from campaign_helpers import FakeClock
 
 from tkcc.agents.campaign import CampaignConfig, EvalResult, run_campaign
 from tkcc.agents.search import BayesianSearch, SearchSpace
@@ -26,8 +29,9 @@ class Slow(Pass):
 class SyntheticEvaluator:
     """Objective = 100 x (2 if fuse_test) x (0.5 if slow_test) x noise; fast tier costs 1/5 of slow."""
 
-    def __init__(self, noise=0.002, cost_s=0.002, seed=0, fail_plans=()):
+    def __init__(self, noise=0.002, cost_s=0.002, seed=0, fail_plans=(), clock=None):
         self.noise, self.cost_s, self.rng = noise, cost_s, random.Random(seed)
+        self.clock = clock or FakeClock()  # _run gives it the campaign's clock
         self.built, self.measured, self.shipped, self.fail_plans = {}, [], [], set(fail_plans)
 
     def workload_fingerprint(self):
@@ -40,7 +44,7 @@ class SyntheticEvaluator:
 
     def measure(self, ahash, tier):
         plan = self.built[ahash]
-        time.sleep(self.cost_s * (1 if tier == "fast" else 5))
+        self.clock.t += self.cost_s * (1 if tier == "fast" else 5)
         self.measured.append((ahash, tier))
         names = {s.name for s in plan.steps}
         if names & self.fail_plans:
@@ -54,9 +58,11 @@ class SyntheticEvaluator:
 
 def _run(tmp_path, tiers=("fast", "slow"), budget=1.0, resume=False, ev=None, name="c"):
     ev = ev or SyntheticEvaluator()
+    clock = ev.clock  # the budget is kept in the evaluator's fake seconds
     store = ExperimentStore(tmp_path / "s.db")
-    cfg = CampaignConfig(name=name, model="m", budget_s=budget, tiers=tiers, resume=resume)
-    state = run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse, Slow]), seed=0), ev, progress=False)
+    cfg = CampaignConfig(name=name, model="m", budget_s=budget, tiers=tiers, resume=resume, started=clock())
+    state = run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse, Slow]), seed=0), ev, progress=False,
+                         clock=clock)
     return state, store, ev
 
 
@@ -71,9 +77,13 @@ def test_ships_the_real_gain_only(tmp_path):
 
 
 def test_two_tiers_screen_more_candidates_than_slow_only(tmp_path):
-    two, _, _ = _run(tmp_path, budget=0.6, name="two")
-    one, _, _ = _run(tmp_path, tiers=("slow",), budget=0.6, name="one")
+    # a budget the slow tier alone runs out of (12 slow measurements would try all 7 plans), the two tiers not;
+    # a store each, so neither reuses the other's measurements
+    (tmp_path / "two").mkdir(), (tmp_path / "one").mkdir()
+    two, _, _ = _run(tmp_path / "two", budget=0.1, name="two")
+    one, _, _ = _run(tmp_path / "one", tiers=("slow",), budget=0.1, name="one")
     assert two.evaluated["fast"] + two.evaluated["slow"] > one.evaluated["slow"]
+    assert two.tried > one.tried and "budget spent" in one.stopped
 
 
 def test_resume_reuses_and_loses_nothing(tmp_path):
