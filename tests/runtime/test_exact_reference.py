@@ -137,3 +137,32 @@ def test_validation_asks_the_fp32_reference_only_past_the_bound(llama):
     assert not alone["ok"] and "exceeds the tolerance" in alone["reason"], alone["reason"]
     bad = validate(prog, ref, {"decode": wrong}, buckets, False, 1e-2, 1e-2, 0, policy=policy, exact_reference=second)
     assert not bad["ok"] and "against the reference run in fp32" in bad["reason"], bad["reason"]
+
+
+def test_the_engine_asks_the_same_second_opinion_of_a_timed_call(llama):
+    """The engine's check of a timed call's outputs and cache (EngineCore._exact_opinion): a candidate nearer the fp32
+    result than the bf16 graph passes on its word, a wrong one does not, and the cache is left as it was."""
+    from tkcc.runtime.determinism import ScaledTolerance
+    from tkcc.runtime.engine import EngineCore
+    from tkcc.runtime.validation import StateGuard
+
+    prog, _ = llama
+    eng = EngineCore.__new__(EngineCore)  # the second opinion's wiring only: no engine start-up
+    eng.trials, eng.tp, eng.dtype, eng._upcast, eng.programs = None, 1, torch.bfloat16, {}, {"fast": prog}
+    scaled = ScaledTolerance(bound=0.015, measured=0.0, measured_abs=0.0, safety=4.0, floor=0.015, dtype="bfloat16")
+    prog.state.fill_random(20, torch.Generator().manual_seed(3))
+    guard = StateGuard(prog.state)
+    inputs = (torch.tensor([[9]]), torch.tensor([20]))
+    with torch.no_grad():
+        exact = _logits(eng._exact_reference(prog)["decode"](*inputs))
+        guard.restore()
+        wiggle = torch.cos(torch.arange(exact.numel(), dtype=torch.float32)).view(exact.shape)
+        ref = (exact + 0.02 * exact.abs().amax() * wiggle).bfloat16()  # a bf16 reference 2% off
+        left = guard.current()
+    said = eng._exact_opinion("fast", "decode", inputs, guard, [ref], [exact.bfloat16()], scaled)
+    assert said is not None and "fp32" in said
+    assert eng._exact_opinion("fast", "decode", inputs, guard, [ref], [(exact * 1.05).bfloat16()], scaled) is None
+    assert all(torch.equal(a, b) for a, b in zip(guard.current(), left))
+    eng.trials = object()  # process isolation: this process computes nothing, so no second opinion
+    eng._upcast = {}
+    assert eng._exact_opinion("fast", "decode", inputs, guard, [ref], [exact.bfloat16()], scaled) is None

@@ -285,6 +285,23 @@ class EngineCore:
                         room=self.device_memory.reference if self.device_memory is not None and self.tp == 1 else None,
                         exact_reference=self._exact_reference(prog) if policy is not None else None)
 
+    def _exact_opinion(self, tier: str, phase: str, inputs, guard, ref: list, got: list, scaled,
+                       of_state: bool = False) -> str | None:
+        """What the reference computing in fp32 says of outputs (or, ``of_state``, a cache) past the scaled bound
+        (``tkcc.runtime.exact_reference``): the finding where the candidate passes on its word, else None (the
+        failure stands). The same second opinion validation asks."""
+        from tkcc.runtime.exact_reference import closer_to_exact
+        from tkcc.runtime.validation import exact_run
+
+        fn = (self._exact_reference(self.programs[tier]) or {}).get(phase)
+        if fn is None or scaled is None:
+            return None
+        said = exact_run(fn, inputs, guard, {})
+        if said is None:
+            return None
+        ok, found = closer_to_exact(ref, got, said[1] if of_state else said[0], scaled.bound)
+        return found if ok else None
+
     def _exact_reference(self, prog) -> dict | None:
         """{phase: the captured graph computing in fp32}, for tolerance mode's second opinion
         (``tkcc.runtime.exact_reference``); None where it cannot run here: with process isolation this process
@@ -764,6 +781,9 @@ class EngineCore:
             if jump is not None:  # the reference itself jumps here (tkcc.runtime.stability): not judged
                 return exact, scaled, (f"{what} not judged: the reference moved by {jump:.3g} of its scale under "
                                        "a one-rounding-step perturbation of its cache")
+            said = self._exact_opinion(tier, b.phase, inputs, guard, ref, outs, scaled) if e.mismatch else None
+            if said is not None:
+                return exact, scaled, f"{what}: {said}"
             if not (e.mismatch and self._own_forward(cand, tier)):
                 raise
             # the reference's own forward, captured again, is this far from itself: widen the bound
@@ -888,8 +908,10 @@ class EngineCore:
                         raise
                     # the same rule as the outputs' (tkcc.runtime.stability): where the reference's own cache
                     # jumps under a one-rounding-step perturbation, this input is not judged
-                    if unstable_error(self._reference(tier)[b.phase], args, guard, ref, state["scaled"],
-                                      zlib.crc32(key.encode()), ref_state=ref_state) is None:
+                    if (unstable_error(self._reference(tier)[b.phase], args, guard, ref, state["scaled"],
+                                       zlib.crc32(key.encode()), ref_state=ref_state) is None
+                            and self._exact_opinion(tier, b.phase, args, guard, ref_state, cand_state,
+                                                    state["scaled"], of_state=True) is None):
                         raise
             finally:
                 guard.restore()

@@ -299,7 +299,7 @@ def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, ato
         except ValidationFailure as e:
             if exact_fn is None or scaled is None or exact_b or not e.mismatch:
                 raise
-            got = _exact_run(exact_fn, inputs, guard, memo)
+            got = exact_run(exact_fn, inputs, guard, memo)
             if got is None:
                 raise
             ok, found = closer_to_exact(r, o, got[1] if of_state else got[0], scaled.bound)
@@ -342,7 +342,7 @@ def _judge(ref_fn, cand_fn, inputs: tuple, guard: "StateGuard", exact: bool, ato
     return rec, (ref, ref_state, reproducible)
 
 
-def _exact_run(exact_fn, inputs: tuple, guard: "StateGuard", memo: dict):
+def exact_run(exact_fn, inputs: tuple, guard: "StateGuard", memo: dict):
     """(outputs, cache state) of the fp32 reference on ``inputs`` from the state before the draw, once per draw;
     the cache the candidate left is put back. None when the fp32 reference cannot run here (no second opinion)."""
     if "v" not in memo:
