@@ -33,7 +33,7 @@ class FakeClock:
         return self.t
 
 
-def _mark_eager(program, clock):
+def _mark_eager(program, clock, monkeypatch):
     step = program.eager
     inner = step.forward
 
@@ -41,11 +41,13 @@ def _mark_eager(program, clock):
         out = inner(*a, **k)
         clock.last_eager = True
         return out
-    step.forward = forward
+    monkeypatch.setattr(step, "forward", forward)
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def llama():
+    """One capture for the module (seconds each): every test here starts from a prefill, which rewrites the
+    cache it reads, and none keeps what it changed on the program (the eager hook is undone after its test)."""
     from tkcc.frontend import capture_model
 
     return capture_model("llama-tiny", max_cache_len=64)
@@ -54,7 +56,7 @@ def llama():
 @pytest.mark.parametrize("eager_fast", [True, False])
 def test_compile_serves_what_measured_fastest_never_slower_than_eager(llama, monkeypatch, tmp_path, eager_fast):
     clock = FakeClock(eager_ns=1_000_000 if eager_fast else 9_000_000, slow_ns=3_000_000)
-    _mark_eager(llama, clock)
+    _mark_eager(llama, clock, monkeypatch)
     monkeypatch.setattr(timing, "_perf_counter_ns", clock)
     compiled = tkcc.compile(llama.model, "azure-conv", program=llama, budget=0, progress=False, out_dir=tmp_path / "o")
     loop = compiled.report(print_report=False).loop

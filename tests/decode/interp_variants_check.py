@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 (by test_lowered_variants.py): the linear-attention, rotary-variant and sink
 kernels against their references on fresh random inputs and several shapes, fp32 and fp16. One JSON line:
-{rows, fallbacks}. Arguments: the seed."""
+{rows, fallbacks}; then, in the same process (its imports and pattern traces paid once), interp_lowered_greedy.py's
+line per model. Arguments: the seed, then the models."""
 import json
 import sys
 
@@ -37,6 +38,8 @@ def check_sinks(dtype, g, shapes=SINK_SHAPES, device="cpu"):
 
 
 if __name__ == "__main__":
+    from interp_lowered_greedy import run as greedy_run
+
     g = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     rows = []
     for dt in (torch.float32, torch.float16):
@@ -44,4 +47,5 @@ if __name__ == "__main__":
         rows += check_linear_attention("cpu", dt, g, shapes=((3, 16, 16), (4, 32, 16)) if fp32 else ((2, 64, 32),))
         rows += check_rotary("cpu", dt, g, shapes=((4, 2, 32, 300, 16, 8, 0),) if fp32 else ((2, 1, 64, 48, 16, 32, 10),))
         rows += check_sinks(dt, g, SINK_SHAPES if fp32 else SINK_SHAPES[1::2])
-    print(json.dumps({"rows": rows, "fallbacks": fallbacks()}, default=str))
+    print(json.dumps({"rows": rows, "fallbacks": fallbacks()}, default=str), flush=True)
+    greedy_run(sys.argv[2:])

@@ -3,35 +3,34 @@
 CPU: every rewrite against its pattern with the kernels live (Triton interpreter, fp32/fp16, in a
 subprocess: the interpreter must be on before triton is imported); the pass on llama-tiny / olmoe-tiny
 in-process, where the ops take their references, so the lowered graph must be bit-exact with the captured
-one and a wrong rewiring shows; greedy tokens over 32 steps with the kernels live; per-region fallbacks with
+one and a wrong rewiring shows; greedy tokens over 8 steps with the kernels live; per-region fallbacks with
 their reasons; the artifact through tkcc.compile, save and load. GPU: the same in bf16.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from interp_proc import module_run  # noqa: E402
+
+# the rewrites against their patterns under the interpreter, per dtype; then the greedy models
+CHECKS = {"float32": ["norms", "gemv", "gather", "packing", "attention", "moe"],
+          "float16": ["gemv", "gather", "attention", "moe"]}
+GREEDY = ["llama-tiny", "olmoe-tiny"]
+INTERP_TESTS = ("test_every_rewrite_matches_its_pattern_under_the_interpreter",
+                "test_greedy_tokens_identical_to_the_captured_graph_under_the_interpreter")
 
 
-def _interp(args, dtype="float32", timeout=600):
-    env = dict(os.environ, TRITON_INTERPRET="1", TKCC_CHECK_DTYPE=dtype, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.parametrize("dtype,families", [("float32", ["norms", "gemv", "gather", "packing", "attention", "moe"]),
-                                            ("float16", ["gemv", "gather", "attention", "moe"])])
-def test_every_rewrite_matches_its_pattern_under_the_interpreter(dtype, families):
-    p = _interp(["-m", "tkcc.passes.lower.checks", *families], dtype)
-    assert p.returncode in (0, 1), p.stderr[-3000:]
-    res = json.loads(p.stdout)
-    assert res["n"] >= 8 and not res["failed"], json.dumps(res["failed"], indent=1)
-    assert not [k for k in res["fallbacks"] if k.startswith("tkcc.")], res["fallbacks"]  # the kernels ran
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_run(request):
+    """Every interpreter case of this module, in one subprocess started with the module (interp_proc.py)."""
+    yield from module_run(request, INTERP_TESTS, [str(HERE / "interp_lowered.py"),
+                                                  *[f"{dt}:{','.join(fams)}" for dt, fams in CHECKS.items()],
+                                                  "--", *GREEDY])
 
 
 def test_checks_detect_a_wrong_replacement(monkeypatch):
@@ -261,20 +260,6 @@ def test_a_weight_in_an_unexpected_layout_falls_back_with_a_logged_reason():
     assert any("left in aten: weight (64, 64) is stored with strides (1, 64)" in n for n in logs[0].notes), \
         logs[0].notes
     _same_decode(prog, new)
-
-
-def test_greedy_tokens_identical_to_the_captured_graph_under_the_interpreter():
-    p = _interp([str(HERE / "interp_lowered_greedy.py"), "llama-tiny", "olmoe-tiny"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2
-    for r in rows:
-        assert r["got"] == r["ref"], r
-        if r["model"] == "olmoe-tiny":  # (random tied embeddings make llama-tiny repeat its token: the logits
-            assert len(set(r["ref"])) > 4, r  # of every step, compared below, carry that check)
-        assert r["logits_rel_err"] < 1e-4, r
-        assert "attention_rope" in r["ops"] and "gemv" in r["ops"], r
-        assert not [k for k in r["fallbacks"] if k.startswith("tkcc.")], r  # the kernels ran
 
 
 def test_lowered_step_ships_saves_and_loads(tmp_path):
@@ -525,3 +510,25 @@ def test_a_head_shape_the_kernel_cannot_run_at_all_prunes_nothing(monkeypatch):
     monkeypatch.setattr(space, "attention_needs", needs)
     assert space.pruned_tiles((90, 232448), [(1, 8, False)]) == {}
     assert list(space.pruned_tiles((90, 232448), [(1, 8, False), (1, 128, True)])) == ["256x8"]
+
+
+# ---- under the interpreter (one subprocess, started with the module: these read it, last) ----------------------
+
+@pytest.mark.parametrize("dtype", list(CHECKS))
+def test_every_rewrite_matches_its_pattern_under_the_interpreter(interpreter_run, dtype):
+    (res,) = [r for r in interpreter_run.lines() if r.get("dtype") == dtype]
+    failed = [r for r in res["rows"] if not r["ok"]]
+    assert len(res["rows"]) >= 8 and not failed, json.dumps(failed, indent=1)
+    assert not [k for k in res["fallbacks"] if k.startswith("tkcc.")], res["fallbacks"]  # the kernels ran
+
+
+def test_greedy_tokens_identical_to_the_captured_graph_under_the_interpreter(interpreter_run):
+    rows = [r for r in interpreter_run.lines() if "model" in r]
+    assert [r["model"] for r in rows] == GREEDY
+    for r in rows:
+        assert r["got"] == r["ref"], r
+        if r["model"] == "olmoe-tiny":  # (random tied embeddings make llama-tiny repeat its token: the logits
+            assert len(set(r["ref"])) > 4, r  # of every step, compared below, carry that check)
+        assert r["logits_rel_err"] < 1e-4, r
+        assert "attention_rope" in r["ops"] and "gemv" in r["ops"], r
+        assert not [k for k in r["fallbacks"] if k.startswith("tkcc.")], r  # the kernels ran

@@ -11,8 +11,6 @@ not the step's, a context past the cache, a family whose capture is refused. GPU
 through tkcc.compile.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,8 +18,8 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+from interp_proc import module_run  # noqa: E402
 from lowered_families import FAMILIES, build, capture, op_counts, same_decode  # noqa: E402
 
 
@@ -31,17 +29,9 @@ INTERP_TEST = "test_kernels_and_greedy_with_the_kernels_live_under_the_interpret
 @pytest.fixture(scope="module", autouse=True)
 def interpreter_run(request):
     """The interpreter's subprocess, started with the module when its test is selected, so that it runs beside the
-    in-process tests (the machine has 2 cores); its test, the module's last, collects it."""
-    proc = None
-    if any(item.name == INTERP_TEST for item in request.session.items):
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        proc = subprocess.Popen([sys.executable, str(HERE / "interp_lowered_families.py"),
-                                 str(int(torch.randint(0, 1000, (1,))))], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    yield proc
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.communicate()
+    in-process tests (the machine has 2 cores); its test, the module's last, collects it (interp_proc.py)."""
+    yield from module_run(request, (INTERP_TEST,), [str(HERE / "interp_lowered_families.py"),
+                                                   str(int(torch.randint(0, 1000, (1,))))])
 
 
 def _lower(prog):
@@ -214,13 +204,7 @@ def test_the_sink_check_detects_a_replacement_that_drops_the_sinks(monkeypatch):
 
 
 def test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter(interpreter_run):
-    try:
-        out, err = interpreter_run.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        interpreter_run.kill()
-        out, err = interpreter_run.communicate()
-    assert interpreter_run.returncode == 0, err[-3000:]
-    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    lines = interpreter_run.lines()
     checks, families = lines[0], {r["family"]: r for r in lines[1:]}
     rows = checks["checks"]
     assert {r["dtype"].replace("torch.", "") for r in rows} == {"float32", "float16"}

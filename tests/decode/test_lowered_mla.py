@@ -2,14 +2,11 @@
 experts, the dense first layer.
 
 CPU: the MLA rewrite against its pattern with the kernels live (Triton interpreter, fp32 and fp16) and greedy
-tokens over 32 steps with every kernel live (one subprocess); in-process, where the ops take their references,
+tokens over 8 steps with every kernel live (one subprocess); in-process, where the ops take their references,
 the lowered step must be bit-exact with the captured one (a wrong rewiring shows), per-region fallbacks with
 their reasons, a context past the cache. GPU: the same checks in bf16 at DeepSeek's widths, greedy through the
 front door.
 """
-import json
-import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -17,8 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from interp_proc import module_run  # noqa: E402
+
+INTERP_TEST = "test_mla_kernels_and_greedy_tokens_under_the_interpreter"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_run(request):
+    """The MLA rewrite against its pattern (fp32, fp16), then deepseekv3-tiny's greedy tokens, every kernel live:
+    one subprocess started with the module (interp_proc.py), read by the module's last test."""
+    yield from module_run(request, (INTERP_TEST,), [str(HERE / "interp_lowered.py"), "float32:mla", "float16:mla",
+                                                   "--", "deepseekv3-tiny"])
 
 
 def _ops(gm):
@@ -56,24 +64,6 @@ def lowered():
         new, logs = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance")
         out[dt] = prog, new, logs[0]
     return out
-
-
-def test_mla_kernels_and_greedy_tokens_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, str(HERE / "interp_lowered_mla.py")], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    lines = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    checks, greedy = lines
-    rows = checks["checks"]
-    assert len(rows) >= 16 and {r["dtype"] for r in rows} == {"float32", "float16"}
-    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
-    assert not [k for k in checks["fallbacks"] if k.startswith("tkcc.")], checks["fallbacks"]  # the kernels ran
-    assert greedy["got"] == greedy["ref"], greedy
-    assert len(set(greedy["ref"])) > 4, greedy  # the tokens move: a broken step would show
-    assert greedy["logits_rel_err"] < 1e-4, greedy
-    assert {"mla_attention", "moe", "gemv", "gemv_gather"} <= set(greedy["ops"]), greedy
-    assert not [k for k in greedy["fallbacks"] if k.startswith("tkcc.")], greedy
 
 
 @pytest.mark.parametrize("dt", ["float32", "bfloat16"])
@@ -261,3 +251,18 @@ def test_mla_layout_is_tuned_into_every_mla_node(lowered):
     nodes = [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.mla_attention.default]
     assert nodes and all(tuple(n.args[13:16]) == (layouts[2][0], bs, nw) for n in nodes)
     assert all(torch.equal(a, b) for a, b in zip(before, prog.state.buffers()))
+
+
+# ---- under the interpreter (one subprocess, started with the module: read last) -------------------------------
+
+def test_mla_kernels_and_greedy_tokens_under_the_interpreter(interpreter_run):
+    *groups, greedy = interpreter_run.lines()
+    rows = [r for g in groups for r in g["rows"]]
+    assert len(rows) >= 16 and {r["dtype"] for r in rows} == {"float32", "float16"}
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert not [k for k in groups[-1]["fallbacks"] if k.startswith("tkcc.")], groups[-1]["fallbacks"]  # kernels ran
+    assert greedy["got"] == greedy["ref"], greedy
+    assert len(set(greedy["ref"])) > 4, greedy  # the tokens move: a broken step would show
+    assert greedy["logits_rel_err"] < 1e-4, greedy
+    assert {"mla_attention", "moe", "gemv", "gemv_gather"} <= set(greedy["ops"]), greedy
+    assert not [k for k in greedy["fallbacks"] if k.startswith("tkcc.")], greedy

@@ -4,12 +4,10 @@ recurrence, and the MoE families (Mixtral, Qwen3-MoE, Qwen2-MoE, MiniMax).
 CPU: the kernels against their references under the Triton interpreter (fp32/fp16, fresh random inputs, several
 shapes; in a subprocess: the interpreter must be on before triton is imported); each family's decode graph
 lowered in-process, where the ops take their references, so the lowered step must be bit-exact with the
-captured one; MiniMax's greedy tokens over 32 steps with the kernels live; bad input refused with its reason.
+captured one; MiniMax's greedy tokens over 8 steps with the kernels live; bad input refused with its reason.
 GPU: the same rewrites in bf16 and every family's greedy tokens through tkcc.compile.
 """
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -19,15 +17,22 @@ import torch
 
 from tkcc.passes.lower.decode import VIEWS
 
-ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from interp_proc import module_run  # noqa: E402
+
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+INTERP_TESTS = ("test_kernels_match_their_references_under_the_interpreter",
+                "test_greedy_tokens_identical_with_the_kernels_live")
 
 
-def _interp(args, timeout=600):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_run(request):
+    """The kernels against their references, then MiniMax's greedy tokens, every kernel live: one subprocess started
+    with the module (interp_proc.py), read by the module's last tests."""
+    yield from module_run(request, INTERP_TESTS, [str(HERE / "interp_variants_check.py"),
+                                                  str(int(torch.randint(0, 1000, (1,)))), "minimax-tiny"])
 
 
 def _ops(gm):
@@ -70,20 +75,6 @@ def _hf(cfg_cls, model_cls, **kw):
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return capture(getattr(transformers, model_cls)(cfg).eval(), phases=["decode"], max_cache_len=32)
-
-
-def test_kernels_match_their_references_under_the_interpreter():
-    p = _interp([str(HERE / "interp_variants_check.py"), str(int(torch.randint(0, 1000, (1,))))])
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(p.stdout.splitlines()[-1])
-    rows = res["rows"]
-    kinds = {r["case"].split("[")[0] for r in rows}
-    assert kinds == {"linear_attention", "attention", "sinks"}, kinds
-    assert any("interleaved" in r["case"] for r in rows) and any("partial" in r["case"] for r in rows)
-    assert {r["dtype"].replace("torch.", "") for r in rows} == {"float32", "float16"}
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, json.dumps(bad, indent=1)
-    assert not [k for k in res["fallbacks"] if k.startswith("tkcc.")], res["fallbacks"]  # the kernels ran
 
 
 def test_minimax_lowers_linear_attention_and_moe_per_region():
@@ -142,16 +133,6 @@ def test_moe_families_lower(name):
     assert left <= ({"aten.sigmoid.default", "aten.mul.Tensor", "aten.add.Tensor"} if name == "qwen2moe-tiny"
                     else set()), left
     _same_decode(prog, new)
-
-
-def test_greedy_tokens_identical_with_the_kernels_live():
-    p = _interp([str(HERE / "interp_lowered_greedy.py"), "minimax-tiny"])
-    assert p.returncode == 0, p.stderr[-3000:]
-    (r,) = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert r["got"] == r["ref"] and len(set(r["ref"])) > 4, r
-    assert r["logits_rel_err"] < 1e-4, r
-    assert {"linear_attention", "attention_rope", "moe"} <= set(r["ops"]), r
-    assert not [k for k in r["fallbacks"] if k.startswith("tkcc.")], r
 
 
 def test_bad_state_layout_is_refused_or_falls_back_with_its_reason():
@@ -226,3 +207,25 @@ def test_family_greedy_on_gpu_bf16(name, tmp_path):
     from greedy_rule import assert_greedy_agrees  # noqa: E402 (the engine's tolerance-mode rule)
 
     assert_greedy_agrees(compiled, steps=32)
+
+
+# ---- under the interpreter (one subprocess, started with the module: these read it, last) ----------------------
+
+def test_kernels_match_their_references_under_the_interpreter(interpreter_run):
+    res = interpreter_run.lines()[0]
+    rows = res["rows"]
+    kinds = {r["case"].split("[")[0] for r in rows}
+    assert kinds == {"linear_attention", "attention", "sinks"}, kinds
+    assert any("interleaved" in r["case"] for r in rows) and any("partial" in r["case"] for r in rows)
+    assert {r["dtype"].replace("torch.", "") for r in rows} == {"float32", "float16"}
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, json.dumps(bad, indent=1)
+    assert not [k for k in res["fallbacks"] if k.startswith("tkcc.")], res["fallbacks"]  # the kernels ran
+
+
+def test_greedy_tokens_identical_with_the_kernels_live(interpreter_run):
+    (r,) = [r for r in interpreter_run.lines() if "model" in r]
+    assert r["got"] == r["ref"] and len(set(r["ref"])) > 4, r
+    assert r["logits_rel_err"] < 1e-4, r
+    assert {"linear_attention", "attention_rope", "moe"} <= set(r["ops"]), r
+    assert not [k for k in r["fallbacks"] if k.startswith("tkcc.")], r

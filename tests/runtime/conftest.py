@@ -1,4 +1,9 @@
-"""Fixtures for the engine tests: one engine process per test module, talked to over its Unix socket."""
+"""Fixtures for the engine tests: one engine process per test module, talked to over its Unix socket.
+
+Per module, not per session: a live engine is never free (its worker's watchdog reads each kept trial's
+memory ten times a second, about a tenth of a core), and under ``--dist loadfile`` the modules that share
+an engine land on either worker, so a session engine idled there until the last test of the run.
+"""
 from __future__ import annotations
 
 import pytest
@@ -7,38 +12,15 @@ from engine_helpers import (BLOCKS_ARGS, BLOCKS_MODEL, HERE, LLM_ARGS, RunningEn
                             ready_engine, start_engine, stop_engine)
 
 
-@pytest.fixture(scope="session")
-def _launched(request, tmp_path_factory):
-    """Start every engine the selected tests need at once: their start-ups overlap (each uses one thread)."""
-    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
-    launched = {}
-    if "llm_engine" in wanted:
-        launched["llm"] = launch_engine(tmp_path_factory.mktemp("llm-engine"), "olmoe-tiny", *LLM_ARGS)
-    if "blocks_engine" in wanted:
-        launched["blocks"] = launch_engine(tmp_path_factory.mktemp("engine"), BLOCKS_MODEL, *BLOCKS_ARGS)
-    started = {}
-    yield launched, started
-    for name, la in launched.items():
-        eng = started.get(name)
-        if eng is not None:
-            stop_engine(eng)
-        else:
-            la[0].kill()
-            la[0].wait(30)
+@pytest.fixture(scope="module")
+def blocks_engine(tmp_path_factory):
+    eng = start_engine(tmp_path_factory.mktemp("engine"), BLOCKS_MODEL, *BLOCKS_ARGS)
+    yield eng
+    stop_engine(eng)
 
 
-def _engine(launched_started, name: str) -> RunningEngine:
-    launched, started = launched_started
-    if name not in started:
-        started[name] = ready_engine(launched[name])
-    return started[name]
-
-
-@pytest.fixture(scope="session")
-def blocks_engine(_launched):
-    return _engine(_launched, "blocks")
-
-
-@pytest.fixture(scope="session")
-def llm_engine(_launched):
-    return _engine(_launched, "llm")
+@pytest.fixture(scope="module")
+def llm_engine(tmp_path_factory):
+    eng = start_engine(tmp_path_factory.mktemp("llm-engine"), "olmoe-tiny", *LLM_ARGS)
+    yield eng
+    stop_engine(eng)
