@@ -3,7 +3,8 @@
 A model whose output is discontinuous in its arithmetic (an MoE router on
 near-tied logits: random-weight OLMoE on an H200) moves a token to another
 expert when a sum is rounded differently in its last bit, and its logits then
-move by 10-100% of their scale. A correct candidate with another summation
+move by 10-100% of their scale (16 layers on an H200; one flip alone, on CPU in
+fp32 at olmoe-16l's shapes: 1-2% of their norm). A correct candidate with another summation
 order does that at some inputs, so an elementwise bound fails it there (seen:
 23 of 39 candidates of a campaign, the empty plan among them). Such an input
 says nothing about the candidate: the reference itself jumps there. So before
