@@ -552,7 +552,7 @@ def _loop_summary(store, state, budget_s, ev, workload, seconds, search) -> dict
     exps = store.experiments(state.campaign_id)
     best = _slow_objectives(store, state)
     ships = store.ships(state.campaign_id)
-    last = next((s for s in reversed(ships) if s["action"] == "ship"), None)
+    last = next((s for s in reversed(ships) if s["action"] in ("ship", "revert")), None)  # what put it in place
     side = {"eager": best.get("eager"), "captured graphs": best.get(PassPlan().hash())}
     for e in exps:
         if e.proposer == "compare" and e.tier == "slow":
@@ -560,7 +560,8 @@ def _loop_summary(store, state, budget_s, ev, workload, seconds, search) -> dict
         if e.proposer == "user" and e.tier == "slow":
             side["given plan"] = best.get(e.candidate)
     side["winner"] = best.get(state.shipped[0], state.shipped[1])
-    refused = [{"candidate": s["candidate"], "reason": s["reason"]} for s in ships if s["action"] != "ship"]
+    refused = [{"candidate": s["candidate"], "reason": s["reason"]} for s in ships
+               if s["action"] not in ("ship", "revert")]
     return {"budget_s": budget_s, "seconds": round(seconds, 1), "experiments": len(exps),
             "evaluated": state.evaluated, "device": ev.device, "objective_name": workload.objective,
             "side_by_side": side, "serving": state.shipped[0],

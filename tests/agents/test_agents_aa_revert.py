@@ -70,3 +70,24 @@ def test_when_nothing_served_before_the_failure_still_says_why(tmp_path):
     ev.measure = measure
     with pytest.raises(TkccError, match="A/A calibration failed.*0.0531"):
         _run(tmp_path, ev, clock)
+
+
+def test_the_compile_report_says_why_what_serves_came_back(tmp_path):
+    """tkcc.compile's loop summary: after a revert, 'why' is the revert's reason (not the reverted ship's), and the
+    candidate reverted to is not listed as refused."""
+    from types import SimpleNamespace
+
+    from tkcc.agents.noise import NoiseModel
+    from tkcc.compiler import _loop_summary
+
+    store = ExperimentStore(tmp_path / "s.db")
+    cid = store.open_campaign("c", "m", {}, resume=False)
+    store.record_ship(cid, "base", [], 1.0, "ship", "baseline", {"why": "the empty plan serves first"})
+    store.record_ship(cid, "fused", [{"name": "f"}], 3.0, "ship", "gain", {"why": "gain +200%: ships"})
+    store.record_ship(cid, "base", [], 1.0, "revert", "failed an A/A measurement: reverted to base",
+                      {"why": "failed an A/A measurement: reverted to base"})
+    state = SimpleNamespace(campaign_id=cid, shipped=("base", 1.0), evaluated={}, noise=NoiseModel(), log=[])
+    loop = _loop_summary(store, state, 10.0, SimpleNamespace(device="cpu"), SimpleNamespace(objective="o", source="t"),
+                         1.0, True)
+    assert loop["serving"] == "base" and "reverted to base" in loop["why"], loop["why"]
+    assert loop["refused"] == []
