@@ -166,3 +166,113 @@ def test_the_engine_asks_the_same_second_opinion_of_a_timed_call(llama):
     eng.trials = object()  # process isolation: this process computes nothing, so no second opinion
     eng._upcast = {}
     assert eng._exact_opinion("fast", "decode", inputs, guard, [ref], [exact.bfloat16()], scaled) is None
+
+
+
+@pytest.mark.parametrize("shape,k,dim,largest", [((5, 8), 2, -1, True), ((7, 16, 3), 4, 1, True),
+                                                 ((6, 9), 3, 0, False), ((3, 64), 8, -1, True)])
+def test_the_upcast_topk_is_topk_until_told_otherwise(shape, k, dim, largest):
+    """The upcast graph's top-k (exact_reference.TopK) against torch.topk on fresh random inputs and shapes; each
+    near tie it records is one; a choice it is told to take the other way swaps the row's k-th for its (k+1)-th."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tkcc.runtime.exact_reference import TIE_REL, decisions_of
+
+    x = torch.randn(shape)
+    x.select(dim, 0).copy_(x.select(dim, 1) * (1 + 2.0 ** -12))  # a near tie in every row the first two meet in
+    gm = make_fx(lambda t: torch.topk(t, k, dim, largest))(x)
+    up = upcast(gm)
+    d = decisions_of(up)
+    assert d is not None and len(d.nodes) == 1
+    v, i = up(x)
+    want_v, want_i = torch.topk(x, k, dim, largest)
+    assert torch.equal(v, want_v) and torch.equal(i, want_i)
+    rows = x.movedim(dim, -1).reshape(-1, x.shape[dim])
+    srt = rows.sort(-1, descending=largest).values
+    margins = (srt[:, k - 1] - srt[:, k]).abs() / rows.abs().amax(-1)
+    assert sorted(r for _, _, r in d.near) == (margins <= TIE_REL).nonzero().flatten().tolist()
+    flip = (d.nodes[0], 0)
+    d.flip = frozenset({flip})
+    fv, fi = up(x)
+    d.flip = frozenset()
+    r_v, r_i = fv.movedim(dim, -1).reshape(-1, k), fi.movedim(dim, -1).reshape(-1, k)
+    w_v, w_i = want_v.movedim(dim, -1).reshape(-1, k), want_i.movedim(dim, -1).reshape(-1, k)
+    assert torch.equal(r_v[1:], w_v[1:]) and torch.equal(r_i[1:], w_i[1:])  # other rows as they were
+    assert torch.equal(r_v[0, :k - 1], w_v[0, :k - 1]) and float(r_v[0, k - 1]) == float(srt[0, k])
+    assert int(r_i[0, k - 1]) not in w_i[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    from tkcc.frontend.capture import capture
+    from tkcc.frontend.models import build_model
+
+    m = build_model("olmoe-tiny", torch.bfloat16, "cpu")
+    return capture(m, phases=["decode"], max_cache_len=48), m.config.vocab_size
+
+
+def test_a_router_choice_at_a_near_tie_taken_the_other_way_is_judged_on_that_choice(olmoe):
+    """An MoE candidate that computes exactly but routes a near-tied token the other way (the fp32 graph with that
+    choice flipped, rounded to bf16) is far from the fp32 result and passes on the fp32 result with that choice
+    flipped; one that flips a choice that was not near a tie, or a wrong one, is refused."""
+    from tkcc.runtime.exact_reference import decisions_of
+    from tkcc.runtime.validation import StateGuard, exact_opinion, exact_run, scaled_error
+
+    prog, vocab = olmoe
+    up = upcast(prog.graphs["decode"])
+    d = decisions_of(up)
+    assert len(d.nodes) >= 2  # one router per layer
+
+    def run(inputs, guard, flip):
+        d.flip = frozenset(flip)
+        try:
+            with torch.no_grad():
+                out = up(*inputs)
+        finally:
+            d.flip = frozenset()
+        guard.restore()
+        return (out[0] if isinstance(out, (tuple, list)) else out).to(torch.bfloat16)
+
+    for seed in range(100):  # a draw with a near tie whose flip moves the logits well past bf16's rounding
+        g = torch.Generator().manual_seed(seed)
+        prog.state.fill_random(30, g)
+        inputs = (torch.randint(0, vocab, (1, 1), generator=g), torch.tensor([30]))
+        guard = StateGuard(prog.state)
+        base = exact_run(up, inputs, guard, {})
+        if not base[2]:
+            continue
+        exact, near = base[0][0], sorted(base[2])
+        flipped = run(inputs, guard, {(near[0][1], near[0][2])})
+        bound = scaled_error(exact, flipped.float())[2] / 2
+        if bound < 1.25 * 2.0 ** -9:
+            continue
+        far = [run(inputs, guard, {(n, 0)}) for n in d.nodes if n not in {node for _, node, _ in near}]
+        far = [f for f in far if scaled_error(exact, f.float())[2] > 2 * bound]
+        if far:
+            break
+    else:
+        pytest.fail("no draw in 100 with a near tie that moves the logits and a clear choice that moves them more")
+    ref = exact.to(torch.bfloat16)  # a bf16 reference that agrees with fp32 on every choice, as on the H200
+    assert scaled_error(ref.float(), flipped.float())[2] > bound
+    said = exact_opinion(up, inputs, guard, [ref], [flipped], bound)
+    assert said[0] and "decided the other way" in said[1], said
+    said = exact_opinion(up, inputs, guard, [ref], [far[0]], bound)
+    assert not said[0] and "near-tied top-k choice" in said[1], said
+    wrong = (exact * (1 + 2 * bound)).to(torch.bfloat16)
+    assert not exact_opinion(up, inputs, guard, [ref], [wrong], bound)[0]
+    assert not closer_to_exact([ref], [flipped], [exact], bound)[0]  # the first opinion alone refuses it
+
+
+def test_the_alternatives_are_tried_nearest_first():
+    from tkcc.runtime.exact_reference import PAIRS_OF, SINGLES, alternatives
+
+    near = [(0.004, "b", 0), (0.0001, "a", 3), (0.002, "c", 1)] + [(0.01 + i * 1e-4, f"n{i}", 0) for i in range(14)]
+    alts = alternatives(near)
+    assert alts[0] == frozenset({("a", 3)}) and alts[1] == frozenset({("c", 1)})
+    assert sum(len(a) == 1 for a in alts) == SINGLES
+    assert sum(len(a) == 2 for a in alts) == PAIRS_OF * (PAIRS_OF - 1) // 2
+    assert frozenset({("a", 3), ("c", 1)}) in alts and alts[-1] == frozenset((n, r) for _, n, r in near)
+    assert alternatives([]) == [] and alternatives([(0.001, "a", 0)]) == [frozenset({("a", 0)})]
+    from tkcc.runtime.exact_reference import MAX_NEAR
+
+    assert alternatives([(0.001 * i, "a", i) for i in range(MAX_NEAR + 1)]) == []

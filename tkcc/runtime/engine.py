@@ -290,17 +290,13 @@ class EngineCore:
         """What the reference computing in fp32 says of outputs (or, ``of_state``, a cache) past the scaled bound
         (``tkcc.runtime.exact_reference``): the finding where the candidate passes on its word, else None (the
         failure stands). The same second opinion validation asks."""
-        from tkcc.runtime.exact_reference import closer_to_exact
-        from tkcc.runtime.validation import exact_run
+        from tkcc.runtime.validation import exact_opinion
 
         fn = (self._exact_reference(self.programs[tier]) or {}).get(phase)
         if fn is None or scaled is None:
             return None
-        said = exact_run(fn, inputs, guard, {})
-        if said is None:
-            return None
-        ok, found = closer_to_exact(ref, got, said[1] if of_state else said[0], scaled.bound)
-        return found if ok else None
+        said = exact_opinion(fn, inputs, guard, ref, got, scaled.bound, of_state)
+        return said[1] if said is not None and said[0] else None
 
     def _exact_reference(self, prog) -> dict | None:
         """{phase: the captured graph computing in fp32}, for tolerance mode's second opinion
