@@ -204,3 +204,40 @@ def test_a_confirmation_that_does_not_fit_is_dropped_and_the_engines_screen_to_t
     end = max(e for spans in sim.busy.values() for _, e in spans)
     assert end > 40 - 2 * SECONDS["fast"], (end, state.stopped)  # both engines went on screening to the end
     assert state.stopped.startswith("budget spent: another candidate on the fast tier")
+
+
+class _FailsAfterShip(_Engine):
+    """The best plan measures fine until it has shipped; its first A/A measurement after that is invalid."""
+
+    def _evaluate(self, cand, tier):
+        from tkcc.agents.campaign import EvalResult
+
+        if cand.proposer == "aa" and _gain(cand) == GAIN and not self.sim.failed:
+            self.sim.failed.append((self.name, self.sim.now))
+            t = self.sim.seconds[tier]
+            return (f"{tier}-{cand.key}", EvalResult("invalid", None, reason="output 0: error 0.0531 of scale"), t), t
+        return super()._evaluate(cand, tier)
+
+
+def test_a_shipped_candidate_failing_an_aa_measurement_on_the_pool_is_reverted(tmp_path):
+    """On a pool, as in the one-engine loop (test_agents_aa_revert.py): what served before is shipped again on the
+    engine where the A/A measurement failed, recorded as a revert, every engine is told what serves, and the
+    search goes on; before this, the pool's campaign raised 'A/A calibration failed'."""
+    sim = Sim()
+    sim.failed = []
+    ev = _pool(sim)
+    ev._handles = {n: _FailsAfterShip(sim, n) for n in SPEED}
+    store = ExperimentStore(tmp_path / "store.db")
+    cfg = CampaignConfig(name="revert", model="sim", budget_s=200, batch=4, aa_pairs=3, max_aa_pairs=12)
+    state = run_campaign(cfg, store, Plans(), ev, progress=False, clock=lambda: sim.now)
+    good = PassPlan.of(("p", {"i": GOOD})).hash()
+    (engine, when), = sim.failed
+    actions = [(d["action"], d["candidate"]) for d in state.decisions]
+    base = state.decisions[[a for a, _ in actions].index("revert")]["candidate"]
+    assert actions[-2:] == [("ship", good), ("revert", base)], actions
+    assert state.decisions[-1]["reverted"] == good and "failed an A/A measurement" in state.decisions[-1]["why"]
+    assert [s for s in sim.ships if s[1] == base] == [(engine, base)]  # shipped again where the failure was seen
+    assert state.shipped[0] == base and "A/A calibration failed" not in (state.stopped or "")
+    assert ev._serving["slow"][0].key == base and ev._serving["fast"][0].key == base
+    assert any(s > when for spans in sim.busy.values() for s, _ in spans)  # the engines went on after it
+    assert [s["action"] for s in store.ships(state.campaign_id)][-1] == "revert"

@@ -671,6 +671,8 @@ class _Pool:
     ship_to: str | None = None  # the engine the decided ship waits for (the one that confirmed it)
     since_aa: int = 0
     screened: dict = field(default_factory=dict)  # candidate key -> (engine, raw screening objective)
+    revert: str | None = None  # why what served before is being shipped again (``_pool_revert``), while it is
+    stale: Job | None = None  # a confirmation measured against a candidate since reverted: not decided on
 
 
 def _search_pool(run: _Run, target: int, can_ship: bool) -> None:
@@ -704,6 +706,8 @@ def _search_pool(run: _Run, target: int, can_ship: bool) -> None:
             return pool.ship[0]
         if st.stopped:
             return None
+        if pool.revert is not None:
+            return None  # what serves is being put back: nothing is measured against the one that failed
         if decides and pool.pending and pool.decide is None and st.noise.calibrated and not run.two_tier:
             obj, cand = pool.pending.pop(0)  # one tier: the screening measurement decides; no confirmation
             if not run.budget.fits("ship"):
@@ -767,15 +771,23 @@ def _search_pool(run: _Run, target: int, can_ship: bool) -> None:
             if obj is None and r.job.retry:  # its engine died: another A/A measurement takes its place
                 continue
             if obj is None:
-                raise TkccError(f"A/A calibration failed: the serving candidate did not measure on {r.engine} "
-                                f"({r.result.verdict}: {r.result.reason})")
+                why = f"{r.result.verdict}: {r.result.reason}"
+                if not run.served_before:
+                    raise TkccError(f"A/A calibration failed: the serving candidate did not measure on {r.engine} "
+                                    f"({why})")
+                if r.candidate.plan.hash() == run.serving_cand.plan.hash():
+                    _pool_revert(run, pool, r.engine, f"the serving candidate {run.serving_cand.key} failed an A/A "
+                                                      f"measurement on {r.engine} on fresh inputs ({why})")
+                continue
             m = r.result.measurement
             st.noise.add_pair(m["a"], m["b"])
         elif kind == "screen":
             _pool_screened(run, pool, r, obj, rid, can_ship)
         elif kind == "confirm":
             pool.decide = None
-            if obj is not None:
+            if obj is not None and r.job is pool.stale:
+                run.say(f"not decided {r.candidate.key}: what serves was reverted while it was confirmed")
+            elif obj is not None:
                 _pool_decide(run, pool, r.candidate, r.engine, obj, rid,
                              (r.result.measurement or {}).get("raw_objective", obj))
     if not st.stopped:
@@ -814,8 +826,31 @@ def _pool_decide(run: _Run, pool: _Pool, cand: Candidate, engine: str, obj: floa
     pool.decide, pool.ship_to, pool.ship = job, engine, (job, d, obj, raw)
 
 
+def _pool_revert(run: _Run, pool: _Pool, engine: str, why: str) -> None:
+    """A shipped candidate failed an A/A measurement on ``engine``: what served before it is shipped there again
+    (a ship job, which the engine validates before it serves) before anything else is sent; ``_pool_shipped``
+    records the revert. A ship already decided goes first: it replaces the failed candidate itself."""
+    if pool.revert is not None:
+        return
+    if pool.ship is not None:
+        run.say(f"{why}; the ship of {pool.ship[0].candidate.key} already decided replaces it")
+        return
+    job = Job(run.served_before[-1][2], "slow", "ship")
+    pool.revert, pool.ship_to, pool.ship = why, engine, (job, None, None, None)
+    pool.stale = pool.decide
+
+
 def _pool_shipped(run: _Run, pool: _Pool, r: BatchResult) -> None:
     """A ship is back: record it; what serves moves to the new candidate on every engine."""
+    if pool.revert is not None:
+        why, pool.revert, pool.ship = pool.revert, None, None
+        run.budget.charge("ship", r.seconds)
+        if _reverted(run, why, None if r.result.verdict == "shipped" else (r.result.reason or r.result.verdict)):
+            ev = run.evaluator
+            ev.set_serving(run.screen, run.serving_cand, _serving_screen_ref(run))
+            if run.two_tier:
+                ev.set_serving("slow", run.serving_cand, run.serving_slow)
+        return
     _, d, obj, raw_slow = pool.ship
     pool.decide, pool.ship = None, None
     run.budget.charge("ship", r.seconds)
@@ -962,13 +997,22 @@ def _revert(run: _Run, why: str) -> bool:
     """A shipped candidate failed on fresh inputs after it shipped: what served before it serves again (shipped
     through the evaluator, which validates it), recorded as a revert with ``why``; the search goes on. False
     (the loop stops, what serves stays) when the one before cannot be shipped either."""
-    st = run.state
-    shipped, slow, cand, screen = run.served_before[-1]
-    failed = st.shipped[0]
+    cand = run.served_before[-1][2]
     try:
         run.evaluator.ship(run.evaluator.build(cand, "slow"))
     except TkccError as e:
-        st.stopped = f"{why}; reverting to {cand.key} failed too ({e})"
+        return _reverted(run, why, str(e))
+    return _reverted(run, why)
+
+
+def _reverted(run: _Run, why: str, err: str | None = None) -> bool:
+    """Record the revert to what served before (``err``: shipping it failed, so the loop stops) and put it back
+    as what serves; the sequential loop's and the pool's alike."""
+    st = run.state
+    shipped, slow, cand, screen = run.served_before[-1]
+    failed = st.shipped[0]
+    if err is not None:
+        st.stopped = f"{why}; reverting to {cand.key} failed too ({err})"
         run.store.record_ship(st.campaign_id, failed, run.serving_cand.plan.to_json(), st.shipped[1], "refused",
                               st.stopped, {"why": st.stopped, "action": "refused", "revert_to": cand.key})
         run.say(st.stopped)
