@@ -671,7 +671,7 @@ class _Pool:
     ship_to: str | None = None  # the engine the decided ship waits for (the one that confirmed it)
     since_aa: int = 0
     screened: dict = field(default_factory=dict)  # candidate key -> (engine, raw screening objective)
-    revert: str | None = None  # why what served before is being shipped again (``_pool_revert``), while it is
+    revert: str | None = None  # why what served before is being shipped again (``_pool_revert``), while it is sent
     stale: Job | None = None  # a confirmation measured against a candidate since reverted: not decided on
 
 

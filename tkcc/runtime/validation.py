@@ -381,16 +381,16 @@ def exact_opinion(exact_fn, inputs: tuple, guard: "StateGuard", ref: list, got: 
     ok, found = closer_to_exact(ref, got, base[1] if of_state else base[0], bound)
     if ok:
         return True, found
-    for flip in alternatives(base[2]):
+    tried = alternatives(base[2])
+    for flip in tried:
         alt = exact_run(exact_fn, inputs, guard, memo, flip)
         if alt is None:
             break
         if closer_to_exact(ref, got, alt[1] if of_state else alt[0], bound, strict=True)[0]:
             return True, f"{found}; within {bound:.3g} of it with the near tie at {describe(flip, base[2])} " \
                          "decided the other way"
-    tried = len(alternatives(base[2]))
-    return False, found + (f"; and past {bound:.3g} of it with any of {tried} near-tied top-k choice(s) decided the "
-                           "other way" if tried else "")
+    return False, found + (f"; and past {bound:.3g} of it in each of {len(tried)} runs with its near-tied top-k "
+                           "choices (one, a pair, or all) decided the other way" if tried else "")
 
 
 def _draw_inputs(program, b, seed: int) -> tuple:
