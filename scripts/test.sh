@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-"$PY" -m pytest -q -p no:cacheprovider -n "${TKCC_TEST_WORKERS:-2}" --dist loadfile -m "not serial"
-"$PY" -m pytest -q -p no:cacheprovider -m serial
+"$PY" -m pytest -q -p no:cacheprovider -n "${TKCC_TEST_WORKERS:-2}" --dist loadfile -m "not serial" --durations=25
+"$PY" -m pytest -q -p no:cacheprovider -m serial --durations=25
