@@ -165,7 +165,8 @@ class Scheduler:
         self._service_s = None  # moving average of a request's service time (Retry-After)
         self._counter_of: tuple | None = None  # (program, its ExpertCounter or None)
         self.swaps = 0
-        self.served = 0
+        self.served = 0  # requests answered (see _answer)
+        self._served_lock = threading.Lock()
         self.moe_note: str | None = None
         loop = self._loop if self.slots == 1 else self._loop_slots
         self._thread = threading.Thread(target=loop, name="tkcc-serve-scheduler", daemon=True)
@@ -320,7 +321,7 @@ class Scheduler:
                 traceback.print_exc()
                 if job.finish is None:
                     job.finish = "error"
-                    job.deliver(Failed(500, f"the server failed serving this request: {type(e).__name__}: {e}"))
+                    self._answer(job, Failed(500, f"the server failed serving this request: {type(e).__name__}: {e}"))
             finally:
                 with self._cv:
                     self.running = None
@@ -344,7 +345,7 @@ class Scheduler:
                 steps.close()
         except Exception as e:  # noqa: BLE001 - a forward that raises fails its request, not the server
             job.finish, job.ended = "error", self.clock()
-            job.deliver(Failed(500, f"the forward {served.tag} failed: {type(e).__name__}: {e}"))
+            self._answer(job, Failed(500, f"the forward {served.tag} failed: {type(e).__name__}: {e}"))
             self._after(job)
             return
         if job.finish is None:
@@ -366,7 +367,7 @@ class Scheduler:
             job.ended = t
             job.finish = fin
             job.deliver(Token(tok, ""))
-            job.deliver(Done(fin, text))
+            self._answer(job, Done(fin, text))
             return fin
         job.deliver(Token(tok, text))
         if t - job.arrival > job.timeout_s:
@@ -383,7 +384,7 @@ class Scheduler:
         if now - job.arrival > job.timeout_s:
             job.finish = "timeout"
             job.ended = now
-            job.deliver(Failed(504, f"the request waited {now - job.arrival:.1f} s in the queue, past its "
+            self._answer(job, Failed(504, f"the request waited {now - job.arrival:.1f} s in the queue, past its "
                                     f"timeout of {job.timeout_s:g} s", "timeout"))
             self._after(job)
             return False
@@ -392,12 +393,18 @@ class Scheduler:
     def _end(self, job: Job, reason: str) -> None:
         job.finish, job.ended = reason, self.clock()
         text = job.stop.end(reason)
-        job.deliver(Done(reason, text))
+        self._answer(job, Done(reason, text))
         self._after(job)
+
+    def _answer(self, job: Job, last) -> None:
+        """Deliver ``job``'s last event (Done or Failed), counted as served first: a client holding its answer
+        sees it in the admin status, while the book-keeping (``_after``) runs after the answer went out."""
+        with self._served_lock:
+            self.served += 1
+        job.deliver(last)
 
     def _after(self, job: Job) -> None:
         """Book-keeping after the answer went out: service time, MoE counts, the trace line, metrics."""
-        self.served += 1
         if job.started is not None and job.ended is not None and job.tokens:
             dt = job.ended - job.started
             self._service_s = dt if self._service_s is None else 0.8 * self._service_s + 0.2 * dt
@@ -528,7 +535,7 @@ class Scheduler:
             first = int(tok)
         except Exception as e:  # noqa: BLE001 - a forward that raises fails its request, not the server
             job.finish, job.ended = "error", self.clock()
-            job.deliver(Failed(500, f"the forward {served.tag} failed: {type(e).__name__}: {e}"))
+            self._answer(job, Failed(500, f"the forward {served.tag} failed: {type(e).__name__}: {e}"))
             self._after(job)
             return
         job.slot, job.batch = slot, batch
@@ -577,7 +584,7 @@ class Scheduler:
         if job in self._live:
             self._live.remove(job)
         job.finish, job.ended = "error", self.clock()
-        job.deliver(Failed(500, message))
+        self._answer(job, Failed(500, message))
         self._after(job)
 
     def _drop_idle_batches(self) -> None:
