@@ -41,6 +41,11 @@ FAMILIES = {
                 {"aten.add.Tensor", "aten.div.Tensor", "aten.embedding.default", "aten.mul.Tensor"}),
     # LayerNorm, partial rotary, heads viewed by explicit counts
     "stablelm": (("StableLmConfig", "StableLmForCausalLM", dict()), {A: 2, G: 9, L: 5}, {"aten.embedding.default"}),
+    # q/k RMSNorms over each head after the heads are transposed; norms after attention and MLP (the residual adds stay)
+    "exaone4": (("Exaone4Config", "Exaone4ForCausalLM", dict()), {A: 2, G: 9, N: 4},
+                {"aten.add.Tensor", "aten.embedding.default"}),
+    # GLM's interleaved pairs over the whole head, written without slices
+    "helium": (("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16)), {A: 2, G: 8, GG: 1}, set()),
     # interleaved rotary from a repeat_interleave'd table, computed in fp32, and its own LayerNorm: the attention and
     # the norms stay in aten (correct, not fused); the projections lower
     "cohere": (("CohereConfig", "CohereForCausalLM", dict()), {G: 9, "tkcc.causal_mask.default": 1},

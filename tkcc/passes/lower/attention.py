@@ -141,8 +141,12 @@ def sink_attention(q, keys, values, mask, sinks, *, scale):
     return torch.matmul(scores, values)
 
 
+PER_HEAD = ("head", "head_transposed", "head_offset")  # q/k norms over each head (the kernel's per-head norm)
+
+
 def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explicit_heads: bool = False):
     """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head),
+    "head_transposed" (EXAONE 4: the same RMSNorm over each head, once the heads are transposed),
     "head_offset" (Gemma 3: over each head once the heads are transposed, ``norm(x) * (offset + w)`` in fp32);
     ``rope(q, k, cos, sin) -> (q, k)``: the rotation (``rotary.py`` has the partial, interleaved and chunked ones);
     ``sinks``: the eager attention with per-head sink logits (``sink_attention``; the logits are the last tensor,
@@ -162,6 +166,9 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explic
         if qk_norm == "head":
             q = rms_norm(q.view(hidden_shape), norms[0], eps=kw["eps"]).transpose(1, 2)
             k = rms_norm(k.view(hidden_shape), norms[1], eps=kw["eps"]).transpose(1, 2)
+        elif qk_norm == "head_transposed":
+            q = rms_norm(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"])
+            k = rms_norm(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"])
         elif qk_norm == "head_offset":
             q = rms_norm_offset(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"], offset=kw["offset"])
             k = rms_norm_offset(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"], offset=kw["offset"])
@@ -194,7 +201,7 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explic
         tail += (float(kw["offset"]),) if qk_norm == "head_offset" else ()
         return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, qn, kn,
                                              kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
-                                             num_warps, count, pdl, qk_norm in ("head", "head_offset"),
+                                             num_warps, count, pdl, qk_norm in PER_HEAD,
                                              kw.get("rotary_dim", 0), kw.get("interleaved", False), *tail)
 
     return pattern, replacement
@@ -213,7 +220,7 @@ def _example(qk_norm: str, hq: int, hkv: int, sinks: bool = False, table: int | 
               torch.empty(1, 1, 1, S, dtype=dt) if sinks else torch.empty(1, 1, 1, S, dtype=torch.bool)]
         if qk_norm == "full":
             ts += [torch.empty(hq * D, dtype=dt), torch.empty(hkv * D, dtype=dt)]
-        elif qk_norm in ("head", "head_offset"):
+        elif qk_norm in PER_HEAD:
             ts += [torch.empty(D, dtype=dt), torch.empty(D, dtype=dt)]
         if sinks:
             ts.append(torch.empty(hq, dtype=dt))
@@ -371,7 +378,7 @@ def _check_sinks(m, half_table: bool = False) -> str | None:
 
 def _attention_rewrites():
     out = []
-    for qk_norm in ("full", "head", "head_offset", ""):
+    for qk_norm in ("full", "head", "head_transposed", "head_offset", ""):
         pattern, replacement = _attention_pattern(qk_norm)
         for kind, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
             name = f"attention[{kind}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}]"

@@ -176,8 +176,8 @@ def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_d
     t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
          "inv_freq": 1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R)).to(device)}
     if qk_norm:
-        t["qn"] = _rand((D if qk_norm == "head" else hq * D,), g, device, dtype, 0.5) + 1
-        t["kn"] = _rand((D if qk_norm == "head" else hkv * D,), g, device, dtype, 0.5) + 1
+        t["qn"] = _rand((D if qk_norm in attention.PER_HEAD else hq * D,), g, device, dtype, 0.5) + 1
+        t["kn"] = _rand((D if qk_norm in attention.PER_HEAD else hkv * D,), g, device, dtype, 0.5) + 1
 
     def fn(s, qkv, pos):
         cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
@@ -196,14 +196,15 @@ def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_d
 
 def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 0), (8, 1, 16, 100, 16, 24),
                                               (4, 2, 16, 300, 16, 0), (4, 2, 16, 64, 16, 10))):
-    """Cache write + attention (+ rotary, + q/k norm), GQA/MHA/MQA, one and several splits (the fourth shape:
+    """Cache write + attention (+ rotary, + q/k norm over the projection or each head, before or after the heads
+    are transposed), GQA/MHA/MQA, one and several splits (the fourth shape:
     more splits than the in-kernel merge takes, so the combine launch runs), plain and scaled rotary, causal
     and sliding-window masks."""
     from tkcc.passes.lower import attention
 
     rows = []
     for i, (hq, hkv, D, S, chunk, window) in enumerate(shapes):
-        for j, qk_norm in enumerate(("", "full", "head")):
+        for j, qk_norm in enumerate(("", "full", "head" if i % 2 == 0 else "head_transposed")):
             rope_scale = 1.0 if (i + j) % 2 == 0 else 0.75
             pattern = attention._attention_pattern(qk_norm)[0]
             t, fn, make = attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, D, g, device, dtype)

@@ -47,6 +47,8 @@ def check_rotary(device, dtype, g, shapes=((4, 2, 16, 40, 16, 8, 0), (4, 4, 32, 
                                              ("interleaved", ""))):
             rope = rotary.ROPES[kind][0]
             R_ = D if (kind == "interleaved" and (i + j) % 3 == 0) else R  # interleaved over the whole head too
+            if kind == "interleaved" and R_ == D and j == 3:  # ... as Helium writes it, with no slices
+                rope, kind = rotary.rope_interleaved_unsliced, "interleaved (unsliced)"
             rope_scale = 1.0 if (i + j) % 2 == 0 else 0.75
             pattern = attention._attention_pattern(qk_norm, rope)[0]
             t, fn, make = attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, R_, g, device, dtype)

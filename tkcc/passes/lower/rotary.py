@@ -15,7 +15,8 @@ fused ``tkcc.attention_rope`` with its ``rotary_dim`` / ``interleaved``):
   elements of each head rotate, as halves of ``rotary_dim`` (the table is ``rotary_dim`` wide, ``inv_freq``
   ``rotary_dim / 2``); the rest passes through;
 - interleaved (GLM; GPT-J's pairs): pairs ``(2i, 2i + 1)`` rotate at frequency i (the table's first half
-  ``repeat_interleave``d), full or partial.
+  ``repeat_interleave``d), full or partial; Helium writes the full one without GLM's slices
+  (``rope_interleaved_unsliced``).
 
 Only the packed-projection form of the block is matched: ``canonical_split`` first turns a projection's three
 slices that tile its last dim (Phi-3's ``qkv[..., :q]``, ...) into the one ``split`` the packer emits.
@@ -130,6 +131,15 @@ def rope_interleaved(q, k, cos, sin):
     return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
 
 
+def rope_interleaved_unsliced(q, k, cos, sin):
+    """Helium's (and, in an fp32 graph, Ernie 4.5's) ``apply_rotary_pos_emb``: GLM's interleaved pairs over the whole
+    head, written without GLM's rotary/pass-through slices (``rope_interleaved`` over the whole head still traces
+    them, empty, so it does not match this code)."""
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    return (q * cos) + (rotate_pairs(q) * sin), (k * cos) + (rotate_pairs(k) * sin)
+
+
 def _rotate_chunked(x, cos, sin):
     first_half, second_half = torch.chunk(x, 2, dim=-1)
     first_ = first_half * cos - second_half * sin
@@ -171,6 +181,13 @@ def _attention_rewrites():
                        f"{' over the whole head' if whole else ''}]"
                 out.append(Rewrite(name, pattern, replacement, example, region="attention", check=attention._check,
                                    params=params))
+    # Helium: the interleaved pairs over the whole head, with no slices to trace
+    for qk_norm in ("full", "head", ""):
+        pattern, replacement = attention._attention_pattern(qk_norm, rope_interleaved_unsliced)
+        for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+            name = f"attention[{heads}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}, interleaved rotary, unsliced]"
+            out.append(Rewrite(name, pattern, replacement, attention._example(qk_norm, hq, hkv), region="attention",
+                               check=attention._check, params=_rotary_params(True)))
     # StableLM: the partial rotary with q, k and v viewed as heads by their counts
     pattern, replacement = attention._attention_pattern("", rope_partial, explicit_heads=True)
     for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
