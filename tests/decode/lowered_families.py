@@ -46,6 +46,11 @@ FAMILIES = {
                 {"aten.add.Tensor", "aten.embedding.default"}),
     # GLM's interleaved pairs over the whole head, written without slices
     "helium": (("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16)), {A: 2, G: 8, GG: 1}, set()),
+    # LayerNorm with biases, a non-gated MLP whose up projection's tanh-GELU is its GEMV's epilogue
+    "starcoder2": (("Starcoder2Config", "Starcoder2ForCausalLM", dict()), {A: 2, G: 9, L: 5}, {"aten.embedding.default"}),
+    # LayerNorm1P (1 + w: its add stays), relu² after a non-gated up projection (the GEMV's epilogue)
+    "nemotron": (("NemotronConfig", "NemotronForCausalLM", dict()), {A: 2, G: 9, L: 5},
+                 {"aten.add.Tensor", "aten.embedding.default"}),
     # interleaved rotary from a repeat_interleave'd table, computed in fp32, and its own LayerNorm: the attention and
     # the norms stay in aten (correct, not fused); the projections lower
     "cohere": (("CohereConfig", "CohereForCausalLM", dict()), {G: 9, "tkcc.causal_mask.default": 1},

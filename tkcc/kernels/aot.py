@@ -125,7 +125,8 @@ def _routed_variants(pdl):
 
 
 def lowered_variants():
-    """The hooks only the lowered decode step (``tkcc.kernels.lowered``) launches: GEMV bias and GELU epilogues,
+    """The hooks only the lowered decode step (``tkcc.kernels.lowered``) launches: GEMV bias and GELU epilogues, the
+    activations over a non-gated up projection,
     scaled rotary / per-head q/k norm / sliding window in the fused attention, the combine reading the position,
     the routed MoE on an input normed already and with fp32 routing weights."""
     out = []
@@ -136,6 +137,11 @@ def lowered_variants():
         sig = {**base, **({"b_ptr": _P} if bias else {}), **blocks}
         out.append(("gemv.py.jinja", dict(norm=True, gated=True, residual=False, pdl=pdl, gather=False, argmax=False,
                                           bias=bias, act=act), "gemv_kernel", sig,
+                    dict(BLOCK_N=4, BLOCK_K=2048 if pdl else 512, EVEN_K=True, FULL_K=pdl)))
+    for up_act, bias, pdl in (("gelu", True, True), ("gelu_tanh", True, False), ("relu2", False, True)):
+        sig = {**base, **({"b_ptr": _P} if bias else {}), **blocks}
+        out.append(("gemv.py.jinja", dict(norm=False, gated=False, residual=False, pdl=pdl, gather=False, argmax=False,
+                                          bias=bias, up_act=up_act), "gemv_kernel", sig,
                     dict(BLOCK_N=4, BLOCK_K=2048 if pdl else 512, EVEN_K=True, FULL_K=pdl)))
     sig = {**base, "b_ptr": _P, "idx_ptr": "*i64", "xout_ptr": _P, "stride_x": "i32", **blocks}
     out.append(("gemv.py.jinja", dict(norm=True, gated=False, residual=False, pdl=True, gather=True, argmax=False,

@@ -29,11 +29,14 @@ INTERP_CONFIG = (64, 128, 4)
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
-def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu"):
-    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u] -> [+ residual]."""
+def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu", up_act=""):
+    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u | up_act(y)] -> [+ residual]."""
     if norm_w is not None:
         x = rms_ref(x, norm_w, eps)
     y = F.linear(x, w, bias)
+    if up_act:
+        y = torch.square(F.relu(y)) if up_act == "relu2" else F.gelu(y, approximate="tanh" if up_act == "gelu_tanh"
+                                                                     else "none")
     if gated:
         g, u = y.chunk(2, dim=-1)
         y = ACTS[act](g) * u
@@ -70,7 +73,7 @@ def _ends_ref(x, y, gather, argmax):
 
 
 def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=None, gather=None,
-         argmax=None, bias=None, act="silu"):
+         argmax=None, bias=None, act="silu", up_act=""):
     """x: [K] (or [1, K]); w: [N_total, K] with unit stride along K. Returns [N] (N = N_total/2 if gated).
 
     ``pdl``: launch with programmatic dependent launch (Hopper+): the kernel starts while the previous one
@@ -78,7 +81,8 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     None: as the enclosing ``graph_replay.pdl_scope`` says (off outside one).
     ``gather=(idx, xout)``: x is a [rows, K] table and the input is its row ``idx[0]`` (int64 [1]), also
     copied to ``xout`` [K]. ``argmax=(tok, ArgmaxState, pos, seq)``: also writes argmax(y) to ``tok``
-    (int64 [1]) and adds 1 to ``pos`` and ``seq`` (int32 [1]), after y is complete."""
+    (int64 [1]) and adds 1 to ``pos`` and ``seq`` (int32 [1]), after y is complete. ``up_act`` ("gelu",
+    "gelu_tanh", "relu2"): y is that activation of the (not gated) product, as a non-gated MLP's up projection."""
     xt = x
     if gather is not None:
         if x.dim() != 2:
@@ -92,12 +96,15 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         reason = f"shape/stride x {tuple(xt.shape)} w {tuple(w.shape)} stride {w.stride()} is not a batch-1 GEMV"
     if reason is None and argmax is not None and gated:
         reason = "argmax of a gated GEMV"
+    if reason is None and up_act and (gated or residual is not None or argmax is not None
+                                      or up_act not in ("gelu", "gelu_tanh", "relu2")):
+        reason = f"activation {up_act!r} over a gated output, before a residual or an argmax, or unknown"
     if reason is not None:
         note_fallback("gemv", reason)
         if gather is not None:
             x = xt.index_select(0, gather[0].reshape(-1)).reshape(-1)
         y = gemv_ref(x.reshape(1, -1), w, norm_w, eps, None if residual is None else residual.reshape(1, -1), gated,
-                     bias, act)
+                     bias, act, up_act)
         y = y.reshape(-1)
         if out is not None:
             out.copy_(y)
@@ -113,7 +120,8 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     bk = min(bk, triton.next_power_of_2(K))
     pdl = launch_pdl(pdl)
     mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,
-               gather=gather is not None, argmax=argmax is not None, bias=bias is not None, act=act)
+               gather=gather is not None, argmax=argmax is not None, bias=bias is not None, act=act,
+               **({"up_act": up_act} if up_act else {}))
     grid = (triton.cdiv(N, bn),)
     ends = [bias] if bias is not None else []
     if gather is not None:

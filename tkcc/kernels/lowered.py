@@ -37,6 +37,14 @@ from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
 
 NS = "tkcc"
 ACTS = ("", "silu", "gelu", "gelu_tanh")  # gated epilogues of tkcc.gemv: none, act(g) * u
+UP_ACTS = ("", "gelu", "gelu_tanh", "relu2")  # activations over a plain (not gated) output: an MLP's up projection
+
+
+def up_act_ref(y: Tensor, up_act: str) -> Tensor:
+    """The activation of a non-gated MLP as transformers' ``ACT2FN`` computes it (one eager op, or relu then square)."""
+    if up_act == "relu2":
+        return torch.square(F.relu(y))
+    return F.gelu(y, approximate="tanh" if up_act == "gelu_tanh" else "none")
 
 _PDL: dict[int, bool] = {}  # device index -> programmatic dependent launch available (a property of the device)
 
@@ -72,10 +80,12 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cas
 
 
 def gemv_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
-             eps: float = 1e-6, residual: Optional[Tensor] = None, act: str = "") -> Tensor:
-    """[RMSNorm] -> linear [+ bias] -> [act(g) * u over the two halves] -> [residual +]."""
+             eps: float = 1e-6, residual: Optional[Tensor] = None, act: str = "", up_act: str = "") -> Tensor:
+    """[RMSNorm] -> linear [+ bias] -> [act(g) * u over the two halves | up_act(y)] -> [residual +]."""
     h = rms_norm_ref(x, norm_weight, eps) if norm_weight is not None else x
     y = F.linear(h, weight, bias)
+    if up_act:
+        y = up_act_ref(y, up_act)
     if act:
         n = y.shape[-1] // 2
         g, u = torch.split(y, [n, n], -1)
@@ -295,7 +305,7 @@ def _(x, weight, bias, eps):
     return torch.empty_like(x)
 
 
-def gemv_reason(x: Tensor, weight: Tensor, bias, norm_weight, residual, act: str) -> str | None:
+def gemv_reason(x: Tensor, weight: Tensor, bias, norm_weight, residual, act: str, up_act: str = "") -> str | None:
     """None when the GEMV kernel takes this call, else why not."""
     reason = fallback_reason(x, weight, bias, norm_weight, residual)
     if reason is not None:
@@ -307,6 +317,9 @@ def gemv_reason(x: Tensor, weight: Tensor, bias, norm_weight, residual, act: str
         return f"weight {tuple(weight.shape)} strides {weight.stride()} are not [N, K] rows"
     if act not in ACTS:
         return f"gated epilogue {act!r} has no kernel (kernels: {ACTS})"
+    if up_act not in UP_ACTS or (up_act and (act or residual is not None)):
+        return (f"activation {up_act!r} over the output has no kernel (kernels: {UP_ACTS}, with neither a gated "
+                "epilogue nor a residual)")
     if norm_weight is not None and (norm_weight.numel() != K or not norm_weight.is_contiguous()):
         return f"norm weight {tuple(norm_weight.shape)} for width {K}"
     if residual is not None and residual.numel() != (weight.shape[0] // (2 if act else 1)):
@@ -317,11 +330,12 @@ def gemv_reason(x: Tensor, weight: Tensor, bias, norm_weight, residual, act: str
 @torch.library.custom_op(f"{NS}::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
          eps: float = 1e-6, residual: Optional[Tensor] = None, act: str = "", config: Optional[list[int]] = None,
-         pdl: bool = False) -> Tensor:
+         pdl: bool = False, up_act: str = "") -> Tensor:
     """``gemv_ref`` as one batch-1 GEMV kernel: RMSNorm prologue, bias, gated epilogue (``act``: the weight is
-    [gate; up]) and residual epilogue in the same launch. ``config``: (BLOCK_N, BLOCK_K, warps), empty for
-    the kernel's default; ``pdl``: programmatic dependent launch where the device has it."""
-    reason = gemv_reason(x, weight, bias, norm_weight, residual, act)
+    [gate; up]) or an activation over the output (``up_act``), and residual epilogue in the same launch.
+    ``config``: (BLOCK_N, BLOCK_K, warps), empty for the kernel's default; ``pdl``: programmatic dependent launch
+    where the device has it."""
+    reason = gemv_reason(x, weight, bias, norm_weight, residual, act, up_act)
     if reason is None:
         from tkcc.kernels import gemv as gemv_mod
 
@@ -330,14 +344,14 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: 
         cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
         y = gemv_mod.gemv(x.contiguous().view(-1), weight, norm_w=norm_weight, eps=eps,
                           residual=None if residual is None else residual.contiguous().view(-1), gated=bool(act),
-                          config=cfg, pdl=pdl and _pdl_ok(x.device), bias=bias, act=act or "silu")
+                          config=cfg, pdl=pdl and _pdl_ok(x.device), bias=bias, act=act or "silu", up_act=up_act)
         return y.view(*x.shape[:-1], y.shape[-1])
     note_fallback("tkcc.gemv", reason)
-    return gemv_ref(x, weight, bias, norm_weight, eps, residual, act)
+    return gemv_ref(x, weight, bias, norm_weight, eps, residual, act, up_act)
 
 
 @gemv.register_fake
-def _(x, weight, bias=None, norm_weight=None, eps=1e-6, residual=None, act="", config=None, pdl=False):
+def _(x, weight, bias=None, norm_weight=None, eps=1e-6, residual=None, act="", config=None, pdl=False, up_act=""):
     n = weight.shape[0] // (2 if act else 1)
     return x.new_empty(*x.shape[:-1], n)
 

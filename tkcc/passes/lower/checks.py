@@ -103,13 +103,15 @@ def check_gemv(device, dtype, g, shapes=((40, 48), (96, 200), (256, 64))):
     from tkcc.passes.lower import projections
 
     rows = []
-    for (N, K), (norm, bias, gated, residual) in zip(
-            [s for s in shapes for _ in range(4)],
-            [(True, False, False, False), (False, True, False, True), (True, False, True, False),
-             (True, True, True, False), (False, False, False, True), (True, True, False, False),
-             (False, False, "gelu_tanh", False), (False, False, False, False), (True, False, False, True),
-             (False, True, "gelu", False), (True, True, False, True), (False, True, False, False)]):
-        pattern = projections._gemv_pattern(norm, bias, gated, residual)[0]
+    for (N, K), (norm, bias, gated, residual, up_act) in zip(
+            [s for s in shapes for _ in range(5)],
+            [(True, False, False, False, ""), (False, True, False, True, ""), (True, False, True, False, ""),
+             (True, True, True, False, ""), (False, True, False, False, "gelu_tanh"),
+             (False, False, False, True, ""), (True, True, False, False, ""), (False, False, "gelu_tanh", False, ""),
+             (False, False, False, False, ""), (True, False, False, False, "relu2"),
+             (True, False, False, True, ""), (False, True, "gelu", False, ""), (True, True, False, True, ""),
+             (False, True, False, False, ""), (False, False, False, False, "gelu")]):
+        pattern = projections._gemv_pattern(norm, bias, gated, residual, up_act)[0]
         n_out = 2 * N if gated else N
         t = {"w": _rand((n_out, K), g, device, dtype, K ** -0.5)}
         if bias:
@@ -124,7 +126,7 @@ def check_gemv(device, dtype, g, shapes=((40, 48), (96, 200), (256, 64))):
         def make(residual=residual, K=K, N=N):
             return (_rand((1, 1, K), g, device, dtype),) + ((_rand((1, 1, N), g, device, dtype),) if residual else ())
 
-        tag = projections._tag(norm, bias, gated, residual)
+        tag = projections._tag(norm, bias, gated, residual, up_act)
         rows += run_case(f"gemv[{tag}][{N}x{K}]", Region(fn, t), make, "tkcc.gemv.default", False, dtype)
     return rows
 

@@ -1,6 +1,7 @@
 """Projections: sibling linears packed into one (q|k|v, gate|up), then each linear as one batch-1 GEMV with
 what surrounds it fused: the RMSNorm before it (prologue), its bias, the gated activation after a packed
-gate|up (``act(g) * u``: SiLU, GELU, tanh-GELU), the residual add after it (epilogue).
+gate|up (``act(g) * u``: SiLU, GELU, tanh-GELU) or the activation after a non-gated MLP's up projection (GELU,
+tanh-GELU, relu²), the residual add after it (epilogue).
 
 Packing: linears that read the same activation (a decoder layer's q, k and v; its gate and up) become one
 linear over their weights stacked row-wise, split after. The stacked weight is a view when capture already
@@ -23,6 +24,9 @@ from tkcc.passes.lower.pattern import Rewrite
 
 K_EX, N_EX = 48, 40  # example widths (distinct from every literal of the patterns)
 ACT_FNS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+# over a plain (not gated) output: a non-gated MLP's up projection (GPT-NeoX, StarCoder2, Falcon; Nemotron's relu²)
+UP_ACT_FNS = {"gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+              "relu2": lambda y: torch.square(F.relu(y))}
 
 
 # ---- packing ---------------------------------------------------------------------------------------------
@@ -157,10 +161,12 @@ PACK = [_chunked_gate(a) for a in ("silu", "gelu_tanh", "gelu")] + [_gated_pair(
 
 # ---- GEMV ------------------------------------------------------------------------------------------------
 
-def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool):
+def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = ""):
     """The pattern for one combination: tensors (x, weight, [bias], [norm weight], [residual]). ``gated``:
-    False, or the gated activation (``ACT_FNS``; True is "silu") over the two halves of the output."""
+    False, or the gated activation (``ACT_FNS``; True is "silu") over the two halves of the output; ``up_act``:
+    an activation over the whole output (``UP_ACT_FNS``)."""
     act = ("silu" if gated is True else gated) if gated else ""
+    tail = (up_act,) if up_act else ()  # the op's last argument, written only where it is used
 
     def pattern(*ts, **kw):
         it = iter(ts)
@@ -170,6 +176,8 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool):
         r = next(it) if residual else None
         h = rms_norm(x, nw, eps=kw["eps"]) if norm else x
         y = F.linear(h, w, b)
+        if up_act:
+            y = UP_ACT_FNS[up_act](y)
         if gated:
             n = w.shape[0] // 2
             g, u = torch.split(y, [n, n], -1)
@@ -184,7 +192,7 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool):
         b = next(it) if bias else None
         nw = next(it) if norm else None
         r = next(it) if residual else None
-        return torch.ops.tkcc.gemv(x, w, b, nw, kw.get("eps", 1e-6), r, act, kw["config"], kw["pdl"])
+        return torch.ops.tkcc.gemv(x, w, b, nw, kw.get("eps", 1e-6), r, act, kw["config"], kw["pdl"], *tail)
 
     def example(dt):
         n = 2 * N_EX if gated else N_EX
@@ -224,27 +232,27 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool):
 
     def params(m, ctx):
         w = m.val(1)
-        key = gemv_key(w.shape[0], w.shape[1], norm, act, residual, bias, w.dtype)
+        key = gemv_key(w.shape[0], w.shape[1], norm, act, residual, bias, w.dtype, up_act)
         return {"config": ctx.options.get("gemv_configs", {}).get(key), "pdl": bool(ctx.options.get("pdl"))}
 
-    pattern.__qualname__ = f"gemv[{_tag(norm, bias, act, residual)}]"
+    pattern.__qualname__ = f"gemv[{_tag(norm, bias, act, residual, up_act)}]"
     return pattern, replacement, example, check, params
 
 
-def gemv_key(N: int, K: int, norm: bool, act, residual: bool, bias: bool, dtype) -> str:
+def gemv_key(N: int, K: int, norm: bool, act, residual: bool, bias: bool, dtype, up_act: str = "") -> str:
     """How a GEMV's tuned config is named (shape and hooks determine its best config); ``act``: the gated
-    activation or ''."""
+    activation or ''; ``up_act``: the activation over the plain output or ''."""
     act = ("silu" if act is True else act) or ""
     return f"{N}x{K}" + "".join(f"+{k}" for k, v in (("norm", norm), (act and f"gated-{act}", act),
-                                                        ("residual", residual), ("bias", bias)) if v) \
-        + f":{str(dtype).split('.')[-1]}"
+                                                        (up_act, up_act), ("residual", residual), ("bias", bias))
+                                if v) + f":{str(dtype).split('.')[-1]}"
 
 
-def _tag(norm, bias, act, residual):
+def _tag(norm, bias, act, residual, up_act=""):
     act = ("silu" if act is True else act) or ""
     gated = "gated" if act == "silu" else f"gated-{act}"
-    return "+".join(k for k, v in (("norm", norm), ("bias", bias), (gated, act), ("residual", residual)) if v) \
-        or "plain"
+    return "+".join(k for k, v in (("norm", norm), ("bias", bias), (gated, act), (up_act, up_act),
+                                   ("residual", residual)) if v) or "plain"
 
 
 def _gemvs():
@@ -255,6 +263,11 @@ def _gemvs():
     for norm, act, bias, residual in combos:
         if act and residual:
             continue  # a gated output feeds the down projection, never a residual add
+        if not residual and not act:  # an up projection's activation first: the larger region
+            for up_act in UP_ACT_FNS:
+                pattern, replacement, example, check, params = _gemv_pattern(norm, bias, False, False, up_act)
+                out.append(Rewrite(f"gemv[{_tag(norm, bias, '', False, up_act)}]", pattern, replacement, example,
+                                   region="projection", check=check, params=params))
         pattern, replacement, example, check, params = _gemv_pattern(norm, bias, act, residual)
         out.append(Rewrite(f"gemv[{_tag(norm, bias, act, residual)}]", pattern, replacement, example,
                            region="projection", check=check, params=params))
