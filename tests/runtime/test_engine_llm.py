@@ -57,6 +57,22 @@ def test_swap_keeps_greedy_tokens_and_revert_restores_the_baseline(llm_engine):
         assert c.generate([3, 1, 4, 1, 5], n=6)["candidate"] == "baseline"
 
 
+def test_a_ship_validates_and_keeps_without_measuring_again(llm_engine):
+    """The campaign's ship (keep, measure=False): validated on fresh inputs, swapped in and serving, no measurement
+    (its confirmation measured it); measure=False without keep is refused, since it would do nothing."""
+    from tkcc.errors import EngineError
+
+    with llm_engine.client() as c:
+        res = c.experiment({"plan": PLAN}, tiers="slow", keep=True, measure=False)
+        assert res["ok"], res
+        rec = res["tiers"]["slow"]
+        assert rec["validation"]["ok"] and "measurement" not in rec and rec["swap"]
+        assert c.generate([3, 1, 4], n=3)["candidate"] == res["candidate"]
+        assert c.revert(tier="slow")["current"] == "baseline"
+        with pytest.raises(EngineError, match="only ships"):
+            c.experiment({"plan": PLAN}, tiers="slow", measure=False)
+
+
 def _still_serving(c):
     assert c.ping()["pong"]
     assert c.experiment({"baseline": True}, tiers="fast", reps=3)["ok"]

@@ -3,8 +3,9 @@
 Each measurement is one engine ``experiment`` on one tier: load (compile the
 plan for that tier), validate against the engine's own reference, swap in,
 re-capture graphs, measure on the workload, swap back. Shipping is the same
-on the slow tier with ``keep=True``, so a candidate is validated again right
-before it serves. The key a result is stored under names everything that
+on the slow tier with ``keep=True`` and no measurement (the confirmation just
+measured it there), so a candidate is validated again right before it serves.
+The key a result is stored under names everything that
 determines the built artifact: the candidate spec, the versions of the passes
 in its plan, the tier, and the engine's model fingerprint.
 """
@@ -159,7 +160,8 @@ class EngineEvaluator:
     def _run(self, key: str, tier: str, keep: bool) -> dict:
         try:
             return self.client.experiment(self._specs[key], tiers=tier, workload=self.workload, keep=keep,
-                                          reps=self.reps, timeout_s=self.timeout_s)
+                                          reps=self.reps, timeout_s=self.timeout_s,
+                                          **({"measure": False} if keep else {}))
         except EngineError as e:
             return {"ok": False, "reason": str(e), "tiers": {tier: {"failure": "refused", "reason": str(e)}}}
 

@@ -62,9 +62,9 @@ def _methods(sup: Supervisor, server: "EngineServer") -> dict:
 
     def experiment(candidate: dict, tiers="both", workload=None, keep: bool = False, reps: int = 30,
                    warmup: int = 5, rotations: int = 4, timeout_s: float | None = None,
-                   request_id: str | None = None, max_shapes: int = 4) -> dict:
+                   request_id: str | None = None, max_shapes: int = 4, measure: bool = True) -> dict:
         return sup.experiment(candidate, tiers, workload, keep, reps, warmup, rotations, timeout_s, request_id,
-                              max_shapes)
+                              max_shapes, measure=bool(measure))
 
     def generate(prompt: list, n: int = 8, tier: str = "slow", timeout_s: float | None = None) -> dict:
         if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

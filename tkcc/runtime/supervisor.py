@@ -401,8 +401,13 @@ class Supervisor(Ahead):
 
     def experiment(self, candidate: dict, tiers=("fast", "slow"), workload=None, keep: bool = False,
                    reps: int = 30, warmup: int = 5, rotations: int = 4, timeout_s: float | None = None,
-                   request_id: str | None = None, max_shapes: int = 4) -> dict:
-        """Load, validate, swap + capture, measure, (revert) on each tier; journaled before it returns."""
+                   request_id: str | None = None, max_shapes: int = 4, measure: bool = True) -> dict:
+        """Load, validate, swap + capture, measure, (revert) on each tier; journaled before it returns.
+        ``measure=False`` (a ship, ``keep``: the candidate was measured when it was confirmed) skips the
+        measurement: validated on fresh inputs, swapped in and kept."""
+        if not measure and not keep:
+            raise EngineError("experiment(measure=False) only ships (keep=True): an experiment that keeps nothing "
+                              "and measures nothing does nothing")
         request_id = request_id or uuid.uuid4().hex
         tiers = _tiers(tiers)
         self.journal.append("accepted", request_id=request_id, candidate=candidate, tiers=list(tiers))
@@ -437,13 +442,15 @@ class Supervisor(Ahead):
                     rec["swap"] = self.call("swap", timeout_s, candidate=cid, tier=tier, workload=workload)
                     self._note_swap(tier, cid)
                     swapped = True
-                    step = "measure"
-                    w0 = time.perf_counter()
-                    m = self.call("measure", timeout_s, tier=tier, workload=workload, reps=reps, warmup=warmup,
-                                  rotations=rotations)
-                    m["supervisor_wall_s"] = time.perf_counter() - w0
-                    m["timing_consistent"] = sum(sum(b["samples_s"]) for b in m["buckets"]) <= m["supervisor_wall_s"]
-                    rec["measurement"] = m
+                    if measure:
+                        step = "measure"
+                        w0 = time.perf_counter()
+                        m = self.call("measure", timeout_s, tier=tier, workload=workload, reps=reps, warmup=warmup,
+                                      rotations=rotations)
+                        m["supervisor_wall_s"] = time.perf_counter() - w0
+                        m["timing_consistent"] = sum(sum(b["samples_s"]) for b in m["buckets"]) <= \
+                            m["supervisor_wall_s"]
+                        rec["measurement"] = m
                     if keep or rec["swap"].get("previous") == cid:
                         self.trial = None  # kept, or it was already serving before this experiment
                     else:
