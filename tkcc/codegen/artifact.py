@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from tkcc.errors import ArtifactError, TkccError
+from tkcc.version import __version__
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -88,7 +89,6 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
     """
     import triton
 
-    import tkcc
     from tkcc.codegen import aot as aot_mod
     from tkcc.codegen.forward_source import emit_forward
 
@@ -178,7 +178,7 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
                                  if c["kernel"] == n]}
                     for n, k in sorted(kernels.items())},
         "aot": aot_entries,
-        "versions": {"tkcc": tkcc.__version__, "torch": torch.__version__, "triton": triton.__version__},
+        "versions": {"tkcc": __version__, "torch": torch.__version__, "triton": triton.__version__},
         "files": {rel: _sha256(data) for rel, data in sorted(files.items())},
     }
     manifest["artifact_hash"] = artifact_hash(manifest)
