@@ -340,7 +340,7 @@ class Artifact:
 
     def _check_targets(self, model, program_or_model) -> None:
         """ArtifactError when the model's device cannot run one of the artifact's kernel targets."""
-        from tkcc.codegen.targets import OP_TARGETS, check_target
+        from tkcc.kernels.targets import OP_TARGETS, check_target
 
         p = next(iter(model.parameters()), None)
         dev = p.device.type if p is not None else torch.device(

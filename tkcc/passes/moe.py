@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.fx
 
-from tkcc.codegen.targets import OP_TARGETS, check_pass_target, variant_params
+from tkcc.kernels.targets import OP_TARGETS, check_pass_target, variant_params
 from tkcc.passes.base import RewriteInfo, register
 from tkcc.passes.graph_pass import GraphPass, origin
 from tkcc.passes.lower import moe as lower_moe
