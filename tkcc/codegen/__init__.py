@@ -13,7 +13,7 @@ _EXPORTS = {
     "Artifact": "tkcc.codegen.artifact",
     "build_artifact": "tkcc.codegen.artifact",
     "compile_kernel": "tkcc.codegen.aot",
-    "FusedKernel": "tkcc.codegen.rowwise",
+    "FusedKernel": "tkcc.kernels.rowwise",
 }
 
 

@@ -4,7 +4,7 @@ Layout of an artifact directory (see docs/codegen.md)::
 
     manifest.json            plan + plan hash, program fingerprint, targets, tier, phases, versions,
                              SHA-256 of every other file, and the artifact hash over all of it
-    _rt.py                   verbatim copy of tkcc/codegen/rt.py (the only support code generated code imports)
+    _rt.py                   verbatim copy of tkcc/kernels/rt.py (the only support code generated code imports)
     forward_<phase>.py       one per phase: bind(model, state, constants) -> forward(*inputs)
     kernels/__init__.py
     kernels/<kernel>.py      one per generated kernel: @triton.jit kernel, reference(), launch
@@ -91,6 +91,7 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
 
     from tkcc.codegen import aot as aot_mod
     from tkcc.codegen.forward_source import emit_forward
+    from tkcc.kernels import rt
 
     if target not in TARGETS:
         raise ArtifactError(f"target {target!r} is not supported; codegen targets: {', '.join(TARGETS)}")
@@ -99,7 +100,7 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
             raise ArtifactError(f"aot target {t!r} is not known; known: {', '.join(sorted(aot_mod.AOT_TARGETS))}")
     out_dir = Path(out_dir)
     plan_json, plan_hash = _plan_json(plan)
-    files: dict[str, bytes] = {"_rt.py": (Path(__file__).parent / "rt.py").read_bytes(), "kernels/__init__.py": b""}
+    files: dict[str, bytes] = {"_rt.py": Path(rt.__file__).read_bytes(), "kernels/__init__.py": b""}
     phases: dict[str, dict] = {}
     kernels: dict[str, object] = {}
     constants: dict[str, torch.Tensor] = {}
