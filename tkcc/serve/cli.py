@@ -136,7 +136,7 @@ def _build_server(args):
     builder = ForwardBuilder(model, max_cache_len=args.max_cache_len, mode=args.mode, batch=args.batch)
     plan = None
     if args.plan:
-        from tkcc.compiler import resolve_plan
+        from tkcc.passes.default_plan import resolve_plan
 
         plan = resolve_plan(args.plan, args.mode)
     compiled, tag = builder.first(plan=plan, artifact=args.artifact)
