@@ -25,7 +25,7 @@ from pathlib import Path
 
 def run_one(k: int, args, trace, tmp: Path) -> dict:
     from tkcc.agents.campaign import CampaignConfig, run_campaign
-    from tkcc.agents.cli import _workload_for
+    from tkcc.commands.campaign_cmd import _workload_for
     from tkcc.agents.ray_pool import RayEvaluator
     from tkcc.agents.search import BayesianSearch, SearchSpace
     from tkcc.agents.store import ExperimentStore

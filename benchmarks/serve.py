@@ -692,7 +692,7 @@ class _InProcess:
         import contextlib
         import gc
 
-        from tkcc.serve.loading import ForwardBuilder
+        from tkcc.commands.http_forwards import ForwardBuilder
         from tkcc.serve.scheduler import Scheduler, Served
 
         @contextlib.contextmanager

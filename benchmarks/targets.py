@@ -31,7 +31,7 @@ def copy_bandwidth() -> float:
 
 
 def shapes() -> list[tuple[str, str, dict]]:
-    from tkcc.codegen.targets.families import model_shapes
+    from tkcc.kernels.targets.families import model_shapes
 
     out = []
     for model in ("olmoe-16l", "llama-1b-16l"):
@@ -52,8 +52,8 @@ def main() -> int:
     import triton
     import triton.testing
 
-    from tkcc.codegen.targets import kernel
-    from tkcc.codegen.targets.families import FAMILIES, dtype_name
+    from tkcc.kernels.targets import kernel
+    from tkcc.kernels.targets.families import FAMILIES, dtype_name
 
     bw = copy_bandwidth()
     dtype = torch.bfloat16

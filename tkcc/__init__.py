@@ -6,8 +6,7 @@
     compiled.save("out/"); tkcc.load("out/", model)
 """
 from tkcc.errors import TkccError
-
-__version__ = "0.1.0"
+from tkcc.version import __version__
 
 
 def compile(model, trace=None, **kwargs):  # noqa: A001 - the public name is the point

@@ -1,4 +1,6 @@
-"""The `tkcc` command. Each area registers its own subcommands from its own module.
+"""The `tkcc` command. Each group of subcommands registers itself from its own module: ``tkcc/commands/``
+(the API layer: they drive tkcc.compile, the engine, campaigns and the server, so no layer below imports
+them), and ``tkcc.traffic.cli``, the trace tools, which need nothing but the traffic package.
 
 A subcommand handler returns a JSON-able dict; with ``--json`` it is printed as
 one JSON object on stdout, otherwise the handler's ``text`` (or a readable
@@ -23,8 +25,8 @@ _IMPORTED = time.monotonic()
 COMMAND_MODULES = [
     "tkcc.commands.compile_cmd",   # compile, passes, golden
     "tkcc.traffic.cli",            # trace stats | drift
-    "tkcc.runtime.cli",            # serve, submit, engine status|stop
-    "tkcc.agents.cli",             # campaign, watch, report
+    "tkcc.commands.engine_cmd",    # serve (and serve --http: commands.http_cmd), submit, engine status|stop
+    "tkcc.commands.campaign_cmd",  # campaign, watch, report
     "tkcc.commands.export_cmd",    # export (a campaign's shipped candidate, for tkcc.load)
 ]
 

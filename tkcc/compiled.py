@@ -40,9 +40,9 @@ SAVE_FILE = "tkcc.json"
 
 def versions() -> dict:
     """The library versions a saved artifact is bound to (generated code and kernels depend on them)."""
-    import tkcc
+    from tkcc.version import __version__
 
-    out = {"tkcc": tkcc.__version__, "torch": torch.__version__}
+    out = {"tkcc": __version__, "torch": torch.__version__}
     for mod in ("triton", "transformers"):
         try:
             out[mod] = __import__(mod).__version__

@@ -28,7 +28,7 @@ from tkcc.atomic import replace_dir
 from tkcc.compiled import CompileReport, CompiledModel, speed_lines  # noqa: F401 - the public names live here too
 from tkcc.defaults import DEFAULT_BUDGET_S
 from tkcc.errors import CaptureError, PlanError, TkccError
-from tkcc.passes.general import DEFAULT_EXACT_PLAN
+from tkcc.passes.default_plan import default_plan, resolve_plan  # noqa: F401 - public here too
 from tkcc.passes.log import write_logs
 from tkcc.passes.manager import load_pass_module
 from tkcc.passes.plan import PassPlan
@@ -36,23 +36,6 @@ from tkcc.passes.plan import PassPlan
 # On CPU, requests are clipped to this many tokens before buckets are drawn (a 1k-token CPU prefill of
 # every candidate would dominate the main job); the report says so (measured_on.max_context, clipped).
 CPU_MAX_CONTEXT = 256
-
-# fusion passes tried after the general ones, by mode (names as registered by tkcc.passes.fusion)
-_FUSION = {"exact": ["fuse_elementwise_exact"], "tolerance": ["fuse_elementwise"]}
-
-
-def default_plan(mode: str = "exact") -> PassPlan:
-    """General exact passes, then the fusion pass for ``mode`` if it is registered, then a final cleanup."""
-    from tkcc.passes.base import all_passes
-
-    registered = all_passes()
-    steps = list(DEFAULT_EXACT_PLAN)
-    for name in _FUSION.get(mode, []):
-        if name in registered and (mode == "tolerance" or registered[name].exact):
-            steps.append((name, {}))
-            steps.append(("dce", {}))
-            break
-    return PassPlan.of(*steps)
 
 
 def resolve_trace(trace, format: str | None = None):  # noqa: A002 - the trace format's name, as on the CLI
@@ -72,29 +55,6 @@ def resolve_trace(trace, format: str | None = None):  # noqa: A002 - the trace f
     from tkcc.traffic.names import trace_path
 
     return load_trace(trace_path(trace), format=format)  # a missing path is answered with the bundled names
-
-
-def resolve_plan(plan, mode: str) -> PassPlan:
-    if plan is None:
-        return default_plan(mode)
-    if isinstance(plan, PassPlan):
-        return plan
-    if isinstance(plan, (str, Path)) and not str(plan).lstrip().startswith("[") and Path(str(plan)).is_file():
-        text = Path(str(plan)).read_text()
-        try:
-            return PassPlan.from_json(text)
-        except PlanError as e:
-            raise PlanError(f"{plan}: {e}") from None
-    if isinstance(plan, Path) or (isinstance(plan, str) and looks_like_path(plan)):
-        raise PlanError(f"plan file {str(plan)!r}: no such file (a plan is a JSON file or JSON text such as "
-                        '\'[{"name": "cse"}, {"name": "dce"}]\')')
-    return PassPlan.from_json(plan)
-
-
-def looks_like_path(text: str) -> bool:
-    """Text that names a file rather than holding JSON: no bracket or brace first, a .json suffix or a slash."""
-    t = text.strip()
-    return bool(t) and t[0] not in "[{\"" and (t.endswith(".json") or "/" in t or "\\" in t)
 
 
 def capture(model, example_inputs=None, device=None, max_cache_len=None, batch: int = 1):

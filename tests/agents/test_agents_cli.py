@@ -149,10 +149,10 @@ class _NoEngine:
 
 def _fake_cli(monkeypatch, refuse: bool):
     """The CLI's engine, evaluator and search space replaced by the deterministic ones of the budget tests."""
-    import tkcc.agents.cli as cli
     import tkcc.agents.engine_eval as engine_eval
     import tkcc.agents.search as search
     import tkcc.cli
+    import tkcc.commands.campaign_cmd as cli
     from campaign_helpers import Fuse, Slow, TimedEvaluator
 
     class Ev(TimedEvaluator):

@@ -81,7 +81,7 @@ def test_a_campaign_on_two_engine_actors_stores_each_actors_rows(tmp_path, clust
 def test_an_engine_killed_mid_campaign_has_its_experiment_retried_and_no_row_is_lost(tmp_path, cluster,
                                                                                    monkeypatch):
     from tkcc.agents.campaign import CampaignConfig, run_campaign
-    from tkcc.agents.cli import _workload_for
+    from tkcc.commands.campaign_cmd import _workload_for
     from tkcc.agents.ray_pool import RayEvaluator
     from tkcc.agents.search import BayesianSearch, SearchSpace
     from tkcc.agents.store import ExperimentStore
@@ -131,7 +131,7 @@ def test_a_tensor_parallel_engine_is_one_actor_whose_ranks_are_packed_on_one_nod
     from ray.util.placement_group import placement_group_table
 
     from tkcc.agents.campaign import CampaignConfig, run_campaign
-    from tkcc.agents.cli import _workload_for
+    from tkcc.commands.campaign_cmd import _workload_for
     from tkcc.agents.ray_pool import RayEvaluator
     from tkcc.agents.search import BayesianSearch, SearchSpace
     from tkcc.agents.store import ExperimentStore

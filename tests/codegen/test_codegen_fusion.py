@@ -60,7 +60,7 @@ def test_exact_variant_fuses_only_correctly_rounded_ops():
     left = _ops(fused)
     for op in ("aten.rsqrt.default", "aten.mean.dim", "aten.silu.default", "aten.softmax.int"):
         assert op in left, op
-    from tkcc.codegen.triton_ops import RULES, op_name
+    from tkcc.kernels.triton_ops import RULES, op_name
 
     for k in _kernels(fused):
         for n in prog.graphs["forward"].graph.nodes:
@@ -83,7 +83,7 @@ def test_include_norms_false_and_max_ops():
 
 
 def test_kernel_falls_back_with_a_logged_reason(caplog):
-    from tkcc.codegen import rt
+    from tkcc.kernels import rt
 
     rt._WARNED.clear()  # kernels are shape-generic: an earlier test may have logged this very kernel
     m = RMSNorm(16).eval()

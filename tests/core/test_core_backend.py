@@ -240,9 +240,6 @@ def test_entry_point_names_the_backend():
     meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     module, _, name = meta["project"]["entry-points"]["torch_dynamo_backends"]["tkcc"].partition(":")
     assert getattr(importlib.import_module(module), name) is backend.tkcc_backend
-    from tkcc.frontend import backend as old_path
-
-    assert old_path.tkcc_backend is backend.tkcc_backend and old_path.make_backend is backend.make_backend
 
 
 # ---- options ---------------------------------------------------------------------------------------

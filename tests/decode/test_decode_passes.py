@@ -109,6 +109,14 @@ def test_hot_first_order_is_a_permutation_most_used_first():
     assert np.all(np.diff(p[order]) <= 0)
 
 
+def test_hot_first_without_a_routing_is_a_plan_error(olmoe):
+    """The routing arrives from the caller (the pass does not import tkcc.traffic): none given is named."""
+    from tkcc.errors import PlanError
+
+    with pytest.raises(PlanError, match="hot_first.*none was given"):
+        apply_plan(olmoe, PassPlan.of(("moe_regroup", {"expert_order": "hot_first"})), mode="tolerance")
+
+
 def test_hot_first_runs_on_permuted_copies_and_leaves_the_model_alone():
     """Same function on the experts stored most-used first; the model's weights (values, order, storage) stay."""
     from tkcc.frontend.capture import capture_model
@@ -117,8 +125,10 @@ def test_hot_first_runs_on_permuted_copies_and_leaves_the_model_alone():
 
     prog = capture_model("olmoe-tiny", "float32", "cpu", max_cache_len=32)
     before = weights_checksum(prog.model)
+    from tkcc.pipeline import pass_context
+
     new, logs = apply_plan(prog, PassPlan.of(("moe_regroup", {"expert_order": "hot_first", "fused": False})),
-                           mode="tolerance")
+                           mode="tolerance", context=pass_context())
     assert changed_weight(before, weights_checksum(prog.model)) is None
     calls = [n for n in new.graphs["decode"].graph.nodes if n.target is ops.moe_block]
     orders = [n.kwargs["expert_order"] for n in calls]

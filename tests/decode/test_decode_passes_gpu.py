@@ -74,6 +74,7 @@ def _check(prog, cand, seed):
 @pytest.mark.parametrize("name", ["olmoe-16l", "llama-1b-16l"])
 def test_every_decode_pass_variant_at_long_context(name):
     from tkcc.passes.manager import apply_plan
+    from tkcc.pipeline import pass_context
     from tkcc.passes.plan import PassPlan
     from tkcc.runtime.validation import changed_weight, weights_checksum
 
@@ -83,7 +84,8 @@ def test_every_decode_pass_variant_at_long_context(name):
     for i, (pname, params) in enumerate(VARIANTS):
         if pname == "moe_regroup" and not prog.model.config.model_type.startswith("olmoe"):
             continue
-        cand, _logs = apply_plan(prog, PassPlan.of((pname, params)), mode="tolerance", check_numerics=False)
+        cand, _logs = apply_plan(prog, PassPlan.of((pname, params)), mode="tolerance", check_numerics=False,
+                                  context=pass_context())
         built.append((pname, params, cand))
         errors[f"{pname}{params}"] = _check(prog, cand, seed=i)
         assert changed_weight(before, weights_checksum(prog.model)) is None, (pname, params)

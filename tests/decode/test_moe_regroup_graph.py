@@ -107,7 +107,10 @@ def test_a_causal_lm_with_a_foreign_moe_block_is_rewritten_in_decode():
     for layer in model.model.layers:
         layer.mlp = HandWrittenMoE(H, 8, 24, 2, renorm=True)
     prog = capture(model, max_cache_len=16, phases=["decode"])
-    new, logs = apply_plan(prog, PassPlan.of(("moe_regroup", {"expert_order": "hot_first"})), mode="tolerance")
+    from tkcc.pipeline import pass_context
+
+    new, logs = apply_plan(prog, PassPlan.of(("moe_regroup", {"expert_order": "hot_first"})), mode="tolerance",
+                           context=pass_context())
     calls = [n for n in new.graphs["decode"].graph.nodes if n.target is ops.moe_block]
     assert len(calls) == 2 and all(n.args[5] is True for n in calls)
     assert all(sorted(n.kwargs["expert_order"]) == list(range(8)) for n in calls)

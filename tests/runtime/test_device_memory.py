@@ -70,7 +70,7 @@ def test_the_override_sets_the_limit_and_a_nonsensical_one_is_refused_with_the_c
 
 def test_the_serve_flag_is_checked_before_any_engine_starts():
     from tkcc.cli import main
-    from tkcc.runtime.cli import _device_max_bytes
+    from tkcc.commands.engine_cmd import _device_max_bytes
     from tkcc.runtime.supervisor import check_device_max
 
     assert _device_max_bytes(0, "cuda") == 0

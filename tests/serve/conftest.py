@@ -9,7 +9,7 @@ MAX_CACHE_LEN = 1024
 @pytest.fixture(scope="session")
 def builder():
     from tkcc.frontend.models import build_model
-    from tkcc.serve.loading import ForwardBuilder
+    from tkcc.commands.http_forwards import ForwardBuilder
 
     return ForwardBuilder(build_model("olmoe-tiny"), max_cache_len=MAX_CACHE_LEN)
 

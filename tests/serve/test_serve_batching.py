@@ -24,7 +24,7 @@ def compiled_for(name: str, batch: int):
     """The first forward `tkcc serve --http --batch B` builds (default plan, tkcc.compile), one per session."""
     if (name, batch) not in _COMPILED:
         from tkcc.frontend.models import build_model
-        from tkcc.serve.loading import ForwardBuilder
+        from tkcc.commands.http_forwards import ForwardBuilder
 
         # wider random weights: at the default scale the tiny models repeat one token whatever came before,
         # and a test of tokens would not see a wrong cache row or position
@@ -215,7 +215,7 @@ def test_a_forward_for_another_batch_is_refused():
 
 def test_a_saved_batch_artifact_is_served_at_its_batch_only(tmp_path):
     from tkcc.frontend.models import build_model
-    from tkcc.serve.loading import ForwardBuilder, load_artifact
+    from tkcc.commands.http_forwards import ForwardBuilder, load_artifact
 
     _builder, compiled = compiled_for("llama-tiny", 2)
     compiled.save(tmp_path / "b2")

@@ -162,7 +162,7 @@ def test_stop_strings_cut_the_text_streamed_or_not(served):
 def test_swap_during_a_stream_loses_nothing(served):
     """The in-flight stream finishes on the forward it started with; the next request is served by the new one."""
     from tkcc.frontend.models import build_model
-    from tkcc.serve.loading import ForwardBuilder
+    from tkcc.commands.http_forwards import ForwardBuilder
 
     other = ForwardBuilder(build_model(MODEL, seed=1), max_cache_len=1024).first()[0]
     tok = served.server.tokenizer

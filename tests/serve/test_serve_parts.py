@@ -288,7 +288,7 @@ def test_addresses_and_the_loopback_rule():
 
 
 def test_models_the_server_refuses_by_name(tmp_path):
-    from tkcc.serve.loading import load_model
+    from tkcc.commands.http_forwards import load_model
 
     with pytest.raises(TkccError, match="built-in models"):
         load_model("no-such-model", torch.float32, "cpu")
@@ -299,7 +299,7 @@ def test_models_the_server_refuses_by_name(tmp_path):
 
 
 def test_a_saved_artifact_is_served_as_compiled(compiled, builder, tmp_path):
-    from tkcc.serve.loading import load_artifact
+    from tkcc.commands.http_forwards import load_artifact
 
     prompt = torch.tensor([[1, 2, 3]])
     want = compiled.generate(prompt, 8)

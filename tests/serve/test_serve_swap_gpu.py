@@ -32,7 +32,7 @@ class _Events:
 def test_swaps_beside_streaming_requests_fail_none_and_each_forward_replays_its_decode_graph():
     from tkcc.compiler import default_plan
     from tkcc.frontend.models import build_model
-    from tkcc.serve.loading import ForwardBuilder
+    from tkcc.commands.http_forwards import ForwardBuilder
     from tkcc.serve.scheduler import Done, Failed, Job, Token
     from tkcc.serve.server import Server
     from tkcc.serve.stops import TextStop

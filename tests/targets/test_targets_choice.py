@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tkcc.codegen import Artifact, build_artifact
-from tkcc.codegen.targets import OP_TARGETS
-from tkcc.codegen.targets.cuda import VARIANTS
+from tkcc.kernels.targets import OP_TARGETS
+from tkcc.kernels.targets.cuda import VARIANTS
 from tkcc.errors import ArtifactError, PlanError, TkccError
 from tkcc.passes.base import get_pass
 from tkcc.passes.manager import apply_plan
@@ -209,8 +209,8 @@ def test_every_cuda_variant_the_search_can_pick_compiles_at_decode_shapes():
     """Each value of each cuda_* pass parameter (the others at their defaults), at the shapes the ops build for
     OLMoE/Llama decode steps, renders and compiles for sm_90 through NVRTC: the search never picks a variant
     that could only fall back."""
-    from tkcc.codegen.targets import cuda
-    from tkcc.codegen.targets.nvrtc import compile_cuda
+    from tkcc.kernels.targets import cuda
+    from tkcc.kernels.targets.nvrtc import compile_cuda
 
     shapes = {"decode_fusion": [("rmsnorm", dict(D=2048, residual=True), {"threads": "cuda_threads"}),
                                 ("rmsnorm", dict(D=2048, residual=False), {"threads": "cuda_threads"})],

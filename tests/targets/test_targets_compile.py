@@ -3,8 +3,8 @@ and HIP (gfx942, gfx950), in each dtype and variant default; the code objects ar
 import pytest
 import torch
 
-from tkcc.codegen.targets.cuda import VARIANTS, source, supported
-from tkcc.codegen.targets.families import FAMILIES, model_shapes
+from tkcc.kernels.targets.cuda import VARIANTS, source, supported
+from tkcc.kernels.targets.families import FAMILIES, model_shapes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = {**model_shapes("olmoe-16l"), "rmsnorm": dict(rows=1, D=2048, residual=True)}
@@ -14,7 +14,7 @@ KERNELS = {"rmsnorm": ["tk_rmsnorm"], "router_topk": ["tk_router_topk"],
 
 def _nvrtc():
     try:
-        from tkcc.codegen.targets.nvrtc import compile_cuda, nvrtc_version
+        from tkcc.kernels.targets.nvrtc import compile_cuda, nvrtc_version
 
         nvrtc_version()
         return compile_cuda
@@ -35,7 +35,7 @@ def test_cuda_compiles_sm90(family, dtype):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_hip_compiles(family, arch):
-    from tkcc.codegen.targets.hip import code_object_arch, compile_hip, kernel_symbols
+    from tkcc.kernels.targets.hip import code_object_arch, compile_hip, kernel_symbols
 
     obj = compile_hip(source(family, "hip", torch.bfloat16, SHAPES[family]), arch)
     assert code_object_arch(obj) == arch

@@ -3,8 +3,8 @@ and a launch inside a captured CUDA graph."""
 import pytest
 import torch
 
-from tkcc.codegen.targets import kernel
-from tkcc.codegen.targets.families import FAMILIES, dtype_name, model_shapes
+from tkcc.kernels.targets import kernel
+from tkcc.kernels.targets.families import FAMILIES, dtype_name, model_shapes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -63,7 +63,7 @@ def test_decode_attention_every_variant_at_every_context(model):
     a nearly full cache: a split count that leaves some splits empty or short must still give the reference."""
     import itertools
 
-    from tkcc.codegen.targets.cuda import VARIANTS
+    from tkcc.kernels.targets.cuda import VARIANTS
 
     fam = FAMILIES["decode_attention"]
     base = dict(model_shapes(model)["decode_attention"])

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from tkcc.codegen.targets.families import FAMILIES
-from tkcc.codegen.targets.nki import build_simulated, source
-from tkcc.codegen.targets.nki_sim import check_source
+from tkcc.kernels.targets.families import FAMILIES
+from tkcc.kernels.targets.nki import build_simulated, source
+from tkcc.kernels.targets.nki_sim import check_source
 from tkcc.errors import TkccError
 
 SHAPES = {
@@ -44,7 +44,7 @@ def test_nki_check_rejects_unknown_api_and_syntax():
 
 
 def test_nki_partition_limit_enforced():
-    from tkcc.codegen.targets.nki_sim import language as nl
+    from tkcc.kernels.targets.nki_sim import language as nl
 
     with pytest.raises(TkccError, match="partition dimension"):
         nl.zeros((129, 4), dtype="float32")

@@ -29,6 +29,9 @@ from tkcc.agents.proposer import Candidate, Outcome
 from tkcc.errors import PlanError, TkccError
 from tkcc.passes.plan import PassPlan
 
+# the tkcc package folder, which the agent is pointed at (CONTEXT.json) to read the engine's source
+_TKCC_SOURCE = Path(__file__).parent.parent
+
 GOAL = "Make the forward pass as fast as possible without changing its outputs."
 
 
@@ -67,8 +70,6 @@ class ExternalAgent:
 
     def prepare(self) -> Path:
         """Lay out a fresh workspace; returns its path."""
-        import tkcc
-
         ws = self.workdir / f"round-{self.rounds:03d}"
         if ws.exists():
             shutil.rmtree(ws)
@@ -93,8 +94,8 @@ class ExternalAgent:
                                                           "engine_experiments": records}, indent=1, default=str))
         tiers = sorted(self.base_artifacts)
         (ws / "CONTEXT.json").write_text(json.dumps({
-            "engine_source": str(Path(tkcc.__file__).parent / "runtime"),
-            "tkcc_source": str(Path(tkcc.__file__).parent),
+            "engine_source": str(_TKCC_SOURCE / "runtime"),
+            "tkcc_source": str(_TKCC_SOURCE),
             "artifact": {t: f"artifact/{t}/" for t in tiers} if tiers else ("artifact/" if self.base_artifact else None),
             "return": "edit the files under artifact/ in place, or write plan.json (a JSON list of {name, params})",
         }, indent=1))
@@ -202,7 +203,7 @@ def agent_for_engine(client, command: str, workdir: Path, *, notes=None, time_li
     """An ExternalAgent starting from ``plan`` (default: tkcc compile's default plan) as the engine builds it on
     every tier, with the engine's own experiment records as its measurements."""
     if plan is None:
-        from tkcc.compiler import default_plan
+        from tkcc.passes.default_plan import default_plan
 
         plan = default_plan()
     built = client.load({"plan": plan.to_json()}, tiers="both")

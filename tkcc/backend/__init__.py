@@ -74,7 +74,7 @@ class TkccBackend:
         if opts.inductor:
             winner, fn = "inductor", candidates.inductor(gm, example_inputs, opts.inductor_options)
         else:
-            from tkcc.compiler import default_plan
+            from tkcc.passes.default_plan import default_plan
 
             plan = opts.plan if opts.plan is not None else default_plan(opts.mode)
             winner, fn = "tkcc", candidates.plan_forward(gm, example_inputs, plan, opts.mode, opts.codegen)

@@ -226,7 +226,7 @@ class BackendGraph:
     # ---- compile time ----------------------------------------------------------------------------
     def _tkcc_plan(self):
         if self.plan is None:
-            from tkcc.compiler import default_plan
+            from tkcc.passes.default_plan import default_plan
 
             self.plan = default_plan(self.opts.mode)
         return self.plan

@@ -1,4 +1,4 @@
-"""Codegen: Program -> Artifact; jinja2 templates per target (triton, cuda, hip, nki).
+"""Codegen: Program -> Artifact: the generated forward source that calls kernel ops (``tkcc.kernels``).
 
     from tkcc.codegen import build_artifact, Artifact
     art = build_artifact(program, plan, "out/art", aot_targets=("sm_90", "gfx942"))
@@ -13,7 +13,7 @@ _EXPORTS = {
     "Artifact": "tkcc.codegen.artifact",
     "build_artifact": "tkcc.codegen.artifact",
     "compile_kernel": "tkcc.codegen.aot",
-    "FusedKernel": "tkcc.codegen.rowwise",
+    "FusedKernel": "tkcc.kernels.rowwise",
 }
 
 

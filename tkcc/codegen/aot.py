@@ -46,7 +46,7 @@ def _gpu_target(target):
 
 
 def _kernel_from_source(source: str, kernel_name: str | None):
-    from tkcc.codegen.rowwise import load_source
+    from tkcc.kernels.rowwise import load_source
 
     mod = load_source("aot", source)
     if kernel_name is None:

@@ -4,7 +4,7 @@ Layout of an artifact directory (see docs/codegen.md)::
 
     manifest.json            plan + plan hash, program fingerprint, targets, tier, phases, versions,
                              SHA-256 of every other file, and the artifact hash over all of it
-    _rt.py                   verbatim copy of tkcc/codegen/rt.py (the only support code generated code imports)
+    _rt.py                   verbatim copy of tkcc/kernels/rt.py (the only support code generated code imports)
     forward_<phase>.py       one per phase: bind(model, state, constants) -> forward(*inputs)
     kernels/__init__.py
     kernels/<kernel>.py      one per generated kernel: @triton.jit kernel, reference(), launch
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from tkcc.errors import ArtifactError, TkccError
+from tkcc.version import __version__
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -88,9 +89,9 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
     """
     import triton
 
-    import tkcc
     from tkcc.codegen import aot as aot_mod
     from tkcc.codegen.forward_source import emit_forward
+    from tkcc.kernels import rt
 
     if target not in TARGETS:
         raise ArtifactError(f"target {target!r} is not supported; codegen targets: {', '.join(TARGETS)}")
@@ -99,7 +100,7 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
             raise ArtifactError(f"aot target {t!r} is not known; known: {', '.join(sorted(aot_mod.AOT_TARGETS))}")
     out_dir = Path(out_dir)
     plan_json, plan_hash = _plan_json(plan)
-    files: dict[str, bytes] = {"_rt.py": (Path(__file__).parent / "rt.py").read_bytes(), "kernels/__init__.py": b""}
+    files: dict[str, bytes] = {"_rt.py": Path(rt.__file__).read_bytes(), "kernels/__init__.py": b""}
     phases: dict[str, dict] = {}
     kernels: dict[str, object] = {}
     constants: dict[str, torch.Tensor] = {}
@@ -178,7 +179,7 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
                                  if c["kernel"] == n]}
                     for n, k in sorted(kernels.items())},
         "aot": aot_entries,
-        "versions": {"tkcc": tkcc.__version__, "torch": torch.__version__, "triton": triton.__version__},
+        "versions": {"tkcc": __version__, "torch": torch.__version__, "triton": triton.__version__},
         "files": {rel: _sha256(data) for rel, data in sorted(files.items())},
     }
     manifest["artifact_hash"] = artifact_hash(manifest)
@@ -340,7 +341,7 @@ class Artifact:
 
     def _check_targets(self, model, program_or_model) -> None:
         """ArtifactError when the model's device cannot run one of the artifact's kernel targets."""
-        from tkcc.codegen.targets import OP_TARGETS, check_target
+        from tkcc.kernels.targets import OP_TARGETS, check_target
 
         p = next(iter(model.parameters()), None)
         dev = p.device.type if p is not None else torch.device(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from tkcc.codegen import emit
+from tkcc.kernels import emit
 from tkcc.errors import ArtifactError
 
 # Tensors the graph holds that are not parameters/buffers of the model or state

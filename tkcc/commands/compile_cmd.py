@@ -175,7 +175,9 @@ def cmd_golden_check(args) -> dict:
 
         plan = parse_plan(args.plan, args.mode)
         resolve_plan(plan)
-        program, _ = PassManager(check_numerics=False).run(program, plan)
+        from tkcc.pipeline import pass_context
+
+        program, _ = PassManager(check_numerics=False, context=pass_context()).run(program, plan)
     rep = golden.check(program, mode=args.mode, rtol=args.rtol, atol=args.atol, golden=g)
     out = {"ok": rep.ok, "report": rep.to_json(), "plan": plan.to_json() if plan else None}
     text = rep.summary()

@@ -13,29 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from tkcc.kernels.packing import is_packed, packed_view  # noqa: F401 - the reading side, re-exported
+
 PROJECTION_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-
-
-def is_packed(weights: list[torch.Tensor]) -> bool:
-    """Whether ``weights`` are consecutive row blocks of one contiguous 2-D buffer starting at its offset 0."""
-    base = weights[0]
-    if base.dim() != 2 or base.storage_offset() != 0 or not all(w.is_contiguous() for w in weights):
-        return False
-    ptr = base.untyped_storage().data_ptr()
-    off = 0
-    for w in weights:
-        if w.untyped_storage().data_ptr() != ptr or w.storage_offset() != off or w.shape[1] != base.shape[1]:
-            return False
-        off += w.numel()
-    return True
-
-
-def packed_view(weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """The [sum of rows, cols] matrix that packed ``weights`` form, as a view (None when not packed)."""
-    if not is_packed(weights):
-        return None
-    base = weights[0]
-    return torch.as_strided(base, (sum(w.shape[0] for w in weights), base.shape[1]), base.stride(), 0)
 
 
 def pack_group(params: list[torch.nn.Parameter]) -> bool:

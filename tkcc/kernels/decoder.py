@@ -38,6 +38,7 @@ from tkcc.kernels.gemv import gemv
 from tkcc.kernels.graph_replay import CapturedCall, replay_us
 from tkcc.kernels.moe import moe
 from tkcc.kernels.moe_routed import RoutedMoE
+from tkcc.kernels.packing import packed_view
 from tkcc.kernels.rotary import rope
 
 
@@ -53,11 +54,9 @@ ATTENTION_KINDS = ("attn_chunk", "attn_tile")
 
 
 def _regroup(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The weights as one [rows, cols] matrix: a view when they are packed (``tkcc.frontend.weight_packing``,
-    done at capture), else a copy owned by the decoder. The parameters are never re-pointed: graphs captured
+    """The weights as one [rows, cols] matrix: a view when they are packed (``tkcc.kernels.packing``; capture
+    packs them), else a copy owned by the decoder. The parameters are never re-pointed: graphs captured
     earlier read their storage, and freeing it under them makes them read garbage."""
-    from tkcc.frontend.weight_packing import packed_view
-
     view = packed_view([p.data for p in params])
     return view if view is not None else torch.cat([p.data for p in params], 0)
 

@@ -7,7 +7,7 @@ decode token on a device the kernels support; anything else (prefill, batch
 the eager arithmetic op for op, so the rewritten graph stays bit-exact there.
 
 ``target`` picks the kernels of the fast path: ``"triton"`` (tkcc.kernels) or
-``"cuda"`` (the CUDA C++ families of tkcc.codegen.targets, compiled by NVRTC
+``"cuda"`` (the CUDA C++ families of tkcc.kernels.targets, compiled by NVRTC
 and launched on PyTorch's current stream, so CUDA-graph capturable). The CUDA
 variant comes as plain ``cuda_*`` scalars (JSON/FX friendly). A shape, device
 or dtype the CUDA kernel does not take falls back to the Triton path (and from
@@ -60,8 +60,8 @@ def _cuda_reason(*tensors: torch.Tensor | None) -> str | None:
 
 def cuda_kernel(family: str, dtype: torch.dtype, shape: dict, variant: dict, device: torch.device):
     """(callable, None) for the CUDA kernel of ``family`` at ``shape``/``variant``, or (None, why not)."""
-    from tkcc.codegen.targets import cuda as cuda_target
-    from tkcc.codegen.targets import kernel
+    from tkcc.kernels.targets import cuda as cuda_target
+    from tkcc.kernels.targets import kernel
 
     why = cuda_target.supported(family, dtype, shape)
     if why:

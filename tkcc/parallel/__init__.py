@@ -2,8 +2,8 @@
 
     from tkcc.parallel import launch, RankGroup, rank_layouts, machine_profile, dims_for_model
 
-The sharding itself is the ``sharding`` pass (``tkcc/passes/sharding.py``),
-built on ``shard_graph.py`` here. See docs/parallel.md.
+The sharding itself is the ``sharding`` pass (``tkcc/passes/sharding/``: the graph
+rewrite, the placements and the layout check); this package builds on it. See docs/parallel.md.
 """
 from tkcc.parallel.cost import Prediction, predict, predict_workload, rank_layouts
 from tkcc.parallel.group import RankGroup

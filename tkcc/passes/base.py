@@ -41,6 +41,10 @@ class Pass:
     # False when the rewritten graph holds runtime objects (e.g. captured CUDA graphs) that codegen cannot
     # write into an artifact: such a pass serves in-process compiles (tkcc.compile), not the engine.
     emits_source: ClassVar[bool] = True
+    # names in the caller's context (``PassManager(context=...)``) that ``apply`` takes as keywords: what a
+    # pass needs from the layers above it (a workload's MoE routing), which it may not import. Not plan
+    # parameters: not JSON, not in the plan's hash; ``tkcc.pipeline.pass_context()`` has the defaults.
+    context_keys: ClassVar[tuple[str, ...]] = ()
 
     def apply(self, program, **params):  # -> (Program, RewriteInfo)
         raise NotImplementedError

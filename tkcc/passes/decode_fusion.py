@@ -19,7 +19,7 @@ import operator
 
 import torch
 
-from tkcc.codegen.targets import OP_TARGETS, check_pass_target, variant_params
+from tkcc.kernels.targets import OP_TARGETS, check_pass_target, variant_params
 from tkcc.passes.base import RewriteInfo, register
 from tkcc.passes.decode_regions import module_paths, param_node, region_io, region_nodes, replace_region, \
     resolve_module

@@ -19,12 +19,12 @@ group only if no node outside the group already consumed a group value and
 no in-place op lies between the group's nodes, so the fused node can sit
 where the group's last node was (no cycles, no reordering, every read sees
 the same tensor state). Each group becomes one ``call_function`` node whose target is a
-``tkcc.codegen.rowwise.FusedKernel`` (runs in-process; its module source is
+``tkcc.kernels.rowwise.FusedKernel`` (runs in-process; its module source is
 what an artifact ships) followed by ``getitem`` nodes for its outputs.
 
-Layering note: passes sit below codegen, yet this pass must render kernels; it
-imports ``tkcc.codegen`` lazily, inside ``rewrite``, and codegen never imports
-this module.
+The kernel is a kernel op like any other: it comes from the kernel library
+(``tkcc.kernels.rowwise``, with the op table ``tkcc.kernels.triton_ops``),
+imported where it is used so the pass registry loads without jinja2.
 """
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def _mutates(node: torch.fx.Node) -> bool:
 def find_groups(graph: torch.fx.Graph, *, exact: bool, include_norms: bool, max_ops: int,
                 why_not: Counter | None = None) -> list[list[torch.fx.Node]]:
     """Maximal fusible groups, each in graph order. ``why_not`` counts reasons nodes were left out."""
-    from tkcc.codegen.rowwise import broadcast_keys, shape_keys
-    from tkcc.codegen.triton_ops import RULES, check_node, op_name
+    from tkcc.kernels.rowwise import broadcast_keys, shape_keys
+    from tkcc.kernels.triton_ops import RULES, check_node, op_name
 
     why_not = why_not if why_not is not None else Counter()
     nodes = list(graph.nodes)
@@ -152,7 +152,7 @@ class _FuseBase(GraphPass):
     exact_variant = False
 
     def rewrite(self, gm: torch.fx.GraphModule, info: RewriteInfo, phase: str, **params) -> None:
-        from tkcc.codegen.rowwise import build_kernel
+        from tkcc.kernels.rowwise import build_kernel
 
         exact = self.exact_variant
         why_not: Counter = Counter()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tkcc.codegen.targets import OP_TARGETS, check_pass_target, variant_params
+from tkcc.kernels.targets import OP_TARGETS, check_pass_target, variant_params
 from tkcc.passes.base import RewriteInfo, register
 from tkcc.passes.decode_regions import erase_dead
 from tkcc.passes.graph_pass import GraphPass, origin

@@ -142,13 +142,17 @@ class PassManager:
     mode:           None (each pass checked by its own exactness flag), "exact"
                     (refuse passes that are not exact) or "tolerance".
     rtol/atol:      override the dtype default tolerances for inexact passes.
+    context:        objects from the caller that passes name in ``Pass.context_keys`` (for example
+                    ``routing`` for ``moe_regroup``); ``tkcc.pipeline.pass_context()`` has the defaults.
     """
 
     def __init__(self, check_numerics: bool = True, lint: bool = True, mode: str | None = None,
-                 rtol: float | None = None, atol: float | None = None, log_code: bool = True):
+                 rtol: float | None = None, atol: float | None = None, log_code: bool = True,
+                 context: dict | None = None):
         if mode not in (None, "exact", "tolerance"):
             raise PlanError(f"mode must be 'exact' or 'tolerance', got {mode!r}")
         self.check_numerics, self.lint, self.mode = check_numerics, lint, mode
+        self.context = dict(context or {})
         self.log_code = log_code or check_numerics  # a checked graph is run, which generates its code anyway
         self.rtol, self.atol = rtol, atol
 
@@ -195,7 +199,8 @@ class PassManager:
         copies = dataclasses.replace(program.with_graphs(mine), meta=dict(program.meta))
         t0 = time.perf_counter()
         try:
-            result = cls().apply(copies, **params)
+            given = {k: self.context[k] for k in cls.context_keys if k in self.context}
+            result = cls().apply(copies, **params, **given)
         except TkccError:
             raise
         except Exception as e:

@@ -34,7 +34,11 @@ fp32 in a bf16/fp16 graph (Mixtral's router: moe_block rounds them to the dtype)
 the workload's routing (router rows, gate_up, down permuted together: the same
 function), from permuted copies made once (``tkcc.kernels.expert_order``),
 never by permuting the model's weights in place, which other graphs read; at
-batch 1 this changes no byte counts and is offered for batched decode.
+batch 1 this changes no byte counts and is offered for batched decode. The
+routing comes from the caller, in the PassManager's context (``routing``:
+``(layers, experts, k) -> Routing``, anything with per-layer ``probs``;
+``tkcc.pipeline.pass_context()`` gives ``tkcc.traffic.routing.Routing.for_model``):
+a pass does not import the traffic layer.
 
 ``target`` picks the one-token kernels: Triton (routing in the expert
 kernel's prologue) or CUDA C++ (router logits, the ``router_topk`` kernel with
@@ -51,7 +55,8 @@ import numpy as np
 import torch
 import torch.fx
 
-from tkcc.codegen.targets import OP_TARGETS, check_pass_target, variant_params
+from tkcc.errors import PlanError
+from tkcc.kernels.targets import OP_TARGETS, check_pass_target, variant_params
 from tkcc.passes.base import RewriteInfo, register
 from tkcc.passes.graph_pass import GraphPass, origin
 from tkcc.passes.lower import moe as lower_moe
@@ -223,10 +228,16 @@ class MoERegroup(GraphPass):
                    "silu*mul and weighted sum fused (eager arithmetic off the fast path).")
     params = {"fused": [True, False], "expert_order": ["none", "hot_first"], "target": list(OP_TARGETS),
               **variant_params("moe_gemv"), **variant_params("router_topk", "cuda_router_")}
+    context_keys = ("routing",)
 
-    def apply(self, program, **params):
+    def apply(self, program, routing=None, **params):
+        """``routing``: ``(layers, experts, k) -> Routing`` (per-layer ``probs``), which ``hot_first`` orders by."""
         check_pass_target(self.name, params.get("target", "triton"), program)
-        self._routings = {}
+        if params.get("expert_order") == "hot_first" and routing is None:
+            raise PlanError(f"pass {self.name!r}: expert_order='hot_first' orders experts by a routing "
+                            "distribution and none was given: PassManager(context={'routing': ...}) "
+                            "(tkcc.pipeline.pass_context() has the default)")
+        self._routing, self._routings = routing, {}
         return super().apply(program, **params)
 
     def rewrite(self, gm, info: RewriteInfo, phase: str, fused=True, expert_order="none", target="triton",
@@ -275,13 +286,11 @@ class MoERegroup(GraphPass):
                           f"fused={fused}, expert_order={expert_order}, target={target})")
 
     def _order(self, layer: int, layers: int, m: Match, top_k: int) -> tuple:
-        """Layer ``layer``'s expert order, most used first, from the routing distribution (tkcc.traffic.routing)
-        for this graph's count of MoE regions, experts and k."""
-        from tkcc.traffic.routing import Routing
-
+        """Layer ``layer``'s expert order, most used first, from the caller's routing distribution for this
+        graph's count of MoE regions, experts and k."""
         key = (layers, int(m.val(2).shape[0]), top_k)
         if key not in self._routings:
-            self._routings[key] = Routing.for_model(*key)
+            self._routings[key] = self._routing(*key)
         return tuple(hot_first_order(self._routings[key].probs[layer]).tolist())
 
     @staticmethod

@@ -589,6 +589,7 @@ def bisect(program, plan, golden=None, mode: str = "exact", rtol=None, atol=None
     """
     from tkcc.passes.manager import PassManager, resolve_plan
     from tkcc.passes.plan import PassPlan
+    from tkcc.pipeline import pass_context
 
     plan = plan if isinstance(plan, PassPlan) else PassPlan.from_json(plan)
     resolve_plan(plan)
@@ -597,7 +598,7 @@ def bisect(program, plan, golden=None, mode: str = "exact", rtol=None, atol=None
 
     def judge(k: int) -> GoldenReport:
         prefix = PassPlan(plan.steps[:k])
-        prog, _ = PassManager(check_numerics=False).run(program, prefix)
+        prog, _ = PassManager(check_numerics=False, context=pass_context()).run(program, prefix)
         if golden == "eager":
             return check_against_eager(prog, mode=mode, rtol=rtol, atol=atol, **check_kwargs)
         return check(prog, mode=mode, rtol=rtol, atol=atol, golden=golden, **check_kwargs)

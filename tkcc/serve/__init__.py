@@ -11,8 +11,9 @@
     swap.py       building a shipped candidate beside the serving forward, and swapping it in
     watching.py   --watch: re-optimise on drift of the server's own trace
     server.py     Server: all of it for one model; runner.py: uvicorn on a socket
-    loading.py    models, tkcc.compile and tkcc.load for the server (API layer)
-    cli.py        the `tkcc serve --http` flags
+
+What it serves is built in the API layer and handed in: ``tkcc.commands.http_forwards`` (models,
+tkcc.compile and tkcc.load for the server) and ``tkcc.commands.http_cmd`` (the `tkcc serve --http` flags).
 
 See docs/serve.md.
 """

@@ -1,5 +1,8 @@
 """FX nodes -> readable Python lines, for generated forwards and kernel references.
 
+In the kernel library because both writers need it: the fused kernels' references (``rowwise``) and
+codegen's forwards (``tkcc.codegen.forward_source``).
+
 Why not ``GraphModule.code``: FX's source leans on globals it injects at
 run time (its own wrappers, callables it cannot import). Generated source
 must import everything it uses, so a fresh process can run it. Each call is

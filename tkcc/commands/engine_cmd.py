@@ -75,7 +75,7 @@ def register(subparsers) -> None:
                         "(e.g. cuda:90:32) with in-process isolation")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request accepted (1 MiB)")
     p.add_argument("--max-artifact-bytes", type=int, default=256 << 20, help="largest artifact/source loaded")
-    from tkcc.serve.cli import add_http_args
+    from tkcc.commands.http_cmd import add_http_args
 
     add_http_args(p)  # `tkcc serve --http ADDR`: the OpenAI server instead of the RPC (tkcc.serve)
     add_json_flag(p)
@@ -156,7 +156,7 @@ def _client(args):
 # ------------------------------------------------------------------- serve
 def cmd_serve(args):
     if getattr(args, "http", None):
-        from tkcc.serve.cli import cmd_http
+        from tkcc.commands.http_cmd import cmd_http
 
         return cmd_http(args)
     from tkcc.runtime import protocol

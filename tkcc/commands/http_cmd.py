@@ -1,8 +1,9 @@
 """`tkcc serve --http ADDR --model M [--artifact DIR]`: the OpenAI-compatible server, from the shell.
 
 ``tkcc serve`` without ``--http`` is the engine's RPC harness
-(``tkcc.runtime.cli``); that parser calls ``add_http_args`` for these flags
-and hands over to ``cmd_http`` when ``--http`` is given. Importing this
+(``tkcc.commands.engine_cmd``); that parser calls ``add_http_args`` for these flags
+and hands over to ``cmd_http`` when ``--http`` is given. The server itself is
+``tkcc.serve``; this module builds its forwards (``http_forwards``) and starts it. Importing this
 module imports nothing heavy: the server's libraries load in ``cmd_http``.
 """
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _build_server(args):
     from tkcc.runtime.programs import check_device, parse_dtype
     from tkcc.runtime.protocol import write_secret
     from tkcc.serve.app import Limits
-    from tkcc.serve.loading import ForwardBuilder, load_model
+    from tkcc.commands.http_forwards import ForwardBuilder, load_model
     from tkcc.serve.server import Server
     from tkcc.serve.tokenizer import load_tokenizer
 
@@ -136,7 +137,7 @@ def _build_server(args):
     builder = ForwardBuilder(model, max_cache_len=args.max_cache_len, mode=args.mode, batch=args.batch)
     plan = None
     if args.plan:
-        from tkcc.compiler import resolve_plan
+        from tkcc.passes.default_plan import resolve_plan
 
         plan = resolve_plan(args.plan, args.mode)
     compiled, tag = builder.first(plan=plan, artifact=args.artifact)

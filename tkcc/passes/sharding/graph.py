@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from tkcc.errors import PassError
-from tkcc.parallel.placement import M, P, Placement, R, S
+from tkcc.passes.sharding.placement import M, P, Placement, R, S
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -2,11 +2,12 @@
 
 The fusion pass (``tkcc/passes/fusion.py``) decides *which* nodes form a
 group; this module writes the kernel: it lowers each node with the op table in
-``triton_ops.py``, renders ``templates/triton/rowwise.py.jinja`` inside
+``triton_ops.py``, renders ``templates/rowwise/rowwise.py.jinja`` inside
 ``kernel_module.py.jinja`` (kernel + reference + launcher), and returns a
 ``FusedKernel``: the callable an FX node targets. The same module text is
 what an artifact ships, so in-process numerics checks run the very code that
-ships.
+ships. It is part of the kernel library (a kernel beside its reference), so
+the pass calls it as it calls any kernel op, and codegen only writes it out.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import jinja2
 import torch
 import torch.fx
 
-from tkcc.codegen import emit
-from tkcc.codegen.triton_ops import FLOATS, RULES, TL_DTYPE, op_name
+from tkcc.kernels import emit
+from tkcc.kernels.triton_ops import FLOATS, RULES, TL_DTYPE, op_name
 
 TEMPLATES = Path(__file__).parent / "templates"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
@@ -45,7 +46,7 @@ class FusedKernel:
 
     def __init__(self, name: str, source: str, spec: dict, origin: list[str]):
         self.name = self.__name__ = self.__qualname__ = name
-        self.__module__ = "tkcc.codegen.rowwise"
+        self.__module__ = "tkcc.kernels.rowwise"
         self.source, self.spec, self.origin = source, spec, origin
         self._module = None
 
@@ -248,10 +249,10 @@ def build_kernel(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], output
 
     def render(name: str) -> str:
         kernel_name = f"{name}_kernel"
-        kernel = _ENV.get_template("triton/rowwise.py.jinja").render(
+        kernel = _ENV.get_template("rowwise/rowwise.py.jinja").render(
             kernel_name=kernel_name, ptr_args=ptr_args, stride_args=stride_args, ndim=nd, loads=loads,
             body=low.lines, stores=stores)
-        return _ENV.get_template("triton/kernel_module.py.jinja").render(
+        return _ENV.get_template("rowwise/kernel_module.py.jinja").render(
             name=name, kernel_name=kernel_name, kernel=kernel, ops=[str(n.target) for n in nodes],
             numerics=numerics, imports=[x for x in emit.import_lines(imports) if x != "import torch"],
             ref_args=in_names, ref_lines=ref_lines, spec=repr(spec))

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tkcc.codegen.targets.render import _env
+from tkcc.kernels.targets.render import _env
 from tkcc.errors import TkccError
 
 KERNEL_NAMES = {"rmsnorm": "tk_rmsnorm", "router_topk": "tk_router_topk", "moe_gemv": "tk_moe_gemv",
@@ -36,7 +36,7 @@ def source(family: str, shape: dict) -> str:
 
 def build_simulated(family: str, shape: dict) -> Callable:
     """The NKI kernel executed by the NumPy model, with the family reference's signature (CPU tensors)."""
-    from tkcc.codegen.targets.nki_sim import load_kernels
+    from tkcc.kernels.targets.nki_sim import load_kernels
 
     kern = load_kernels(source(family, shape))[KERNEL_NAMES[family]]
 

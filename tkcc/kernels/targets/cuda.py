@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from tkcc.codegen.targets.families import FAMILIES, dtype_name
-from tkcc.codegen.targets.render import render
+from tkcc.kernels.targets.families import FAMILIES, dtype_name
+from tkcc.kernels.targets.render import render
 from tkcc.errors import TkccError
 
 # variant space per family (first value is the default); the search may choose per shape
@@ -80,8 +80,8 @@ def supported(family: str, dtype: torch.dtype, shape: dict) -> str | None:
 def build(family: str, dtype: torch.dtype, shape: dict, variant: dict | None = None, arch: str | None = None
           ) -> Callable:
     """A callable with the family reference's signature, running the CUDA kernel(s)."""
-    from tkcc.codegen.targets.cuda_launch import CudaModule
-    from tkcc.codegen.targets.nvrtc import compile_cuda
+    from tkcc.kernels.targets.cuda_launch import CudaModule
+    from tkcc.kernels.targets.nvrtc import compile_cuda
 
     why = supported(family, dtype, shape)
     if why:

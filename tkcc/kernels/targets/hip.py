@@ -90,5 +90,5 @@ def kernel_symbols(data: bytes) -> list[str]:
     return sorted({m.decode() for m in re.findall(rb"([A-Za-z_][A-Za-z0-9_]*)\.kd\x00", data)})
 
 
-if __name__ == "__main__":  # tiny manual check: python -m tkcc.codegen.targets.hip FILE ARCH
+if __name__ == "__main__":  # tiny manual check: python -m tkcc.kernels.targets.hip FILE ARCH
     print(code_object_arch(compile_hip(Path(sys.argv[1]).read_text(), sys.argv[2])))

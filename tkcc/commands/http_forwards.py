@@ -1,8 +1,8 @@
 """What the server serves, built through the front door: models, ``tkcc.compile``, ``tkcc.load``.
 
-This module belongs to the API layer (like ``frontend/backend.py``): it calls
-``tkcc.compile`` and ``tkcc.load``; the rest of ``tkcc.serve`` only receives
-what it builds.
+This module belongs to the API layer (beside ``tkcc serve --http``, which
+uses it): it calls ``tkcc.compile`` and ``tkcc.load``; ``tkcc.serve`` only
+receives what it builds (``Server(..., builder=...)``).
 
 ``--model`` is a built-in model (``tkcc.frontend.models``: seeded random
 weights, served with the byte tokenizer) or a local Hugging Face model

@@ -1,4 +1,8 @@
-"""Codegen targets beyond the generated Triton path: CUDA C++ (NVRTC), HIP C++ (AOT), NKI (Trainium).
+"""Kernel targets beyond the Triton kernels: CUDA C++ (NVRTC), HIP C++ (AOT), NKI (Trainium).
+
+Part of the kernel library (each family beside its PyTorch reference, in
+``families``), so the decode ops (``tkcc.kernels.ops``) and the passes that
+insert them consult it without importing codegen; codegen imports it from here.
 
 ``kernel(family, target, dtype, shape, variant)`` returns a callable with the
 family reference's signature, so a pass or the search can choose the target
@@ -40,7 +44,7 @@ OP_TARGETS = ("triton", "cuda")
 
 def variant_params(family: str, prefix: str = "cuda_", rename: dict[str, str] | None = None) -> dict[str, list]:
     """The CUDA variant space of ``family`` as pass parameters (``{prefix + name: values}``, default first)."""
-    from tkcc.codegen.targets.cuda import VARIANTS
+    from tkcc.kernels.targets.cuda import VARIANTS
 
     rename = rename or {}
     return {prefix + rename.get(k, k): list(v) for k, v in VARIANTS[family].items()}
@@ -70,23 +74,23 @@ def check_pass_target(pass_name: str, target: str, program) -> None:
 
 def kernel(family: str, target: str, dtype: torch.dtype, shape: dict, variant: dict | None = None,
            device: str | torch.device = "cuda") -> Callable:
-    from tkcc.codegen.targets.families import FAMILIES
+    from tkcc.kernels.targets.families import FAMILIES
 
     if family not in FAMILIES:
         raise TkccError(f"unknown kernel family {family!r}; families: {sorted(FAMILIES)}")
     if target == "torch":
         return FAMILIES[family].reference
     if target == "nki":
-        from tkcc.codegen.targets.nki import build_simulated
+        from tkcc.kernels.targets.nki import build_simulated
 
         return build_simulated(family, shape)
     check_target(target, device)
     if target == "cuda":
-        from tkcc.codegen.targets import cuda
+        from tkcc.kernels.targets import cuda
 
         return cuda.build(family, dtype, shape, variant)
     if target == "triton":
-        from tkcc.codegen.targets.triton_families import build
+        from tkcc.kernels.targets.triton_families import build
 
         return build(family, dtype, shape, variant)
     raise TkccError(f"target {target!r} has no runnable kernels")

@@ -10,7 +10,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 @lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.PackageLoader("tkcc.codegen", "templates"),
+    return jinja2.Environment(loader=jinja2.PackageLoader("tkcc.kernels", "templates"),
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
                               keep_trailing_newline=True)
 

@@ -8,6 +8,11 @@ Params: ``degree`` (ranks the model is split over) and ``strategy``:
 - ``tp_ep``: the same for attention, MoE experts placed whole on ranks
   (expert parallelism; each rank computes the token-expert pairs it owns).
 
+The package: this module (the pass, and what it reads off the graphs), ``layout``
+(the layouts and their check), ``graph`` (one graph sharded for one rank) and
+``placement`` (how a value lives on the ranks). ``tkcc.parallel`` builds on it
+(cost model, rank groups); nothing here imports ``tkcc.parallel``.
+
 The pass runs inside a process group of ``degree`` ranks (``tkcc.parallel.launch``,
 ``tkcc serve --tp N``): each rank applies it and gets its own Program. The
 graph itself calls the collectives (``torch.ops._c10d_functional``), so the
@@ -36,10 +41,10 @@ import torch
 import torch.fx
 
 from tkcc.errors import PassError
-from tkcc.parallel.layout import DEGREES, STRATEGIES, LayoutError, ModelDims, check_layout
-from tkcc.parallel.shard_graph import ShardContext, shard_graph_module
 from tkcc.passes.base import Pass, RewriteInfo, register
 from tkcc.passes.moe import expert_shapes, expert_sites
+from tkcc.passes.sharding.graph import ShardContext, shard_graph_module
+from tkcc.passes.sharding.layout import DEGREES, STRATEGIES, LayoutError, ModelDims, check_layout
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}

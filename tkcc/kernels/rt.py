@@ -3,7 +3,9 @@
 Why a separate, tiny module: every artifact carries a verbatim copy of this
 file (as ``_rt.py``), so generated code runs with torch and triton only; it
 imports nothing else from tkcc. Inside the compiler process the same file is
-imported as ``tkcc.codegen.rt``.
+imported as ``tkcc.kernels.rt``: it sits in the kernel library because the
+fused kernels a pass builds (``tkcc.kernels.rowwise``) launch through it in
+process, before any artifact exists.
 
 A fused kernel never gives a wrong answer to keep its speed: whenever it cannot
 run correctly here (CPU without the Triton interpreter, bfloat16 under the
