@@ -494,14 +494,16 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
                "watch_state": {k: watch.get(k) for k in ("state", "error", "swaps", "swap_errors", "polls_quiet")},
                "watch_events": [{k: v for k, v in e.items() if k in ("time", "kind", "field", "magnitude",
                                                                      "requests", "reverted", "shipped", "stopped",
-                                                                     "evaluated", "reason")}
+                                                                     "evaluated", "reason", "stage", "name",
+                                                                     "error", "note")}
                                 for e in watch.get("events") or [] if e.get("kind") != "waiting"][-12:],
                "measuring_windows_s": [[round(a - origin, 1), round(b - origin, 1)] for a, b in windows],
                "ships": ships[-12:], "decode_graph": status.get("decode_graph"), "server_metrics": m,
                "moe_counts": args.moe_counts, "moe_counted_requests": m.get("tkcc_moe_count_seconds_count"),
                "moe_count_s_per_request": (m["tkcc_moe_count_seconds_sum"] / m["tkcc_moe_count_seconds_count"])
                if m.get("tkcc_moe_count_seconds_count") else None}
-        if out["failed"] or out["swap_failures"] or out["forced_swap_errors"] or watch.get("error"):
+        if (out["failed"] or out["swap_failures"] or out["forced_swap_errors"] or watch.get("error")
+                or any(e.get("kind") == "failed" for e in watch.get("events") or [])):
             out["server_stderr_tail"] = srv.stderr_tail()
         return out
     finally:

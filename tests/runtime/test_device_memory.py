@@ -316,3 +316,29 @@ def test_the_worker_ping_trips_on_device_memory_between_requests(worker):
     assert out.get("fatal") and "over its limit" in out["reason"] and "restarts" in out["reason"], out
     del kept
     budget.enforce()
+
+
+def test_the_engine_raising_its_own_cap_is_not_a_candidates_tampering_but_a_candidate_lifting_it_is(worker):
+    """The H200 serve run: validation raised the limit for a reference at a served long prompt, inside an op that
+    ran candidate code, and the audit called that the candidate's change, put the old cap back and refused it."""
+    runner, dev, tmp = worker
+    budget = runner.core.device_memory
+    limit = budget.limit
+    try:
+        budget.limit = 10 * GiB  # a cap well inside the device (an earlier test may have left it wide open)
+        budget.enforce()
+        budget.limit += GiB  # what DeviceBudget.reference does for a reference that needs more room
+        budget.enforce()
+        runner.found = None
+        a = runner._audit()
+        assert not any("device-memory cap" in r for r in a.restored + a.unproven), a.to_json()
+        assert dev.fraction() == pytest.approx(11 / 80)  # the raise stands
+        dev.set_fraction(1.0)  # a candidate lifting the cap
+        runner.found = None
+        a = runner._audit()
+        assert any("device-memory cap on" in r and "put back" in r for r in a.restored), a.to_json()
+        assert dev.fraction() == pytest.approx(11 / 80)  # put back to the engine's own cap
+    finally:
+        budget.limit = limit
+        budget.enforce()
+        runner.found = None

@@ -111,14 +111,42 @@ def test_validate_runs_each_first_reference_run_through_the_room():
     fwd = prog.graphs["decode"]
     seen = []
 
-    def room(run, reset, what):
+    held = []
+
+    def room(run, reset, what, holds):
         seen.append(what)
-        return run()
+        out = run()
+        held.append((holds(out), sum(t.numel() * t.element_size() for t in out[0])))
+        return out
 
     buckets = default_workload(prog).buckets[:2]
     res = validate(prog, {"decode": fwd}, {"decode": fwd}, buckets, True, 0.0, 0.0, seed=0, room=room)
     assert res["ok"], res["reason"]
     assert seen == [f"bucket {b.key()}" for b in buckets]
+    from tkcc.runtime.validation import HELD_COPIES
+
+    assert held and all(h == HELD_COPIES * n and n > 0 for h, n in held)  # the logits' copies validation keeps
+
+
+def test_the_room_after_a_reference_counts_what_validation_holds_beside_a_candidate():
+    """A served 16k-token prompt's logits are 4 GB: validation keeps the candidate's two runs and their clones
+    beside the reference's, so a correct candidate ran out under a cap sized for the reference alone."""
+    dev, keep, b = _started()
+    assert b.limit == 5 * GiB
+
+    def run():  # 1 GiB of output, 0.25 GiB more transient: within the cap on its own
+        scratch = dev.alloc(GiB // 4)
+        out = dev.alloc(GiB)
+        del scratch
+        return out
+
+    out = b.reference(run, what="bucket prefill/b1/c16000", holds=lambda o: 4 * o.nbytes)
+    # live 3 GiB + 2x its transient peak (1.25 GiB) + 4 GiB held beside a candidate
+    assert b.limit == 3 * GiB + 2 * (5 * GiB // 4) + 4 * GiB
+    assert "4.00 GiB held beside a candidate" in b.how
+    held = [dev.alloc(GiB) for _ in range(4)]  # what validation keeps ...
+    cand = dev.alloc(5 * GiB // 4)  # ... and a candidate as large as the reference fits beside them
+    del held, cand, out
 
 
 def test_a_long_context_decode_bucket_joins_the_validation_when_the_workload_stays_short():

@@ -210,10 +210,12 @@ class DeviceBudget:
         self.reader.cap(self.limit)
         self.fraction = self.reader.fraction()
 
-    def reference(self, run, reset=lambda: None, what: str = ""):
+    def reference(self, run, reset=lambda: None, what: str = "", holds=None):
         """``run()`` of the model's own reference at a shape of the workload, with the room it needs: the limit
-        grows to what was live before it plus 2x its transient peak when that is more (at most the device less
-        its reserve), and a reference that ran out of memory under the cap runs again with it lifted
+        grows to what was live before it plus 2x its transient peak, plus ``holds(result)`` (bytes the caller
+        will keep beside a candidate run at this shape: validation's copies of the outputs), when that is more
+        (at most the device less its reserve), and a reference that ran out of memory under the cap runs again
+        with it lifted
         (``reset()`` first: put back the state the failed run left). The cap bounds candidates against the
         model's own needs; a workload's shapes that the start-up never saw (a served long prompt's logits, say)
         are the model's needs, not a candidate's failure (the H200 serve run's watcher died on exactly that).
@@ -231,23 +233,25 @@ class DeviceBudget:
             self.reader.reset_peak()
             total = self.reader.read().total
             self.reader.cap(total - reserve_of(total))
+            out = None
             try:
                 out = run()
             finally:
-                self._room_for(before, what)
+                self._room_for(before, what, holds(out) if holds is not None and out is not None else 0)
             return out
-        self._room_for(before, what)
+        self._room_for(before, what, holds(out) if holds is not None else 0)
         return out
 
-    def _room_for(self, before: int, what: str) -> None:
+    def _room_for(self, before: int, what: str, extra: int = 0) -> None:
         r = self.reader.read()
-        need = before + TRANSIENT_FACTOR * max(0, r.peak - before)
+        need = before + TRANSIENT_FACTOR * max(0, r.peak - before) + int(extra)
         cap = r.total - reserve_of(r.total)
         if need > self.limit and self.limit < cap:
             grown = min(need, cap)
             self.how += (f"; raised {self.limit / GiB:.2f} -> {grown / GiB:.2f} GiB for the reference"
                          f"{' at ' + what if what else ''} (live {before / GiB:.2f} GiB + {TRANSIENT_FACTOR}x its "
-                         f"transient {(r.peak - before) / GiB:.2f} GiB)")
+                         f"transient {(r.peak - before) / GiB:.2f} GiB"
+                         + (f" + {extra / GiB:.2f} GiB held beside a candidate" if extra else "") + ")")
             self.limit = int(grown)
         self.enforce()  # the cap back on, at the limit as it now is
 
@@ -266,15 +270,20 @@ class DeviceBudget:
                 f"allocator's cache emptied (live tensors {(after.allocated - before.allocated) / MiB:+.0f} MiB, "
                 f"the engine's own caches {(after.owned - before.owned) / MiB:+.0f} MiB)")
 
+    def restore_cap(self) -> str:
+        """'' if the cap in force is the one this budget last set; else put it back and say what it was. The
+        worker asks after every op that ran candidate code, the watchdog between requests."""
+        now = self.reader.fraction()
+        if self.fraction is None or abs(now - self.fraction) <= 1e-9:
+            return ""
+        self.enforce()
+        return (f"the device-memory cap on {self.device} was changed (fraction {now:.4f}, set {self.fraction:.4f}) "
+                "and was put back")
+
     def idle(self) -> tuple[str, bool]:
         """The watchdog's check between requests: (why, fatal). A lifted cap is put back; an allocator holding
         more than the limit, once its cache is emptied, is fatal (the worker restarts)."""
-        why = []
-        now = self.reader.fraction()
-        if self.fraction is not None and abs(now - self.fraction) > 1e-9:
-            why.append(f"the device-memory cap on {self.device} was changed (fraction {now:.4f}, set "
-                       f"{self.fraction:.4f}) and was put back")
-            self.enforce()
+        why = [w for w in (self.restore_cap(),) if w]
         r = self.reader.read()
         if r.reserved > self.limit:
             r = self.reader.collect()

@@ -10,7 +10,8 @@ with a snapshot taken at start-up, before any candidate was imported, and puts b
 * the dispatcher: every registration of every operator (``torch._C._dispatch_dump``), and the torch
   function / dispatch mode stacks;
 * thread counts and backend flags (mkldnn, cuDNN, TF32, matmul precision, deterministic algorithms,
-  flush-denormal, grad mode), the default dtype, and the device-memory cap;
+  flush-denormal, grad mode) and the default dtype (the device-memory cap is the engine's
+  ``DeviceBudget``'s to audit: it raises the cap itself, mid-op);
 * the interpreter: recursion limit, switch interval, trace and profile hooks, gc, ``sys.path`` and the
   import hooks, standard streams, signal handlers, warning filters, environment, working directory;
 * threads the candidate left running, and child processes it left behind.
@@ -115,11 +116,6 @@ def _flags() -> dict:
     }
     if hasattr(b, "opt_einsum"):
         out["opt_einsum.enabled"] = _getset(b.opt_einsum, "enabled")
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        from tkcc.runtime.device_memory import CudaMemory
-
-        mem = CudaMemory(torch.cuda.current_device())  # the device-memory cap (tkcc.runtime.device_memory)
-        out["cuda.memory_fraction"] = (mem.fraction, mem.set_fraction)
     return out
 
 

@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 
 # (atol, rtol) per dtype for tolerance mode; a model/plan may declare its own.
 from tkcc.passes.lint import TOLERANCES  # noqa: E402,F401 - re-exported: one table for passes, golden, engine
+from tkcc.runtime import elementwise
 from tkcc.runtime.exact_reference import alternatives, closer_to_exact, decisions_of, describe
 from tkcc.runtime.stability import MAX_DRAWS, unstable_error
 from tkcc.runtime.workloads import input_bucket
@@ -147,11 +148,10 @@ def compare(ref: list[torch.Tensor], out: list[torch.Tensor], exact: bool, atol:
         if o.device != r.device:
             raise ValidationFailure(f"{name}: on {o.device}, reference on {r.device}")
         if o.is_floating_point():
-            bad = ~torch.isfinite(o) & torch.isfinite(r)
-            if bool(bad.any()):
-                n = int(bad.sum())
+            n = elementwise.nonfinite_where_finite(r, o)
+            if n:
                 raise ValidationFailure(f"{name}: {n} NaN/Inf value(s) where the reference is finite")
-            if o.numel() and bool((o == 0).all()) and not bool((r == 0).all()):
+            if o.numel() and elementwise.all_zero(o) and not elementwise.all_zero(r):
                 raise ValidationFailure(f"{name}: all zeros (the reference is not)")
         if exact:
             if not torch.equal(r, o) and not _equal_nan(r, o):
@@ -166,7 +166,7 @@ def compare(ref: list[torch.Tensor], out: list[torch.Tensor], exact: bool, atol:
                                             f"{diff:.3g}, scale {scale:.3g}) exceeds the tolerance {scaled.bound:.3g}"
                                             f" = {scaled.describe()}", {"abs": diff, "norm": norm})
             elif o.is_floating_point():
-                if not torch.allclose(o.float(), r.float(), atol=atol, rtol=rtol, equal_nan=True):
+                if not elementwise.allclose(o, r, atol, rtol):
                     diff = _max_abs(r, o)
                     raise ValidationFailure(f"{name}: max abs error {diff:.3g} exceeds atol={atol:g}, rtol={rtol:g}")
             elif not torch.equal(r, o):
@@ -176,15 +176,11 @@ def compare(ref: list[torch.Tensor], out: list[torch.Tensor], exact: bool, atol:
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.is_floating_point() and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+    return a.is_floating_point() and elementwise.equal_nan(a, b)
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    d = (a.double() - b.double()).abs()
-    d = d[torch.isfinite(d)]
-    return float(d.max()) if d.numel() else 0.0
+    return elementwise.max_abs_diff(a, b)
 
 
 def scaled_error(r: torch.Tensor, o: torch.Tensor) -> tuple[float, float, float]:
@@ -192,8 +188,7 @@ def scaled_error(r: torch.Tensor, o: torch.Tensor) -> tuple[float, float, float]
     if r.numel() == 0:
         return 0.0, 1.0, 0.0
     diff = _max_abs(r, o)
-    a = r.detach().abs()
-    scale = float(torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device)).amax())
+    scale = elementwise.max_finite_abs(r)
     scale = scale if scale > 0 else 1.0
     return diff, scale, diff / scale
 
@@ -259,7 +254,7 @@ def _reference_run(ref_fn, inputs: tuple, guard: "StateGuard", exact: bool, devi
     _sync(device)
     ref_state = guard.current()
     for i, r in enumerate(ref):
-        if r.is_floating_point() and not bool(torch.isfinite(r).all()):
+        if r.is_floating_point() and not elementwise.all_finite(r):
             raise ValidationFailure(f"{what}: the reference output {i} itself has NaN/Inf; "
                                     "cannot validate on these inputs")
     reproducible = None
@@ -393,6 +388,18 @@ def exact_opinion(exact_fn, inputs: tuple, guard: "StateGuard", ref: list, got: 
                            "choices (one, a pair, or all) decided the other way" if tried else "")
 
 
+HELD_COPIES = 4  # of a bucket's outputs, beside its reference's, while a candidate runs: see _judge
+
+
+def _held_beside_candidate(reference: tuple) -> int:
+    """Bytes validation holds while a candidate runs at a bucket, besides the reference's own outputs: the
+    candidate's outputs of its first run (kept, then poisoned as ``prev``) and their clone, the second run's
+    and their clone (``_judge``). The engine's device-memory cap leaves this room (``DeviceBudget.reference``):
+    at a served long prompt the logits alone are gigabytes, and they are validation's, not the candidate's."""
+    outs = reference[0]
+    return HELD_COPIES * sum(t.numel() * t.element_size() for t in outs)
+
+
 def _draw_inputs(program, b, seed: int) -> tuple:
     """One draw of a bucket's inputs from ``seed``, on a zeroed state (the random context a decode bucket
     fills in is then all the cache holds, the same whenever the seed is drawn again)."""
@@ -446,7 +453,8 @@ def validate(program, reference: dict, candidate: dict, buckets: list, exact: bo
                 try:
                     def ref_run(b=b, inputs=inputs, guard=guard):
                         return _reference_run(reference[b.phase], inputs, guard, exact, device, f"bucket {b.key()}")
-                    out = ref_run() if room is None else room(ref_run, reset=guard.restore, what=f"bucket {b.key()}")
+                    out = ref_run() if room is None else room(ref_run, reset=guard.restore, what=f"bucket {b.key()}",
+                                                              holds=_held_beside_candidate)
                     entry = _bank_entry(draw, guard, out)
                 finally:
                     guard.restore()

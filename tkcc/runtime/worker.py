@@ -233,6 +233,11 @@ class _Single:
         from tkcc.runtime import global_state
 
         a = global_state.audit(self.base)
+        budget = self.core.device_memory
+        if budget is not None:  # the cap against the one the engine last set (it raises it itself, mid-op)
+            why = budget.restore_cap()
+            if why:
+                a.restored.append(why)
         if self.found is None:
             self.found = a
         else:
