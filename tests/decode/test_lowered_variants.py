@@ -135,6 +135,36 @@ def test_moe_families_lower(name):
     _same_decode(prog, new)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen2moe-tiny", "minimax-tiny", "llama-tiny"])
+def test_a_model_cast_to_bf16_lowers_its_attention_whichever_way_its_rotary_upcasts(name):
+    """``model.to(torch.bfloat16)`` casts ``inv_freq`` too. Qwen2, Qwen2-MoE, MiniMax (and ~40 families more) then
+    upcast it before its expand, Llama after: both tables are the step's, so every attention lowers (an H200 run
+    of qwen2moe-16l left all 16 in aten: "cos/sin are not the step's rotary table"); bit-exact in bf16."""
+    from tkcc.frontend.capture import capture, capture_model
+
+    if name == "qwen2":
+        import transformers
+
+        cfg = transformers.Qwen2Config(**SHAPE)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        prog = capture(transformers.Qwen2ForCausalLM(cfg).eval().to(torch.bfloat16), phases=["decode"],
+                       max_cache_len=32)
+    else:
+        prog = capture_model(name, "bfloat16", "cpu", max_cache_len=32, phases=["decode"])
+    new, ops, notes = _lower(prog)
+    full = sum(1 for b in range(prog.num_blocks) if not _is_linear_layer(prog, b))
+    assert ops["tkcc.attention_rope.default"] == full, notes
+    assert not any("rotary table" in n for n in notes), notes
+    _same_decode(prog, new)
+
+
+def _is_linear_layer(prog, block) -> bool:
+    """MiniMax's lightning (linear-attention) layers have no softmax attention to lower."""
+    types = getattr(prog.model.config, "layer_types", None) or []
+    return block < len(types) and "linear" in str(types[block])
+
+
 def test_bad_state_layout_is_refused_or_falls_back_with_its_reason():
     """A recurrent state the kernel cannot take runs the reference with the reason logged (never a wrong
     result); a state that is not a buffer of the graph is refused by the rewrite."""

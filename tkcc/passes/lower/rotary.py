@@ -64,6 +64,19 @@ def _example(inv_dtype):
     return example
 
 
+def cos_sin_upcast(inv_freq, position_ids, *, scale, dtype):
+    """Qwen2's ``RotaryEmbedding.forward`` (and some 40 other families': Qwen3, OLMo, Gemma 2, MiniMax, ...):
+    ``inv_freq`` upcast before its expand and again at the product. Upcasts of fp32 are no-ops, so a model run in
+    fp32 traces ``cos_sin``; one cast to bf16 (``model.to(torch.bfloat16)``: ``inv_freq`` with it) traces this."""
+    inv_freq_expanded = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(position_ids.device)
+    position_ids_expanded = position_ids[:, None, :].float()
+    freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * scale
+    sin = emb.sin() * scale
+    return cos.to(dtype=dtype), sin.to(dtype=dtype)
+
+
 def cos_sin_half(inv_freq, position_ids, *, scale, dtype):
     """gpt-oss's ``GptOssRotaryEmbedding.forward``: the table over half the head (``emb = freqs``, no cat: its rotation
     pairs the halves of each head itself, ``rope_chunked``)."""
@@ -87,6 +100,8 @@ REWRITES = [
     Rewrite("rotary_cos_sin", cos_sin, _to_op, _example(torch.float32), region="rotary", exact=True, check=_check),
     Rewrite("rotary_cos_sin[inv_freq in the model dtype]", cos_sin, _to_op, _example(None), region="rotary",
             exact=True, check=_check),
+    Rewrite("rotary_cos_sin[inv_freq in the model dtype, upcast]", cos_sin_upcast, _to_op, _example(None),
+            region="rotary", exact=True, check=_check),
     Rewrite("rotary_cos_sin[half table]", cos_sin_half, _to_op_half, _example(torch.float32), region="rotary",
             exact=True, check=_check),
     Rewrite("rotary_cos_sin[half table, inv_freq in the model dtype]", cos_sin_half, _to_op_half, _example(None),
