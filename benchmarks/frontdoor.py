@@ -13,7 +13,8 @@ Per model (bf16, batch 1, greedy, on the GPU):
   ``compiled.generate``: ms/token = (time of 1 + N new tokens - time of 1) / N, after a warm-up, at each
   context (a prompt of that length);
 - ``loaded``: ``compiled.save`` then ``tkcc.load`` in a fresh process: time to first token (load included)
-  and ms/token the same way;
+  and ms/token the same way, in rounds alternating with the front door's at each context (``--rounds``), so that
+  both are timed under the same device state and each one's spread shows what difference is noise;
 - ``objective``: P90 per-user decode tokens/s on the Azure conv trace from each variant's ms/token curve
   (``decode.py``'s ``objective_rows``), front door against torch.compile.
 Raw rows go to ``--out`` (a list of rows, see ``issues show 17``).
@@ -24,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,18 +50,26 @@ def sync():
         torch.cuda.synchronize()
 
 
+def _timed(gen, ids, k: int) -> float:
+    sync()
+    t0 = time.perf_counter()
+    gen(ids, k)
+    sync()
+    return time.perf_counter() - t0
+
+
 def ms_per_token(gen, ids, n: int, reps: int) -> float:
     """(time for 1 + n new tokens - time for 1) / n, median over ``reps``, after one warm-up of each."""
-    def t(k):
-        sync()
-        t0 = time.perf_counter()
-        gen(ids, k)
-        sync()
-        return time.perf_counter() - t0
-    t(1), t(n + 1)
-    ones = sorted(t(1) for _ in range(reps))
-    fulls = sorted(t(n + 1) for _ in range(reps))
+    _timed(gen, ids, 1), _timed(gen, ids, n + 1)
+    ones = sorted(_timed(gen, ids, 1) for _ in range(reps))
+    fulls = sorted(_timed(gen, ids, n + 1) for _ in range(reps))
     return (fulls[reps // 2] - ones[reps // 2]) / n * 1e3
+
+
+def one_round(gen, ids, n: int) -> float:
+    """One round's ms/token: (time for 1 + n new tokens - time for 1) / n."""
+    one = _timed(gen, ids, 1)
+    return (_timed(gen, ids, n + 1) - one) / n * 1e3
 
 
 def prompt(context: int, vocab: int, device) -> torch.Tensor:
@@ -73,34 +83,71 @@ sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/benchmarks")
 t_start = time.perf_counter()
 import tkcc
 from tkcc.frontend.models import build_model
-from frontdoor import ms_per_token, prompt, sync
-name, path, contexts, n, reps, dtype = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), \
-    int(sys.argv[6]), getattr(torch, sys.argv[7])
+from frontdoor import one_round, prompt, sync
+name, path, contexts, n, dtype = sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]), \
+    getattr(torch, sys.argv[6])
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 model = build_model(name, dtype=dtype, device=dev, max_position_embeddings=max(contexts) + n + 64)
 t_model = time.perf_counter()
 c = tkcc.load(path, model)
 ids = prompt(contexts[0], model.config.vocab_size, dev)
 c.generate(ids, 1); sync()
-out = {"ttft_s": time.perf_counter() - t_model, "process_s": time.perf_counter() - t_start, "serves": c.serves,
-       "ms_per_token": {}}
-for ctx in contexts:
-    out["ms_per_token"][str(ctx)] = ms_per_token(c.generate, prompt(ctx, model.config.vocab_size, dev), n, reps)
-print(json.dumps(out))
+print(json.dumps({"ttft_s": time.perf_counter() - t_model, "process_s": time.perf_counter() - t_start,
+                  "serves": c.serves}), flush=True)
+warm = set()
+for line in sys.stdin:  # one round per request, at the context asked: the parent interleaves them with its own
+    ctx = json.loads(line)["ctx"]
+    ids = prompt(ctx, model.config.vocab_size, dev)
+    if ctx not in warm:
+        one_round(c.generate, ids, n); warm.add(ctx)
+    print(json.dumps({"ms": one_round(c.generate, ids, n)}), flush=True)
 """
 
 
-def loaded_rows(name, path, contexts, n, reps, dtype) -> tuple[list, dict]:
-    cmd = [sys.executable, "-c", _CHILD, str(ROOT), name, str(path), json.dumps(contexts), str(n), str(reps),
+def side_by_side(compiled, name, path, contexts, n, rounds, dtype, vocab, dev) -> tuple[list, dict]:
+    """The front door and its saved artifact loaded in a fresh process, timed in alternating rounds at each
+    context (one round each, in turn, ``rounds`` times): both see the same device state, and each one's spread
+    over its rounds says how large a difference between them is noise (METHOD.md: time the same version twice).
+    Rows: (frontdoor, loaded) per context, medians, with the rounds; the child's time to first token."""
+    cmd = [sys.executable, "-c", _CHILD, str(ROOT), name, str(path), json.dumps(contexts), str(n),
            str(dtype).replace("torch.", "")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        log(f"{name}: the loaded artifact failed in a fresh process: {r.stderr[-2000:]}")
-        return [], {"error": r.stderr[-2000:]}
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    rows = [dict(model=name, context=int(c), variant="loaded", ms_per_token=ms, ttft_s=got["ttft_s"],
-                 fresh_process_s=got["process_s"]) for c, ms in got["ms_per_token"].items()]
-    return rows, got
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        if not line:
+            err = child.stderr.read()[-2000:]
+            log(f"{name}: the loaded artifact failed in a fresh process: {err}")
+            return [], {"error": err}
+        info = json.loads(line)
+        rows = []
+        for c in contexts:
+            ids = prompt(c, vocab, dev)
+            one_round(compiled.generate, ids, n)  # warm-up (the child warms up on its first request)
+            mine, theirs = [], []
+            for _ in range(rounds):
+                mine.append(one_round(compiled.generate, ids, n))
+                child.stdin.write(json.dumps({"ctx": c}) + "\n")
+                child.stdin.flush()
+                got = child.stdout.readline()
+                if not got:
+                    raise RuntimeError(f"the loaded process ended: {child.stderr.read()[-2000:]}")
+                theirs.append(json.loads(got)["ms"])
+            for variant, ms in (("frontdoor", mine), ("loaded", theirs)):
+                rows.append(dict(model=name, context=c, variant=variant, ms_per_token=statistics.median(ms),
+                                 rounds_ms=ms, spread_ms=max(ms) - min(ms)))
+            rows[-1].update(ttft_s=info["ttft_s"], fresh_process_s=info["process_s"])
+            d = statistics.median(theirs) - statistics.median(mine)
+            log(f"{name} ctx={c}: frontdoor {statistics.median(mine):.3f}, loaded {statistics.median(theirs):.3f} "
+                f"ms/token ({d / statistics.median(mine):+.1%}; spreads {max(mine) - min(mine):.3f} / "
+                f"{max(theirs) - min(theirs):.3f})")
+        return rows, info
+    finally:
+        if child.poll() is None:
+            child.stdin.close()
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
 
 
 def experiment_timeline(loop: dict | None) -> list[dict]:
@@ -142,6 +189,8 @@ def main(argv=None):
                     help="contexts for torch.compile, one fresh process each (default: --contexts)")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per timed generate")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="alternating rounds of the front door and the loaded artifact at each context")
     ap.add_argument("--budget", default=None, help="tkcc.compile budget (default: its own default)")
     ap.add_argument("--mode", default="tolerance")
     ap.add_argument("--measure-max-context", type=int, default=None,
@@ -197,22 +246,23 @@ def main(argv=None):
         log(rep.text())
         notes[name] = {"loop": rep.loop, "serves": compiled.serves, "plan": rep.plan, "speed": rep.speed,
                        "passes": rep.to_json().get("passes"), "experiments": experiment_timeline(rep.loop)}
-        for c in a.contexts:
-            ms = ms_per_token(compiled.generate, prompt(c, vocab, dev), a.tokens, a.reps)
-            rows.append(dict(model=name, context=c, variant="frontdoor", ms_per_token=ms, compile_wall_s=wall,
-                             serves=compiled.serves, plan_hash=rep.plan_hash))
-            log(f"{name} frontdoor ctx={c}: {ms:.3f} ms/token (compile {wall:.0f} s, serves {compiled.serves})")
-        save()
-        if "loaded" not in a.skip:
+        fd = dict(compile_wall_s=wall, serves=compiled.serves, plan_hash=rep.plan_hash)
+        if "loaded" in a.skip:
+            for c in a.contexts:
+                ms = ms_per_token(compiled.generate, prompt(c, vocab, dev), a.tokens, a.reps)
+                rows.append(dict(model=name, context=c, variant="frontdoor", ms_per_token=ms, **fd))
+                log(f"{name} frontdoor ctx={c}: {ms:.3f} ms/token (compile {wall:.0f} s, serves {compiled.serves})")
+        else:
             with tempfile.TemporaryDirectory() as tmp:
                 compiled.save(Path(tmp) / "saved")
                 for src in sorted((Path(tmp) / "saved").rglob("forward_decode*.py")):  # what shipped, configs and all
                     for p in out_paths:
                         (p.parent / f"{p.stem}_{name}_{src.name}").write_text(src.read_text())
-                got, info = loaded_rows(name, Path(tmp) / "saved", a.contexts, a.tokens, a.reps, dtype)
-                rows += got
+                got, info = side_by_side(compiled, name, Path(tmp) / "saved", a.contexts, a.tokens,
+                                         max(a.reps, a.rounds), dtype, vocab, dev)
+                rows += [dict(r, **fd) if r["variant"] == "frontdoor" else r for r in got]
                 notes.setdefault(name, {})["loaded"] = info
-            save()
+        save()
         del compiled
         torch.cuda.empty_cache() if CUDA else None
         if "lab_best" not in a.skip:

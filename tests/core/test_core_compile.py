@@ -47,6 +47,47 @@ def test_compile_plain_module_with_a_user_pass(tmp_path):
     assert compiled.artifact is not None and "def " in compiled.artifact.source("forward")
 
 
+WRONG_PASS = """
+import operator
+from tkcc.passes.base import register
+from tkcc.passes.graph_pass import GraphPass
+
+@register
+class DoubleToTriple(GraphPass):
+    \"\"\"Wrong on purpose: ``relu(y) * 2.0`` becomes ``* 3.0``.\"\"\"
+    name = "test-compile-double-to-triple"
+    exact = True
+    params = {}
+
+    def rewrite(self, gm, info, phase):
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and len(n.args) == 2 and n.args[1] == 2.0:
+                n.args = (n.args[0], 3.0)
+                info.matched += 1
+"""
+
+
+def test_check_false_leaves_a_built_plan_to_the_callers_judgement(tmp_path):
+    """A plan built with ``measure=False``: checked pass by pass by default (a wrong pass is named), and with
+    ``check=False`` built unchecked, for a caller that judges it itself (benchmarks/decode.py, against fp32)."""
+    from tkcc.errors import PassError
+
+    path = tmp_path / "wrong_pass.py"
+    path.write_text(WRONG_PASS)
+    torch.manual_seed(0)
+    model = Small().eval()
+    x = torch.randn(4, 16)
+    plan = [{"name": "test-compile-double-to-triple"}]
+    with pytest.raises(PassError, match="test-compile-double-to-triple.*changed the outputs"):
+        tkcc.compile(model, example_inputs=(x,), plan=plan, pass_modules=[str(path)], measure=False,
+                     out_dir=tmp_path / "checked")
+    compiled = tkcc.compile(model, example_inputs=(x,), plan=plan, pass_modules=[str(path)], measure=False,
+                            check=False, out_dir=tmp_path / "unchecked")
+    with torch.no_grad():
+        assert not torch.allclose(compiled(x), model(x))  # built as asked: the judgement is the caller's
+    assert compiled.report(print_report=False).to_json()["passes"][0]["matched"] >= 1
+
+
 def test_compile_hf_model_call_and_generate(llama_program, tmp_path):
     compiled = tkcc.compile(llama_program.model, program=llama_program, measure=False, check=False, out_dir=tmp_path)
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))
