@@ -558,7 +558,8 @@ def reference_jump(prog, tok, pos, ref, seed: int) -> float:
     return worst
 
 
-def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=None, on_rows=None, fp32=True):
+def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=None, on_rows=None, fp32=True,
+                   kernels=False):
     """Rows of the front-door variants (``FRONT_DOOR``) at every context: the model's decode phase captured with
     a cache of that context (as the FusedDecoder rows size theirs), each plan built by ``tkcc.compile``
     (``measure=False``: this script does the timing), the cache filled with random K/V up to the context. A
@@ -645,6 +646,8 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
                     run(2)
                     ms = time_steps(run, tokens, reps)
                     split = device_split(fwd, start_tok, start_pos) if CUDA else {}  # positions c .. c + ~25: in the cache
+                    if kernels and CUDA:
+                        notes.setdefault("front_door_kernels", {})[f"{variant} ctx {c}"] = kernel_times(run, tokens)
                     logs = [log.summary() for log in compiled.logs] if compiled.logs else []
                     plan_notes = [n for log in compiled.logs for n in getattr(log, "notes", [])]
             except Exception as e:
@@ -667,6 +670,39 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
     if failed:
         notes["variant_fallbacks"] = failed
     return rows, notes
+
+
+def kernel_times(run, n: int, top: int = 30) -> dict:
+    """Device microseconds per token of each kernel the timed loop ``run(n)`` launches, by kernel name, from
+    torch.profiler (CUPTI records the kernels a CUDA graph replays too), largest first, with their sum: where
+    two variants' ms/token differ (the graph-lowered step against the fused one it would replace), kernel by
+    kernel. ``{"error": ...}`` where the profiler recorded nothing."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        run(2)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(n)
+            torch.cuda.synchronize()
+        per = defaultdict(float)
+        count = defaultdict(int)
+        for e in prof.events():
+            dev_us = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+            if str(getattr(e, "device_type", "")).endswith("CUDA") and dev_us:
+                per[e.name] += dev_us
+                count[e.name] += 1
+    except Exception as ex:  # noqa: BLE001 - the row's own timing stands; say why the breakdown is missing
+        return {"error": f"{type(ex).__name__}: {ex}"[:300]}
+    if not per:
+        return {"error": "the profiler recorded no device kernels"}
+    ranked = sorted(per.items(), key=lambda kv: -kv[1])
+    return {"us_per_token_total": round(sum(per.values()) / n, 2),
+            "kernels_per_token": round(sum(count.values()) / n, 1),
+            "by_kernel": {k[:120]: {"us_per_token": round(v / n, 2), "launches_per_token": round(count[k] / n, 2)}
+                          for k, v in ranked[:top]}}
 
 
 def device_split(fwd, tok, pos) -> dict:
@@ -854,6 +890,9 @@ def main(argv=None):
     ap.add_argument("--no-step-tune", action="store_true", help="skip FusedDecoder.tune_step (whole-step tuning)")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel-kind breakdown")
+    ap.add_argument("--kernels", action="store_true",
+                    help="front-door variants: device time per token of each kernel their timed loop launches "
+                         "(torch.profiler), in the notes (front_door_kernels)")
     ap.add_argument("--checks", action="store_true", help="also run every kernel's bf16 correctness check first")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny models, 2 short contexts, no HF timing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
@@ -982,7 +1021,7 @@ def main(argv=None):
         r2, notes = tkcc_rows(model, name, contexts, tokens, a.reps, spec.is_moe, tune=CUDA, profile=not a.no_profile,
                               variants=a.variants, step_tune=not a.no_step_tune, on_rows=partial) if fused else ([], {})
         r3, fd_notes = frontdoor_rows(model, name, contexts, tokens, a.reps, a.variants, spec.family,
-                                      on_rows=lambda r, n, r2=r2: partial(r2 + r, notes))
+                                      on_rows=lambda r, n, r2=r2: partial(r2 + r, notes), kernels=a.kernels)
         notes["front_door"] = fd_notes
         result.pop("partial_rows", None)
         rows += r2 + r3
