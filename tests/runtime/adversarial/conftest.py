@@ -43,6 +43,7 @@ class Adversary:
     def __init__(self, eng, workload):
         self.eng, self.workload = eng, workload
         self.honest_objective = None
+        self.seen: list[float] = []  # every honest objective measured, in order
 
     def source(self, name: str, body: str, setup: str = "", folder: str | None = None) -> str:
         text = TEMPLATE.format(setup=textwrap.dedent(setup), body=textwrap.indent(textwrap.dedent(body), " " * 12))
@@ -60,7 +61,16 @@ class Adversary:
     def honest(self) -> float:
         res = self.run({"source": self.source("honest", "return f(ids, pos)")})
         assert res["ok"], res
-        return res["tiers"]["fast"]["measurement"]["objective"]
+        obj = res["tiers"]["fast"]["measurement"]["objective"]
+        self.seen.append(obj)
+        return obj
+
+    def measures_as_before(self) -> bool:
+        """Whether the last honest measurement is within NOISE of the range of those before it in this run (a
+        llama-tiny step on a shared 2-core machine measures anywhere in 1.7x of itself within a minute, so one
+        sample is no baseline; a broken engine is off by far more)."""
+        *before, last = self.seen
+        return min(before) / NOISE <= last <= max(before) * NOISE
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +85,7 @@ def adversary(tmp_path_factory):
     eng = start_engine(tmp_path_factory.mktemp("adversarial"), "llama-tiny", *ARGS)
     try:
         adv = Adversary(eng, workload)
-        adv.honest_objective = adv.honest()
+        adv.honest_objective = max(adv.honest(), adv.honest())  # two: the range the later ones are held to
         yield adv
     finally:
         stop_engine(eng)

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from conftest import NOISE
 
 pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]
 
@@ -85,8 +84,7 @@ def test_the_engine_survives_a_fault_and_the_next_honest_candidate_measures_as_b
     elif failure != "any":
         assert not res["ok"] and rec["failure"] == failure and words in rec["reason"], rec
     honest = adversary.honest()
-    assert adversary.honest_objective / NOISE <= honest <= adversary.honest_objective * NOISE, \
-        (name, honest, adversary.honest_objective)
+    assert adversary.measures_as_before(), (name, honest, adversary.seen)
     with adversary.eng.client() as c:
         st = c.status()
     assert st["engine"]["restarts"] == before["restarts"], st["engine"]["recoveries"]  # the worker was never at risk
@@ -138,4 +136,4 @@ def test_a_kept_candidate_that_leaks_while_idle_is_killed_and_its_tier_falls_bac
     assert st["serving"]["fast"]["current"] == "baseline" and st["worker"]["tiers"]["fast"]["current"] == "baseline"
     assert cid not in st["worker"]["isolation"]["trials"].values()
     honest = adversary.honest()
-    assert adversary.honest_objective / NOISE <= honest <= adversary.honest_objective * NOISE
+    assert adversary.measures_as_before(), (honest, adversary.seen)
