@@ -236,13 +236,15 @@ def die_with_parent(parent: int | None = None):
 @contextmanager
 def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None, extra: tuple[str, ...] = (),
                    start_timeout_s: float = 900, env: dict | None = None, keep_temp: bool = False,
-                   stop_timeout_s: float = 30, on_start=None):
+                   stop_timeout_s: float = 30, on_start=None, stop_by: float | None = None):
     """Start ``tkcc serve`` for this campaign and stop it afterwards; yields a connected EngineClient.
 
     ``env``: variables set for the engine process only (e.g. its own TRITON_CACHE_DIR). Without
     ``state_dir`` the engine works in a temporary folder, removed when it stops (kept with ``keep_temp``).
     Stopping never raises: the engine is asked to shut down, then terminated, then killed.
-    ``on_start(proc)``: called with the engine's Popen once it runs (an owner in another thread can end it)."""
+    ``on_start(proc)``: called with the engine's Popen once it runs (an owner in another thread can end it).
+    ``stop_by``: a ``time.monotonic()`` reading the stop must end by (a campaign's budget ends there, and its
+    rows are in its own store already): the engine is killed then if its shutdown has not ended it."""
     from tkcc.runtime import EngineClient
 
     own = state_dir is None
@@ -280,7 +282,10 @@ def spawned_engine(model: str, device: str = "cpu", state_dir: str | None = None
                     pass
     finally:
         if proc is not None:
-            _stop(proc, stop_timeout_s)
+            if stop_by is None:
+                _stop(proc, stop_timeout_s)
+            else:  # SIGTERM would only ask for the shutdown already under way: kill at the deadline
+                _stop(proc, min(stop_timeout_s, max(0.0, stop_by - time.monotonic())), term_s=0.0)
             if proc.stdout:
                 proc.stdout.close()
         if own and not keep_temp:
@@ -301,10 +306,11 @@ def _ready_line(proc, timeout_s: float) -> str | None:
             return proc.stdout.readline() or ""
 
 
-def _stop(proc, grace_s: float, term_s: float = 10.0) -> None:
-    """Wait ``grace_s`` for the engine to exit after its shutdown; then SIGTERM (``term_s``), then SIGKILL.
-    Never raises: a slow stop must not lose what the command did."""
-    for step, wait in ((None, grace_s), (proc.terminate, term_s), (proc.kill, term_s)):
+def _stop(proc, grace_s: float, term_s: float = 10.0, kill_s: float = 10.0) -> None:
+    """Wait ``grace_s`` for the engine to exit after its shutdown; then SIGTERM (``term_s``; none with 0), then
+    SIGKILL. Never raises: a slow stop must not lose what the command did."""
+    steps = ((None, grace_s),) + (((proc.terminate, term_s),) if term_s > 0 else ()) + ((proc.kill, kill_s),)
+    for step, wait in steps:
         if step is not None:
             try:
                 step()

@@ -114,13 +114,14 @@ def _reps(args, budget_s: float) -> int:
 
 
 STOP_RESERVE_S = 1.5  # kept from the budget for stopping the engine and writing the summary
+SUMMARY_S = 0.3  # of which the summary's: the engine is killed if it has not stopped by then
 
 
 class _Engine:
     """Connect to --engine-socket, or start an engine for the command's lifetime (within ``start_timeout_s``)."""
 
-    def __init__(self, args, start_timeout_s: float = 900):
-        self.args, self.ctx, self.start_timeout_s = args, None, start_timeout_s
+    def __init__(self, args, start_timeout_s: float = 900, stop_by: float | None = None):
+        self.args, self.ctx, self.start_timeout_s, self.stop_by = args, None, start_timeout_s, stop_by
         self.stop_error: str | None = None
 
     def __enter__(self):
@@ -135,7 +136,7 @@ class _Engine:
         self.ctx = spawned_engine(self.args.model or DEFAULT_MODEL, self.args.device,
                                   extra=tuple(self.args.engine_arg) + compile_args(self.args),
                                   start_timeout_s=self.start_timeout_s,
-                                  keep_temp=getattr(self.args, "keep_temp", False))
+                                  keep_temp=getattr(self.args, "keep_temp", False), stop_by=self.stop_by)
         self.client = self.ctx.__enter__()
         return self.client
 
@@ -241,7 +242,7 @@ def cmd_campaign(args):
     left = budget - (time.monotonic() - started) - STOP_RESERVE_S - 1.0
     if args.ray is not None:
         return _campaign_on_ray(args, started, budget, tiers, reps, trace, store, costs, source, left)
-    engine = _Engine(args, start_timeout_s=max(1.0, left))
+    engine = _Engine(args, start_timeout_s=max(1.0, left), stop_by=started + budget - SUMMARY_S)
     if args.proposer == "search":  # the passes load (torch, the registry) while the engine starts in its process
         threading.Thread(target=_search_space, args=(args, args.device), daemon=True).start()
     try:
