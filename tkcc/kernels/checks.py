@@ -56,14 +56,16 @@ def check_gemv(device, dtype, g, pdl=False, shapes=((256, 128), (96, 200), (64, 
 def _check_gemv_ends(device, dtype, g, pdl, N, K):
     """The decode step's ends: x gathered from a table row (copied out), argmax of y with pos/seq advanced;
     twice in a row (the self-resetting slots and counters), the second time with every row tied; and 601
-    one-row programs (arrival groups of 3, the last group of 1)."""
-    from tkcc.kernels.gemv import ArgmaxState, gemv, gemv_ref
+    one-row programs (arrival groups of 3, the last group of 1; on the CPU's interpreter, which runs programs one
+    by one, NSLOT + 1: groups of 2, the last of 1)."""
+    from tkcc.kernels.gemv import NSLOT, ArgmaxState, gemv, gemv_ref
 
     rows = []
     table = _rand(37, K, device=device, dtype=dtype, g=g)
     nw = _rand(K, device=device, dtype=dtype, g=g)
     st = ArgmaxState(device)
-    for n, cfg in ((N, (32, 512, 4)), (N, (8, 64, 2)), (601, (1, 64, 2))):
+    many = NSLOT + 1 if str(device) == "cpu" else 601
+    for n, cfg in ((N, (32, 512, 4)), (N, (8, 64, 2)), (many, (1, 64, 2))):
         w = _rand(n, K, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(K))
         for tied in (False, True):
             wt = torch.ones_like(w) if tied else w
@@ -431,8 +433,11 @@ FAMILIES = {
 }
 
 
-def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None, pdl=False):
-    """``pdl``: launch with programmatic dependent launch (GPU, Hopper+) — the variant the fused decoder uses."""
+def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None, pdl=False,
+               cpu_shapes: int | None = None):
+    """``pdl``: launch with programmatic dependent launch (GPU, Hopper+) — the variant the fused decoder uses.
+    ``cpu_shapes``: only the first N of each family's CPU shapes (a second dtype's run, whose masks and tiles the
+    first one covered)."""
     g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, (1,))))
     rows = []
     for name in families or FAMILIES:
@@ -440,7 +445,7 @@ def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None, pdl=
         kw = {}
         if str(device) == "cpu":  # the interpreter runs programs one by one: the first two shapes per family
             default = inspect.signature(fn).parameters["shapes"].default
-            kw["shapes"] = getattr(fn, "cpu_shapes", default[:2])
+            kw["shapes"] = getattr(fn, "cpu_shapes", default[:2])[:cpu_shapes]
         got = fn(device, dtype, g, pdl=pdl, **kw)
         for r in got:
             r["pdl"] = pdl
@@ -448,14 +453,15 @@ def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None, pdl=
     return rows
 
 
-if __name__ == "__main__":  # python -m tkcc.kernels.checks [family ...] (dtype by TKCC_CHECK_DTYPE)
+if __name__ == "__main__":  # python -m tkcc.kernels.checks [family ...] (TKCC_CHECK_DTYPE, TKCC_CHECK_SHAPES)
     import json
     import os
     import sys
 
     dt = getattr(torch, os.environ.get("TKCC_CHECK_DTYPE", "float32"))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    res = run_checks(dev, dt, sys.argv[1:] or None)
+    n = os.environ.get("TKCC_CHECK_SHAPES")
+    res = run_checks(dev, dt, sys.argv[1:] or None, cpu_shapes=int(n) if n else None)
     bad = [r for r in res if not r["ok"]]
     print(json.dumps({"n": len(res), "failed": bad}, indent=1))
     sys.exit(1 if bad else 0)
