@@ -301,9 +301,10 @@ def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None, firs
     for name in families or FAMILIES:
         fn = FAMILIES[name]
         kw = {}
-        default = inspect.signature(fn).parameters["shapes"].default
-        if first_shapes is not None and default:  # (None: the family picks its shapes by device, as MLA does)
-            kw["shapes"] = tuple(default)[:first_shapes]
+        if first_shapes is not None:
+            default = inspect.signature(fn).parameters["shapes"].default
+            if default:  # (None: the family picks its shapes by device, as MLA does)
+                kw["shapes"] = tuple(default)[:first_shapes]
         rows += fn(device, dtype, g, **kw)
     return rows
 
