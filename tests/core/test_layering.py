@@ -8,7 +8,7 @@ A failure lists each offending ``file:line``, what it imports and the rule it br
 The layers, lowest first; a unit may import its own modules and any unit of an earlier layer, never
 a later layer, and never another unit of its own layer:
 
-    base          errors, version, defaults, atomic, scratch (import nothing of tkcc but base)
+    base          errors, version, defaults, atomic, scratch, disk_cache (import nothing of tkcc but base)
     kernels, traffic   leaves: import nothing of tkcc but ``tkcc.errors``
     frontend
     passes        may call kernel ops; may not import runtime, agents, parallel or traffic: what a pass
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # unit -> the modules it is made of (a name covers its submodules; "tkcc" is the package's __init__ only)
 UNITS = {
-    "base": ("tkcc.errors", "tkcc.version", "tkcc.defaults", "tkcc.atomic", "tkcc.scratch"),
+    "base": ("tkcc.errors", "tkcc.version", "tkcc.defaults", "tkcc.atomic", "tkcc.scratch", "tkcc.disk_cache"),
     "kernels": ("tkcc.kernels",),
     "traffic": ("tkcc.traffic",),
     "frontend": ("tkcc.frontend",),

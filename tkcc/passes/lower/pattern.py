@@ -37,6 +37,7 @@ import torch.fx
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
 from tkcc.passes.graph_pass import origin
+from tkcc.passes.lower import pattern_ops
 
 _NOOP_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
                torch.ops.aten.alias.default, torch.ops.aten.contiguous.default}
@@ -359,6 +360,8 @@ class Outcome:
 
 def find(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype) -> tuple[list[Match], dict]:
     """Every match of ``rewrite`` in ``gm`` (verified literal by literal), and why candidates were refused."""
+    if not pattern_ops.ops(rewrite, dtype) <= pattern_ops.graph_ops(gm.graph):
+        return [], {}  # an op of the pattern is not in the graph: no match, and no trace of the pattern
     pgm, matcher, where, fixed = rewrite.pattern_graph(dtype)
     pnodes = list(pgm.graph.nodes)
     out_node = pnodes[-1]
