@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ["gemv", "rmsnorm", "silu_mul", "router", "moe", "attention", "rope", "moe_routed", "attention_rope",
+FAMILIES = ["gemv", "argmax", "rmsnorm", "silu_mul", "router", "moe", "attention", "rope", "moe_routed", "attention_rope",
             "cache_bounds"]
 
 
@@ -31,7 +31,7 @@ def _run_interp(families, dtype):
 
 @pytest.mark.parametrize("dtype,families", [
     ("float32", FAMILIES),
-    ("float16", ["gemv", "attention", "rope"]),
+    ("float16", ["gemv", "argmax", "attention", "rope"]),
     pytest.param("float16", ["moe_routed", "attention_rope"], marks=pytest.mark.slow),
 ])
 def test_kernels_match_reference_interpreter(dtype, families):
@@ -64,6 +64,20 @@ def test_kernels_match_reference_gpu_bf16(family, pdl):
     rows = run_checks("cuda", torch.bfloat16, [family], pdl=pdl)
     bad = [r for r in rows if not r["ok"]]
     assert rows and not bad, bad
+
+
+def test_the_argmax_check_fails_a_kernel_that_breaks_ties_the_other_way(monkeypatch):
+    """torch.argmax gives the first of equal values: an argmax that gives the last fails the check's tie rows."""
+    import tkcc.kernels.argmax as am
+    from tkcc.kernels.checks import check_argmax
+
+    def last_of_ties(x, block=None):
+        return x.shape[-1] - 1 - x.flip(-1).argmax(-1)
+
+    monkeypatch.setattr(am, "argmax", last_of_ties)
+    rows = check_argmax("cpu", torch.float32, torch.Generator().manual_seed(0), shapes=((2, 300, 64),))
+    bad = {r["kernel"] for r in rows if not r["ok"]}
+    assert "argmax:ties" in bad and "argmax:random" not in bad
 
 
 def test_gemv_ends_fall_back_with_the_same_meaning():

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from tkcc.errors import TkccError
+from tkcc.kernels.argmax import argmax
 from tkcc.frontend.program import Program
 
 PHASES = ("prefill", "decode")
@@ -143,7 +144,7 @@ def _steps(fwd, prompt_ids, new_tokens, reset, chunk, force, on_prompt):
         # a decode forward that is one self-feeding step (the fused decode step) offers ``tkcc_greedy``: it keeps
         # the token and position on the device itself and picks its layout by the position the host knows
         step = getattr(fwd["decode"], "tkcc_greedy", None) if force is None else None
-        tok = last.argmax(-1)
+        tok = argmax(last)
         for i in range(new_tokens):
             yield tok, last
             if i + 1 == new_tokens:
@@ -154,5 +155,5 @@ def _steps(fwd, prompt_ids, new_tokens, reset, chunk, force, on_prompt):
             feed = tok[:, None] if force is None else force[:, i:i + 1]
             logits = _logits(fwd["decode"](feed, pos))
             last = logits[:, -1]
-            tok = last.argmax(-1)
+            tok = argmax(last)
             pos = pos + 1

@@ -418,8 +418,37 @@ def check_cache_bounds(device, dtype, g, pdl=False, shapes=((4, 2, 32, 40, 16), 
     return rows
 
 
+def check_argmax(device, dtype, g, pdl=False, shapes=((1, 4133, None), (3, 128256, None), (2, 50000, 1024))):
+    """The index torch.argmax gives, exactly: random rows, rows of few distinct values (ties: the first), NaN and
+    infinities (the first NaN), signed zeros (equal), rows read from a [B, 2, V] tensor's last position."""
+    from tkcc.kernels.argmax import argmax, argmax_ref
+
+    rows = []
+    for B, V, block in shapes:
+        x = _rand(B, V, device=device, dtype=dtype, g=g)
+        cases = {"random": x, "ties": torch.randint(0, 3, (B, V), generator=g).to(device=device, dtype=dtype),
+                 "zeros": torch.zeros(B, V, device=device, dtype=dtype) * torch.where(
+                     torch.rand(B, V, generator=g) < 0.5, -1.0, 1.0).to(device=device, dtype=dtype)}
+        special = x.clone()
+        cols = torch.randint(0, V, (4,), generator=g).tolist()
+        special[:, cols[0]] = float("inf")
+        special[-1, cols[1]] = float("nan")
+        special[-1, cols[2]] = float("nan")
+        special[0, cols[3]] = float("-inf")
+        cases["nan_inf"] = special
+        cases["strided"] = torch.stack([_rand(B, V, device=device, dtype=dtype, g=g), x], dim=1)[:, -1]
+        for name, t in cases.items():
+            got, ref = argmax(t, block=block), argmax_ref(t)
+            rows.append(_row(f"argmax:{name}", (B, V, block), dtype, 0.0 if torch.equal(got, ref) else float("inf")))
+    return rows
+
+
+check_argmax.cpu_shapes = ((1, 4133, 512), (3, 1000, 64))
+
+
 FAMILIES = {
     "gemv": check_gemv,
+    "argmax": check_argmax,
     "rmsnorm": check_rmsnorm,
     "silu_mul": check_silu_mul,
     "router": check_router,
