@@ -424,6 +424,46 @@ def test_tuning_picks_the_fastest_config_and_writes_it_into_the_graph(captured):
     _same_decode(prog, new)
 
 
+def test_the_whole_step_picks_among_the_attention_layouts_fastest_alone(captured):
+    """Fake clocks: alone, the first layout is the fastest; inside the whole step, the third. The step's pick goes
+    into every fused attention node, the timing leaves the cache as it was, and the step still computes the
+    captured graph's logits."""
+    from tkcc.passes.lower import space, tune
+    from tkcc.passes.manager import apply_plan
+
+    prog = captured["llama-tiny", "float32"]
+    new, _ = apply_plan(prog, [{"name": "lowered_decode", "params": {"tune": False}}], mode="tolerance",
+                        check_numerics=False)
+    gm = new.graphs["decode"]
+    order = iter(range(100))
+    alone = tune.tune_attention(gm, lambda fn: (fn(), 1.0 + next(order))[1], 20, ["32x4", "16x4", "64x4", "32x2"])
+    assert alone["ranked"] == [(32, "32x4"), (32, "16x4"), (32, "64x4"), (32, "32x2")]
+    fused = [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.attention_rope.default]
+    want = (32, "64x4")
+
+    def in_step(fn):
+        fn()
+        return 0.5 if tuple(fused[0].args[12:15]) == (32, *space.parse_tile(want[1])) else 1.0
+
+    before = [b.clone() for b in prog.state.buffers()]
+    kept = tune.refine_in_step(gm, in_step, {}, 20, attention=alone)
+    assert kept["attention layout"] == (want, 0.5)
+    assert all(tuple(n.args[12:15]) == (32, *space.parse_tile(want[1])) for n in fused)
+    assert all(torch.equal(a, b) for a, b in zip(before, prog.state.buffers()))
+    gm.recompile()
+    _same_decode(prog, new)
+
+
+def test_the_step_times_the_fastest_layouts_and_every_other_chunks_fastest_tile():
+    from tkcc.passes.lower.tune import layout_candidates
+
+    ranked = [(512, "128x8"), (512, "64x4"), (1024, "128x8"), (512, "32x4"), (64, "32x4"), (64, "64x4"),
+              (256, "16x4")]
+    assert layout_candidates(ranked) == [(512, "128x8"), (512, "64x4"), (1024, "128x8"), (64, "32x4"),
+                                         (256, "16x4")]
+    assert layout_candidates(ranked[:1]) == ranked[:1] and layout_candidates([]) == []
+
+
 def test_exact_declared_rewrites_are_bit_exact(captured):
     """Every rewrite declared exact, applied alone to the captured graph (after the bit-exact canonical form),
     changes no bit of the logits or the cache; the regions it replaced are gone."""

@@ -148,10 +148,11 @@ class LoweredDecode(Pass):
             with torch.no_grad():
                 tuned = tuning.tune_gemvs(gm, graph_time, log=info.notes.append) if pinned is None else {}
                 tuning.tune_moes(gm, graph_time, log=info.notes.append)
-                if tune_context:
-                    tuning.tune_attention(gm, graph_time, tune_context,
-                                          [t for t in space.ATTN_TILES if t not in bad], log=info.notes.append)
-                tuning.refine_in_step(gm, graph_time, tuned, tune_context or 128, log=info.notes.append)
+                layouts = tuning.tune_attention(gm, graph_time, tune_context, [t for t in space.ATTN_TILES
+                                                                               if t not in bad],
+                                                log=info.notes.append) if tune_context else {}
+                tuning.refine_in_step(gm, graph_time, tuned, tune_context or 128, log=info.notes.append,
+                                      attention=layouts)
         gm.recompile()
         after = collections.Counter(_kind(n) for n in gm.graph.nodes if n.op == "call_function")
         ops = {k: v for k, v in sorted(after.items()) if k.startswith("tkcc.")}
