@@ -270,6 +270,7 @@ REAL_ROUTING = ("tkcc", "tkcc_v3", "tkcc_v4")
 MOE_ONLY = ("tkcc_routed",)
 VARIANT_TOL = 0.1  # first-step logits, rel. err. vs the tkcc baseline (front door: vs fp32) dropping a variant
 AS_GOOD, UNRELATED = 1.25, 0.8  # judge_first_step where the bf16 reference is itself off fp32
+DRAWS = 3  # caches drawn per context for one where the bf16 graph is stable (tkcc.runtime.stability.MAX_DRAWS)
 GPU_ONLY = ("tkcc_nopdl", "tkcc_steptuned", "tkcc_v4", "tkcc_v4_sep")
 BENCH_OPTS = ("configs", "attn_tune")  # how a variant is tuned, not FusedDecoder options
 
@@ -478,7 +479,7 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def judge_first_step(got, ref, ref32=None, tol=VARIANT_TOL) -> tuple[bool, dict, str]:
+def judge_first_step(got, ref, ref32=None, tol=VARIANT_TOL, jump=None) -> tuple[bool, dict, str]:
     """Whether a front-door variant's first-step logits ``got`` are right: (ok, errors, why not).
 
     With ``ref32`` (the captured graph run in fp32 on the same weights and cache) the variant is judged against
@@ -492,7 +493,11 @@ def judge_first_step(got, ref, ref32=None, tol=VARIANT_TOL) -> tuple[bool, dict,
     qwen3moe-16l's graph was 0.60 from fp32 at 8k, deepseekv3-16l's 0.24 at 128), no step can be held to
     ``tol``: a step at most ``AS_GOOD`` times as far from fp32 as the model's own bf16 graph is, and short of
     ``UNRELATED`` (two unrelated logit vectors are ~1.4 apart), is as accurate as the model at that input, and
-    ``errors["judged_by"]`` says so."""
+    ``errors["judged_by"]`` says so. So is one within ``AS_GOOD`` times ``jump``, how far the bf16 graph itself
+    moves under one rounding step of its cache (``reference_jump``), where that is past ``tol``: at such an
+    input (minimax-16l at 128 on an H200: 0.18) a rounding difference anywhere flips a router's choice, as the
+    engine's validation knows (``tkcc.runtime.stability``); ``frontdoor_rows`` first redraws the cache for a
+    stable input."""
     errs = {"vs_captured_graph": _rel(got, ref)}
     if ref32 is not None:
         errs["vs_fp32"] = _rel(got, ref32)
@@ -504,6 +509,11 @@ def judge_first_step(got, ref, ref32=None, tol=VARIANT_TOL) -> tuple[bool, dict,
     if own is not None and own >= tol and judged <= AS_GOOD * own and judged < UNRELATED:
         errs["judged_by"] = (f"the bf16 captured graph is itself {own:.3g} from fp32: the step, {judged:.3g} from "
                              f"it, is within {AS_GOOD}x of the model's own")
+        return True, errs, ""
+    if jump is not None and jump >= tol and judged <= AS_GOOD * jump and judged < UNRELATED:
+        errs["judged_by"] = (f"the bf16 captured graph moves by {jump:.3g} under one rounding step of its cache at "
+                             f"this input (a router near tie): the step, {judged:.3g} off, is within {AS_GOOD}x of "
+                             f"that")
         return True, errs, ""
     what = "the fp32 run of the captured graph" if ref32 is not None else "the captured graph"
     why = f"first-step logits differ from {what} (rel err {judged:.3g} >= {tol})"
@@ -582,14 +592,19 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
     model32 = None
     for c in contexts:
         prog = capture(model, phases=["decode"], max_cache_len=c + tokens + 8)
-        prog.state.fill_random(c, torch.Generator(device=dev).manual_seed(c))
         start_tok = torch.tensor([[11]], device=dev)
         start_pos = torch.tensor([c], device=dev)
-        with torch.no_grad():
-            saved = [b[_written(b, c)].clone() for b in prog.state.buffers()]
-            ref = prog.graphs["decode"](start_tok, start_pos).float()
-            for b, v in zip(prog.state.buffers(), saved):
-                b[_written(b, c)].copy_(v)
+        for draw in range(DRAWS):  # a cache at which the bf16 graph is stable under one rounding step, if one comes
+            prog.state.fill_random(c, torch.Generator(device=dev).manual_seed(c + 1000 * draw))
+            with torch.no_grad():
+                saved = [b[_written(b, c)].clone() for b in prog.state.buffers()]
+                ref = prog.graphs["decode"](start_tok, start_pos).float()
+                for b, v in zip(prog.state.buffers(), saved):
+                    b[_written(b, c)].copy_(v)
+            jump = reference_jump(prog, start_tok, start_pos, ref, seed=c)
+            notes.setdefault("captured_graph_jump_under_one_rounding_step", {}).setdefault(f"ctx {c}", []).append(jump)
+            if jump < VARIANT_TOL:
+                break
         ref32 = None
         if fp32 and next(model.parameters()).dtype != torch.float32:
             if model32 is None and _fp32_fits(model, prog):
@@ -604,8 +619,6 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
             if why is not None:
                 notes.setdefault("fp32_reference_skipped", {})[f"ctx {c}"] = why
                 log(f"{name} ctx={c}: no fp32 reference ({why}); judging against the bf16 captured graph")
-        notes.setdefault("captured_graph_jump_under_one_rounding_step", {})[f"ctx {c}"] = reference_jump(
-            prog, start_tok, start_pos, ref, seed=c)
         for variant in want:
             if variant in failed:
                 continue
@@ -621,7 +634,7 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
                         got = fwd(start_tok, start_pos).float()
                     for b, v in zip(prog.state.buffers(), saved):
                         b[_written(b, c)].copy_(v)
-                    ok, errs, why = judge_first_step(got, ref, ref32)
+                    ok, errs, why = judge_first_step(got, ref, ref32, jump=jump)
                     key = f"{variant} ctx {c}"
                     notes.setdefault("first_step_logits_rel_err_vs_captured_graph", {})[key] = errs["vs_captured_graph"]
                     if "vs_fp32" in errs:

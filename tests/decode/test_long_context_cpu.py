@@ -82,6 +82,23 @@ def test_where_the_bf16_reference_is_itself_off_fp32_a_step_as_close_as_it_passe
     assert ok and "judged_by" not in errs  # within the plain bound: no excuse needed
 
 
+def test_where_the_bf16_graph_jumps_under_one_rounding_step_a_step_within_the_jump_passes():
+    """minimax-16l at 128 on an H200: the bf16 graph 0.019 from fp32, but 0.18 away from itself under one rounding
+    step of its cache (a router near tie); the lowered step 0.105 from fp32 was refused by the plain bound. Within
+    AS_GOOD times the jump it passes, saying why; past it, or with a stable graph, the bound holds."""
+    from decode import AS_GOOD, VARIANT_TOL, judge_first_step
+
+    g = torch.Generator().manual_seed(2)
+    ref32 = torch.randn(1, 1, 4000, generator=g)
+    noise = lambda s: ref32 + s * ref32.norm() / 4000 ** 0.5 * torch.randn(ref32.shape, generator=g)  # noqa: E731
+    ref, step = noise(0.019), noise(0.105)
+    assert not judge_first_step(step, ref, ref32)[0]
+    ok, errs, why = judge_first_step(step, ref, ref32, jump=0.18)
+    assert ok and why == "" and "rounding step" in errs["judged_by"]
+    assert not judge_first_step(noise(0.18 * AS_GOOD * 1.2), ref, ref32, jump=0.18)[0]
+    assert not judge_first_step(step, ref, ref32, jump=0.9 * VARIANT_TOL)[0]  # a stable graph: the plain bound
+
+
 def test_front_door_check_takes_the_fp32_run_and_leaves_the_cache():
     """frontdoor_rows on a bf16 model (CPU: the steps take their reference arithmetic): the captured graph's fp32
     run judges both variants, the notes give each one's distance from it, the bf16 graph's own, and the
@@ -98,7 +115,8 @@ def test_front_door_check_takes_the_fp32_run_and_leaves_the_cache():
     vs32 = notes["first_step_logits_rel_err_vs_fp32"]
     assert set(vs32) == {"lowered ctx 60", "tkcc_frontdoor ctx 60"} and all(0 < v < 0.05 for v in vs32.values())
     assert 0 < notes["captured_graph_vs_fp32"]["ctx 60"] < 0.05
-    assert 0 < notes["captured_graph_jump_under_one_rounding_step"]["ctx 60"] < 0.1
+    assert len(notes["captured_graph_jump_under_one_rounding_step"]["ctx 60"]) == 1  # stable: one draw
+    assert 0 < notes["captured_graph_jump_under_one_rounding_step"]["ctx 60"][0] < 0.1
 
     prog = capture(model, phases=["decode"], max_cache_len=40)
     prog.state.fill_random(30, torch.Generator().manual_seed(1))
