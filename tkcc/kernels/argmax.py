@@ -27,11 +27,11 @@ def block_size(V: int) -> int:
 
 def argmax(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """``x.argmax(-1)`` for a 2-D float ``x`` [B, V] whose rows are contiguous (any row stride)."""
+    if block is None and x.shape[-1] < MIN_V:
+        return argmax_ref(x)  # not a fallback: torch's kernel is as good here
     reason = fallback_reason(x)
     if reason is None and not (x.dim() == 2 and x.is_floating_point() and x.stride(-1) == 1):
         reason = f"not rows of floats with unit stride: shape {tuple(x.shape)}, stride {x.stride()}, {x.dtype}"
-    if reason is None and block is None and x.shape[-1] < MIN_V:
-        reason = f"a row of {x.shape[-1]} < {MIN_V} values"
     if reason is not None:
         note_fallback("argmax", reason)
         return argmax_ref(x)
