@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -44,8 +43,9 @@ def main():
             rows.append(dict(batch=B, vocab=V, same=same, torch_us=round(t_torch, 2), tkcc_us=round(t_tkcc, 2),
                              speedup=round(t_torch / t_tkcc, 2)))
             print(rows[-1], flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit.strip() or None,
+    from provenance import commit
+
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:

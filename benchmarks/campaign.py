@@ -99,8 +99,9 @@ def main() -> int:
 
 
 def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=ROOT).stdout.strip() or os.environ.get("TKCC_COMMIT", "")
+    from provenance import commit
+
+    return commit()
 
 
 def _headline(stage: str, r: dict) -> dict:

@@ -58,11 +58,9 @@ def log(*a):
 
 
 def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
+    from provenance import commit as tree
+
+    return tree()
 
 
 def copy_bandwidth() -> float:

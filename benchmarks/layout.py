@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -207,11 +206,10 @@ def bench_rank(rank, world, cfg):
     return {"rows": rows, "profile": prof.to_json() if prof is not None else None}
 
 
-def _git(*args) -> str:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return ""
+def _tree() -> str:
+    from provenance import commit
+
+    return commit()
 
 
 def assemble(raw_rows, profile, cfg, command) -> tuple[list[dict], dict]:
@@ -223,7 +221,7 @@ def assemble(raw_rows, profile, cfg, command) -> tuple[list[dict], dict]:
     prof = MachineProfile(**profile)
     dtype_bytes = torch.tensor([], dtype=getattr(torch, cfg["dtype"])).element_size()
     common = dict(device=f"{prof.device} x{prof.count}", dtype=cfg["dtype"], torch=torch.__version__,
-                  commit=_git("rev-parse", "--short", "HEAD"), command=command,
+                  commit=_tree(), command=command,
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     out = []
     for r in raw_rows:

@@ -78,13 +78,9 @@ def run_one(k: int, args, trace, tmp: Path) -> dict:
 
 
 def _commit() -> str:
-    import subprocess
+    from provenance import commit
 
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
+    return commit()
 
 
 def _mean_steps(rows) -> dict:

@@ -850,11 +850,9 @@ def environment(args) -> dict:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    from provenance import commit
+
+    return commit()
 
 
 def main(argv=None):

@@ -12,7 +12,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -87,9 +86,11 @@ def main() -> int:
             print(f"{fam_name:17s} {model:13s} {target:7s} "
                   + (f"{row['ms'] * 1e3:9.1f} us  {row['bandwidth_fraction'] * 100:5.1f}% of copy bw  ok={row['correct']}"
                      if row.get("ms") else row.get("error", "")), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from provenance import commit as tree
+
+    commit = tree()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                copy_bandwidth_gbps=bw / 1e9, commit=commit or os.environ.get("TKCC_COMMIT", ""),
+                copy_bandwidth_gbps=bw / 1e9, commit=commit,
                 command=" ".join([Path(sys.executable).name, *sys.argv]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     for out in [args.out] + ([os.path.join(os.environ["OUT"], "targets.json")] if os.environ.get("OUT") else []):
