@@ -154,12 +154,8 @@ def refine_in_step(gm, timer, tuned: dict, context: int, top: int = 3, log=None,
             nodes, (ci, bi, wi) = attention[f"{prefix}nodes"], attention[f"{prefix}layout_args"]
             first = (attention[f"{prefix}attn_chunk"], attention[f"{prefix}attn_tile"])
 
-            def set_layout(lay, nodes=nodes, ci=ci, bi=bi, wi=wi):
-                bs, nw = space.parse_tile(lay[1])
-                for n in nodes:
-                    args = list(n.args)
-                    args[ci], args[bi], args[wi] = lay[0], bs, nw
-                    n.args = tuple(args)
+            def set_layout(lay, nodes=nodes, where=(ci, bi, wi)):
+                _set_layout(nodes, where, lay)
             groups.append((f"{prefix}attention layout", first, layout_candidates(got, top), set_layout))
     for key, (cfg, _us, nodes, index, ranked) in tuned.items():
         def set_config(cand, nodes=nodes, index=index):
@@ -284,14 +280,20 @@ def _tune_layout(nodes, gm, timer, context, tiles, cache_args, layout_args) -> d
     if best is None:
         return {}
     (chunk, tile), t = best
-    bs, nw = space.parse_tile(tile)
-    for n in nodes:
-        args = list(n.args)
-        args[ci], args[bi], args[wi] = chunk, bs, nw
-        n.args = tuple(args)
+    _set_layout(nodes, layout_args, (chunk, tile))
     ranked = [lay for _t, _i, lay in sorted(times)]
     return {"attn_chunk": chunk, "attn_tile": tile, "us_per_layer": round(t / len(nodes), 2), "context": pos + 1,
             "ranked": ranked, "nodes": nodes, "layout_args": layout_args}
+
+
+def _set_layout(nodes, layout_args, layout) -> None:
+    """Write ``layout`` (chunk, tile) into each attention node's (chunk, block, warps) arguments."""
+    ci, bi, wi = layout_args
+    bs, nw = space.parse_tile(layout[1])
+    for n in nodes:
+        args = list(n.args)
+        args[ci], args[bi], args[wi] = layout[0], bs, nw
+        n.args = tuple(args)
 
 
 def layout_candidates(ranked: list, top: int = 3) -> list:
