@@ -39,8 +39,8 @@ def test_plan_is_compiled_for_each_tier_validated_and_measured(llm_engine):
         assert {s["bucket"].split("/")[0] for s in v["shapes"]} == {"prefill", "decode"}
         m = rec["measurement"]
         assert m["objective_name"] == "p90_decode_tokens_per_s" and m["objective"] > 0
-        for b in m["buckets"]:  # adaptive: 30 unless the median's interval was tight sooner (the machine's noise)
-            assert (b["stop"] == "max_reps" and b["reps"] == 30) or (b["stop"] == "ci" and MIN_REPS <= b["reps"] < 30), b
+        for b in m["buckets"]:  # adaptive: up to 30, fewer where the median's interval was tight (the noise)
+            assert (b["stop"] == "max_reps" and b["reps"] == 30) or (b["stop"] == "ci" and MIN_REPS <= b["reps"] <= 30), b
     fd = {b["key"]: b["median_s"] for b in fast["measurement"]["buckets"]}
     sd = {b["key"]: b["median_s"] for b in slow["measurement"]["buckets"]}
     decode = [k for k in fd if k.startswith("decode")]
