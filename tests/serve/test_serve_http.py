@@ -314,6 +314,8 @@ def test_full_queue_answers_429_with_retry_after(served):
 def _metric(served, name, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
+    # metrics are book-kept after the answer went out, on the scheduler thread: a control call runs after it
+    served.server.scheduler.call(lambda: None).result(60)
     text = httpx.get(served.url + "/metrics", timeout=30).text
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
