@@ -1,20 +1,20 @@
-"""Batch-1 decode on one GPU: HF eager, HF + torch.compile (optional), tkcc's fused path, the graph-lowered step
-(variant ``lowered``: the lowered_decode pass through tkcc.compile), and the floor.
+"""Batch-1 decode on one GPU: HF eager, HF + torch.compile (optional), the graph-lowered step (variant
+``lowered``: the lowered_decode pass through tkcc.compile), and the floor.
 
 For each model and context: ms/token (CUDA events, median of several runs of
-``--tokens`` steps; the tkcc path replays one CUDA graph per step), the floor
+``--tokens`` steps; the lowered step replays one CUDA graph per step), the floor
 (weights read per token + KV bytes at that context, over the device-to-device
 copy bandwidth measured in this run) and the peak device memory of each
-variant. MoE models are timed under the router's own (near-uniform) choices
-and under real OLMoE routing replayed into the expert kernels (forced ids
-sampled from ``tkcc.traffic.routing.Routing``). Then the trace-weighted
+variant. Each lowered row's first step is judged against the captured graph run
+in fp32 (``judge_first_step``), and the lowered step's greedy tokens against
+the captured graphs' and HF eager's (``greedy_check``). Then the trace-weighted
 objective (P90 per-user decode tokens/s) from the measured curve.
 
-  python benchmarks/decode.py --checks        # full run (kernel checks, 2 models, 4 contexts, every tkcc variant)
+  python benchmarks/decode.py --checks        # full run (kernel checks, 2 models, 4 contexts, every variant)
   python benchmarks/decode.py --quick         # 2 contexts, fewer tokens
   python benchmarks/decode.py --compile       # add HF static cache + torch.compile (slow to compile; per-model
                                               # budget --compile-budget-s, shortest and longest context first)
-  python benchmarks/decode.py --variants tkcc tkcc_v2   # a subset of the tkcc variants (VARIANTS below)
+  python benchmarks/decode.py --variants lowered --kernels   # front-door variants (FRONT_DOOR below), per kernel
   TRITON_INTERPRET=1 python benchmarks/decode.py --smoke   # CPU: llama-tiny through every code path, ~1 min
   python benchmarks/decode.py --compile-only --compile-fresh --contexts 2048 8192
       # torch.compile rows only, each (model, context) compiled in a fresh process (see --compile-fresh)
@@ -43,11 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tkcc.frontend.decode_bytes import bytes_per_token, weight_bytes_per_token  # noqa: E402
-from tkcc.frontend.generate import greedy_loop  # noqa: E402
 from tkcc.frontend.hf_cache import probe_layout  # noqa: E402
 from tkcc.frontend.models import build_model, get_spec  # noqa: E402
 from tkcc.frontend.weight_packing import pack_projections  # noqa: E402
-from tkcc.kernels.decoder import ATTENTION_KINDS, FusedDecoder  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 T_START = time.time()
@@ -111,9 +109,12 @@ def time_steps(fn, n: int, reps: int) -> float:
 
 
 def peak_reset() -> int:
-    """Reset the peak-memory counter; returns the bytes still allocated (what ``peak`` subtracts)."""
+    """Free what earlier rows dropped, then reset the peak-memory counter; returns the bytes still allocated (what
+    ``peak`` subtracts). ``tkcc.compile`` freezes what is alive (``gc.freeze``, for the decode loops it serves), a
+    row's captured Program and its cache included: collected only once unfrozen."""
+    gc.unfreeze()
+    gc.collect()
     if CUDA:
-        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -190,274 +191,73 @@ def hf_rows(model, name, contexts, tokens, reps, variant, fwd, compile_cap_s=Non
 
 
 # -- tkcc ------------------------------------------------------------------------------------------
-def real_routing_ids(model, tokens: int, seed: int = 0) -> torch.Tensor | None:
-    """[tokens, layers, k] expert ids drawn from the real OLMoE routing skew."""
-    cfg = model.config
-    from tkcc.traffic.routing import Routing
-
-    r = Routing.for_model(cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok, seed=seed)
-    ids = np.stack([r.sample_topk(layer, tokens, generator=seed + layer) for layer in range(cfg.num_hidden_layers)],
-                   axis=1)
-    return torch.from_numpy(ids.astype(np.int32)), float(r.imbalance())
+GREEDY_PLAN = [{"name": "lowered_decode", "params": {"tune": False}}]  # the greedy check's build (untuned)
 
 
-def greedy_check(model, dec_factory, prompts, new_tokens, fp32_reference=True):
-    """Greedy tokens and first-step logits of HF eager and of the fused path, each against HF eager in fp32
-    on the same (upcast) weights: bf16 noise alone flips near-tied argmaxes of a random-weight model, so
-    'identical to HF bf16' is judged next to how far HF bf16 itself is from the fp32 model."""
+def greedy_check(model, prompts, new_tokens, fp32_reference=True):
+    """Greedy tokens of the lowered step (``GREEDY_PLAN`` built by ``tkcc.compile``, decoded by the one greedy
+    loop ``compiled.generate`` runs) against the captured graphs' and HF eager's, and HF eager and the lowered
+    step each against HF eager in fp32 on the same (upcast) weights: bf16 noise alone flips near-tied argmaxes
+    of a random-weight model, so 'identical to HF bf16' is judged next to how far HF bf16 itself is from the
+    fp32 model. ``logits_rel_err``: the worst over the decode steps (the first token is the prefill's) whose
+    inputs are still the same in both, i.e. up to the first divergence."""
     import copy
+    import tempfile
+
+    import tkcc
+    from tkcc.frontend.generate import greedy
 
     dev = next(model.parameters()).device
     ref32 = copy.deepcopy(model).float() if fp32_reference else None
 
     def gen(m, p):
         with torch.no_grad():
-            toks = m.generate(torch.tensor([p], device=dev), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False)[0, len(p):].tolist()
-            logits = m(torch.tensor([p], device=dev)).logits[0, -1].float()
-        return toks, logits
+            out = m.generate(torch.tensor([p], device=dev), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        return out.sequences[0, len(p):].tolist(), torch.stack([lg[0].float() for lg in out.logits])
 
     def cmp(a_toks, a_logits, b_toks, b_logits):
         first = next((i for i, (x, y) in enumerate(zip(a_toks, b_toks)) if x != y), None)
-        return dict(identical=a_toks == b_toks, first_divergence=first,
-                    logits_rel_err=float((a_logits - b_logits).norm() / b_logits.norm()))
-
-    def fused(p, n):
-        """The fused decoder's greedy tokens (the one greedy loop; the prompt fed token by token) and the
-        logits that chose the first."""
-        dec = dec_factory(len(p) + n + 8)
-        steps = list(greedy_loop({"prefill": dec.forward, "decode": dec.forward}, torch.tensor([p], device=dev), n,
-                                 max_cache_len=dec.max_cache_len, prefill_chunk=1))
-        return [int(t) for t, _ in steps], steps[0][1][0].float()
+        last = len(a_toks) - 1 if first is None else first
+        errs = [float((a_logits[i] - b_logits[i]).norm() / b_logits[i].norm()) for i in range(1, last + 1)]
+        return dict(identical=a_toks == b_toks, first_divergence=first, logits_rel_err=max(errs, default=None))
 
     res = []
-    for p in prompts:
-        hf_t, hf_l = gen(model, p)
-        tk_t, tk_l = fused(p, new_tokens)
-        row = dict(prompt_len=len(p), new_tokens=new_tokens, tkcc_vs_hf=cmp(tk_t, tk_l, hf_t, hf_l),
-                   hf=hf_t[:8], tkcc=tk_t[:8])
-        if ref32 is not None:
-            r_t, r_l = gen(ref32, p)
-            row["hf_bf16_vs_fp32"] = cmp(hf_t, hf_l, r_t, r_l)
-            row["tkcc_bf16_vs_fp32"] = cmp(tk_t, tk_l, r_t, r_l)
-        res.append(row)
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = tkcc.compile(model, plan=GREEDY_PLAN, mode="tolerance", measure=False, check=False,
+                                progress=False, max_cache_len=max(map(len, prompts)) + new_tokens + 8,
+                                out_dir=Path(tmp) / "c")
+        for p in prompts:
+            ids = torch.tensor([p], device=dev)
+            toks = {}
+            for who, fwd in (("lowered", compiled.forwards), ("graph", None)):
+                t, lg = greedy(compiled.program, ids, new_tokens, forwards=fwd, return_logits=True)
+                toks[who] = (t[0].tolist(), lg[0])
+            lo_t, lo_l = toks["lowered"]
+            hf_t, hf_l = gen(model, p)
+            row = dict(prompt_len=len(p), new_tokens=new_tokens, lowered_vs_hf=cmp(lo_t, lo_l, hf_t, hf_l),
+                       lowered_vs_captured_graph=cmp(lo_t, lo_l, *toks["graph"]), hf=hf_t[:8], lowered=lo_t[:8])
+            if ref32 is not None:
+                r_t, r_l = gen(ref32, p)
+                row["hf_bf16_vs_fp32"] = cmp(hf_t, hf_l, r_t, r_l)
+                row["lowered_bf16_vs_fp32"] = cmp(lo_t, lo_l, r_t, r_l)
+            res.append(row)
+        del compiled
     del ref32
     peak_reset()
     return res
 
 
-# tkcc variants run side by side: (variant, decoder options). "configs" = "step" takes the configs that
-# FusedDecoder.tune_step picked for that option set (whole step timed from a CUDA graph).
-VARIANTS = [
-    ("tkcc", {}),
-    ("tkcc_nopdl", {"pdl": False}),
-    ("tkcc_steptuned", {"configs": "step"}),
-    ("tkcc_fattn", {"fused_attention": True}),
-    ("tkcc_routed", {"routed_moe": True}),
-    ("tkcc_v2", {"fused_attention": True, "routed_moe": True, "configs": "step"}),
-    ("tkcc_ends", {"fused_ends": True}),
-    ("tkcc_v3", {"fused_attention": True, "routed_moe": True, "fused_ends": True, "configs": "step"}),
-    # + the attention layout (positions per split, tile) tuned by whole-step timing at each context
-    ("tkcc_v4", {"fused_attention": True, "routed_moe": True, "fused_ends": True, "configs": "step",
-                 "attn_tune": True}),
-    ("tkcc_v4_sep", {"routed_moe": True, "fused_ends": True, "configs": "step", "attn_tune": True}),
-]
-# variants also timed under the real OLMoE routing (MoE models); variants for MoE models only; variants that
-# differ from tkcc only on a GPU (PDL, tuning)
-REAL_ROUTING = ("tkcc", "tkcc_v3", "tkcc_v4")
-MOE_ONLY = ("tkcc_routed",)
-VARIANT_TOL = 0.1  # first-step logits, rel. err. vs the tkcc baseline (front door: vs fp32) dropping a variant
+VARIANT_TOL = 0.1  # first-step logits, rel. err. vs the fp32 captured graph (judge_first_step) dropping a variant
 AS_GOOD, UNRELATED = 1.25, 0.8  # judge_first_step where the bf16 reference is itself off fp32
 DRAWS = 3  # caches drawn per context for one where the bf16 graph is stable (tkcc.runtime.stability.MAX_DRAWS)
-GPU_ONLY = ("tkcc_nopdl", "tkcc_steptuned", "tkcc_v4", "tkcc_v4_sep")
-BENCH_OPTS = ("configs", "attn_tune")  # how a variant is tuned, not FusedDecoder options
-
-
-def _opts_key(opts):
-    return tuple(sorted((k, v) for k, v in opts.items() if k not in BENCH_OPTS + ("pdl",)))
-
-
-def _decoder_kw(opts):
-    return {k: v for k, v in opts.items() if k not in BENCH_OPTS}
-
-
-def random_cache(dec, seed: int) -> None:
-    """Random K/V in every layer's cache (the context a row is timed at). A function, so that no loop
-    variable outlives it: a view of the last layer's cache left bound in the caller kept the whole cache of
-    the previous row's decoder allocated into the next row."""
-    g = torch.Generator(device=dec.device).manual_seed(seed)
-    for t in dec.k_layers + dec.v_layers:
-        t.normal_(generator=g)
-
-
-def tkcc_rows(model, name, contexts, tokens, reps, is_moe, tune=True, profile=True, variants=None,
-              step_tune=True, on_rows=None):
-    """Rows for every tkcc variant at every context. A variant that fails on the device (an exception, a
-    first step whose logits are off the baseline's, or graph replays that differ from eager steps) is
-    dropped for the rest of the run with its reason in notes["variant_fallbacks"]: the baseline rows stand."""
-    rows, notes = [], {}
-    chunk = None
-    pdl_ok = CUDA and torch.cuda.get_device_capability()[0] >= 9
-    want = [v for v in VARIANTS if variants is None or v[0] in variants]
-    want = [(v, o) for v, o in want if (is_moe or v not in MOE_ONLY) and (CUDA or v not in GPU_ONLY)]
-    tuned = {}  # per-kernel configs FusedDecoder.tune picked: every later decoder starts from them
-    if CUDA and tune:
-        dec = FusedDecoder(model, max_cache_len=4096)
-        t0 = time.time()
-        notes["tuning_us_per_layer"] = {k: [list(v[0]) if v[0] else "cublas", round(v[1], 2)]
-                                         for k, v in dec.tune(log=log).items()}
-        notes["tune_s"] = round(time.time() - t0, 1)
-        tuned.update(dec.configs)
-        del dec
-    step_configs = {}
-    failed = notes.setdefault("variant_fallbacks", {})
-    routed_tuned = [False]
-
-    def prepare(variant, opts):
-        """Tuning a variant needs, done just before its first rows (after the baseline's rows are saved):
-        the routed-MoE kernels' configs, then the whole-step configs (tune_step) of its option set."""
-        kw = _decoder_kw(opts)
-        if CUDA and tune and is_moe and opts.get("routed_moe") and not routed_tuned[0]:
-            routed_tuned[0] = True
-            t0 = time.time()
-            dec = FusedDecoder(model, max_cache_len=4096, routed_moe=True, configs=dict(tuned))
-            notes.setdefault("tuning_us_per_layer", {}).update(
-                {k: [list(v[0]), round(v[1], 2)] for k, v in dec.tune_routed(log=log).items()})
-            notes["tune_routed_s"] = round(time.time() - t0, 1)
-            tuned.update(dec.configs)
-            del dec
-        if CUDA and step_tune and opts.get("configs") == "step" and _opts_key(opts) not in step_configs:
-            t0 = time.time()
-            dec = FusedDecoder(model, max_cache_len=4096, configs=dict(tuned), **kw)
-            dec.reset(11, 128)
-            got = dec.tune_step(log=log)
-            step_configs[_opts_key(opts)] = dict(dec.configs)
-            notes.setdefault("step_tuning", {})[variant] = dict(
-                configs={k: [list(c), t] for k, (c, t) in got.items()}, seconds=round(time.time() - t0, 1))
-            del dec
-
-    plan = []
-    for variant, opts in want:
-        plan.append((variant, "router", opts))
-        if is_moe and variant in REAL_ROUTING:
-            plan.append((variant, "real", opts))
-    plan.sort(key=lambda p: p[0] != "tkcc")  # the baseline first: the others are checked against it
-    forced = imb = None
-    if is_moe:
-        forced, imb = real_routing_ids(model, 256)
-        notes["real_routing_max_over_mean"] = imb
-    base_logits = {}
-    # variant-major: the baseline's rows for every context are taken (and handed to on_rows, which saves them)
-    # before any other variant's kernels run
-    for variant, routing, opts in plan:
-        tag = f"{variant}/{routing}"
-        try:
-            prepare(variant, opts)
-        except Exception as e:  # the variant runs with the configs tuned so far
-            failed[f"{variant} tuning"] = f"{type(e).__name__}: {e}"
-            log(f"{variant}: tuning failed ({type(e).__name__}: {e}); using the configs tuned so far")
-        for c in contexts:
-            if tag in failed:
-                break
-            kw = _decoder_kw(opts)
-            kw["pdl"] = kw.get("pdl", True) if pdl_ok else False
-            kw["configs"] = dict(tuned)
-            if opts.get("configs") == "step":
-                kw["configs"].update(step_configs.get(_opts_key(opts), {}))
-            before = peak_reset()
-            try:
-                dec = FusedDecoder(model, max_cache_len=c + tokens + 8, attn_chunk=chunk,
-                                   forced_routing=routing == "real", **kw)
-                random_cache(dec, c)
-                if routing == "real":
-                    dec.set_forced_routing(forced)
-                dec.reset(11, c)
-                if CUDA and opts.get("attn_tune"):
-                    t0 = time.time()
-                    got = dec.tune_step(kinds=ATTENTION_KINDS, log=log)
-                    notes.setdefault("attention_tuning", {}).setdefault(tag, {})[str(c)] = dict(
-                        configs={k: [list(v), t] for k, (v, t) in got.items()}, seconds=round(time.time() - t0, 1))
-                start = (dec.token.clone(), dec.pos.clone(), dec.seqlen.clone())
-                if CUDA and c == contexts[0]:
-                    # the first eager step must match the baseline's logits; the captured graph must produce the
-                    # same tokens as eager steps from the same state
-                    seq = []
-                    for i in range(6):
-                        dec.step()
-                        if i == 0:
-                            lg = dec.logits.float().clone()
-                        seq.append(int(dec.token))
-                    dec.token.copy_(start[0]), dec.pos.copy_(start[1]), dec.seqlen.copy_(start[2])
-                    dec.forced_step.zero_() if is_moe else None
-                    if variant == "tkcc":
-                        base_logits[routing] = lg
-                    elif routing in base_logits:
-                        ref = base_logits[routing]
-                        err = float((lg - ref).norm() / ref.norm())
-                        notes.setdefault("first_step_logits_rel_err_vs_tkcc", {})[tag] = err
-                        # two bf16 paths that sum in different orders differ by ~1e-2 after 16 layers; a wrong
-                        # kernel (wrong expert, stale cache/routing read) by far more
-                        if not (err < VARIANT_TOL):
-                            raise RuntimeError(f"first-step logits differ from the tkcc baseline (rel err {err:.3g} "
-                                               f">= {VARIANT_TOL})")
-                if CUDA:
-                    dec.capture()
-                if CUDA and c == contexts[0]:
-                    rseq = []
-                    for i in range(6):
-                        dec.run(1)
-                        rseq.append(int(dec.token))
-                    notes.setdefault("graph_replay_matches_eager", {})[tag] = rseq == seq
-                    log(f"{name} {tag}: graph replay tokens == eager step tokens: {rseq == seq}")
-                    if rseq != seq and variant != "tkcc":
-                        raise RuntimeError(f"graph replay tokens {rseq} != eager step tokens {seq}")
-
-                def run(n, dec=dec, start=start):
-                    dec.token.copy_(start[0])
-                    dec.pos.copy_(start[1])
-                    dec.seqlen.copy_(start[2])
-                    dec.run(n)
-                run(2)
-                ms = time_steps(run, tokens, reps)
-            except Exception as e:
-                if variant == "tkcc":
-                    raise
-                failed[tag] = f"ctx {c}: {type(e).__name__}: {e}"
-                log(f"{name} {tag}: FAILED ({type(e).__name__}: {e}); dropped from this run, baseline stands")
-                dec = run = None
-                peak_reset()
-                continue
-            rows.append(dict(model=name, context=c, routing=routing, variant=variant, ms_per_token=ms,
-                             peak_mem_bytes=peak(model, before), peak_mem_bytes_raw=peak(), attn_splits=dec.splits,
-                             attn_chunk=dec.chunk, pdl=dec.pdl,
-                             options={k: v for k, v in kw.items() if k != "configs"},
-                             configs={k: list(v) for k, v in dec.configs.items()} or None))
-            if CUDA and routing == "router" and profile and variant in ("tkcc", "tkcc_v3", "tkcc_v4"):
-                try:
-                    key = "profile_us_per_token" if variant == "tkcc" else f"profile_us_per_token[{variant}]"
-                    notes.setdefault(key, {})[str(c)] = prof = dec.profile()
-                    log(f"  profile {variant} ctx={c}: " + ", ".join(
-                        f"{k} {v['us']}us" + (f" ({v['GBps']} GB/s)" if v.get("GBps") else "")
-                        for k, v in prof.items() if isinstance(v, dict)))
-                except Exception as e:  # the timing row stands; say why the breakdown is missing
-                    notes.setdefault("profile_errors", []).append(f"{variant} ctx {c}: {type(e).__name__}: {e}")
-            log(f"{name} {variant} ctx={c} routing={routing}: {ms:.3f} ms/token (splits {dec.splits})")
-            del dec, run
-        if on_rows is not None:
-            on_rows(rows, notes)
-    if not failed:
-        notes.pop("variant_fallbacks")
-    return rows, notes
 
 
 # The front door's decode step (tkcc.compile with a plan, its forward replayed from the decode CUDA graph the
-# compiled model wraps it in), side by side with the FusedDecoder variants above: the graph-lowered step
-# (``lowered``: the lowered_decode pass, GEMV/MoE configs tuned and the attention layout tuned at the row's
-# context) and the FusedDecoder step as the decode_fused_step pass ships it (``tkcc_frontdoor``), both timed by
-# the same loop: the greedy loop's per-token work, through the forward's self-feeding step (``tkcc_greedy``: the
-# fused step's own, the CUDA-graph wrapper's ``GreedyStep`` for the lowered one) where it has one.
-FRONT_DOOR = {"lowered": lambda c: [{"name": "lowered_decode", "params": {"tune": True, "tune_context": _tune_at(c)}}],
-              "tkcc_frontdoor": lambda c: [{"name": "decode_fused_step"}]}
+# compiled model wraps it in): the graph-lowered step (``lowered``: the lowered_decode pass, GEMV/MoE configs
+# tuned and the attention layout tuned at the row's context), timed by the greedy loop's per-token work, through
+# the forward's self-feeding step (``tkcc_greedy``, the CUDA-graph wrapper's ``GreedyStep``) where it has one.
+FRONT_DOOR = {"lowered": lambda c: [{"name": "lowered_decode", "params": {"tune": True, "tune_context": _tune_at(c)}}]}
 
 
 def _tune_at(context: int) -> int:
@@ -569,7 +369,7 @@ def reference_jump(prog, tok, pos, ref, seed: int) -> float:
 def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=None, on_rows=None, fp32=True,
                    kernels=False):
     """Rows of the front-door variants (``FRONT_DOOR``) at every context: the model's decode phase captured with
-    a cache of that context (as the FusedDecoder rows size theirs), each plan built by ``tkcc.compile``
+    a cache of that context (``context + tokens + 8`` positions), each plan built by ``tkcc.compile``
     (``measure=False``: this script does the timing), the cache filled with random K/V up to the context. A
     variant whose first step's logits fail ``judge_first_step`` (against the captured graph run in fp32 on the
     same weights and cache where ``fp32`` and an fp32 copy fits; else against the bf16 captured graph), or
@@ -664,6 +464,7 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
             except Exception as e:
                 failed[variant] = f"ctx {c}: {type(e).__name__}: {e}"
                 log(f"{name} {variant}: FAILED ({type(e).__name__}: {e}); dropped from this run")
+                compiled = fwd = run = step = None  # nothing of the failed build outlives it into the next row
                 peak_reset()
                 continue
             rows.append(dict(model=name, context=c, routing="router", variant=variant, ms_per_token=ms,
@@ -672,7 +473,7 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
             notes.setdefault("front_door_pass_notes", {})[f"{variant} ctx {c}"] = plan_notes[-12:]
             notes.setdefault("front_door_pass_logs", {})[f"{variant} ctx {c}"] = logs
             log(f"{name} {variant} ctx={c}: {ms:.3f} ms/token (build {build_s:.0f}s)")
-            del compiled, fwd, run
+            del compiled, fwd, run, step  # the step (a GreedyStep on the GPU) holds the forward and its cache
             if on_rows is not None:
                 on_rows(rows, notes)
         del prog
@@ -686,8 +487,7 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
 def kernel_times(run, n: int, top: int = 30) -> dict:
     """Device microseconds per token of each kernel the timed loop ``run(n)`` launches, by kernel name, from
     torch.profiler (CUPTI records the kernels a CUDA graph replays too), largest first, with their sum: where
-    two variants' ms/token differ (the graph-lowered step against the fused one it would replace), kernel by
-    kernel. ``{"error": ...}`` where the profiler recorded nothing."""
+    a variant's ms/token goes (or where two variants' differ), kernel by kernel. ``{"error": ...}`` where the profiler recorded nothing."""
     from collections import defaultdict
 
     from torch.profiler import ProfilerActivity, profile
@@ -735,20 +535,6 @@ def device_split(fwd, tok, pos) -> dict:
     except Exception as e:  # noqa: BLE001 - the row's own timing stands; say why the split is missing
         return {"device_split_error": f"{type(e).__name__}: {e}"[:300]}
     return {"forward_replay_ms": round(f_us / 1e3, 4), "greedy_body_replay_ms": round(g_us / 1e3, 4)}
-
-
-def lowered_vs_fused(rows) -> list[dict]:
-    """Per model and context: the graph-lowered step's ms/token over each FusedDecoder variant's measured in
-    the same run (< 1.02 meets the goal of being within 2% of the path it replaces)."""
-    out = []
-    by = {(r["model"], r["variant"], r["routing"], r["context"]): r["ms_per_token"] for r in rows}
-    for (m, v, routing, c), ms in sorted(by.items()):
-        if v != "lowered":
-            continue
-        ratios = {f: round(ms / by[(m, f, routing, c)], 4) for f in ("tkcc_frontdoor", "tkcc_v3", "tkcc_v4", "tkcc")
-                  if (m, f, routing, c) in by}
-        out.append(dict(model=m, context=c, routing=routing, lowered_ms=ms, ratio_vs=ratios))
-    return out
 
 
 def objective_rows(rows, model_names):
@@ -839,7 +625,7 @@ def merged_objective(main_files: list[str], compile_files: list[str]) -> dict:
     same model, variant, routing and context) with their torch.compile rows replaced by those of
     ``compile_files`` (runs that compiled one context each in a fresh process). Replaced rows are kept under
     ``replaced_rows`` so nothing measured disappears; ``ratios`` gives, per model and trace, the best tkcc
-    variant's P90 over torch.compile's, for the router's own routing and for real routing."""
+    variant's P90 over torch.compile's (``lowered``, or an older run's ``tkcc*`` rows), per routing."""
     is_compile = lambda r: r["variant"].startswith("hf_compile")  # noqa: E731
     key = lambda r: (r["model"], r["variant"], r.get("routing"), r["context"])  # noqa: E731
     rows, replaced = {}, []
@@ -896,11 +682,11 @@ def main(argv=None):
                     help="whole run: torch.compile (run last) shares what is left of this many seconds between "
                          "the models, and is skipped past it (0: no deadline)")
     ap.add_argument("--variants", nargs="+", default=None,
-                    help="tkcc variants to run (default: all of " + ", ".join([v for v, _ in VARIANTS] + list(FRONT_DOOR))
-                         + ")")
-    ap.add_argument("--no-step-tune", action="store_true", help="skip FusedDecoder.tune_step (whole-step tuning)")
+                    help="front-door variants to run (default: all of " + ", ".join(FRONT_DOOR) + ")")
     ap.add_argument("--no-eager", action="store_true")
-    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel-kind breakdown")
+    ap.add_argument("--no-greedy", action="store_true",
+                    help="skip the greedy check (the lowered step's 32 greedy tokens against the captured graphs' "
+                         "and HF eager's, two prompts)")
     ap.add_argument("--kernels", action="store_true",
                     help="front-door variants: device time per token of each kernel their timed loop launches "
                          "(torch.profiler), in the notes (front_door_kernels)")
@@ -908,7 +694,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny models, 2 short contexts, no HF timing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode.json"))
     ap.add_argument("--compile-only", action="store_true",
-                    help="only the torch.compile rows (and the floors): no HF eager, greedy check or tkcc rows")
+                    help="only the torch.compile rows (and the floors): no HF eager, greedy check or front-door rows")
     ap.add_argument("--compile-fresh", action="store_true",
                     help="compile each (model, context) in its own fresh process (this script, --compile-only): "
                          "in one process a later context's recompile need not match a fresh compile")
@@ -918,6 +704,9 @@ def main(argv=None):
     ap.add_argument("--compile-rows-from", nargs="*", default=[],
                     help="with --objective-from: result files whose torch.compile rows replace the first file's")
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.variants or ()) - set(FRONT_DOOR))
+    if unknown:
+        ap.error(f"--variants: unknown {unknown} (the variants are {list(FRONT_DOOR)})")
     if a.objective_from:
         res = merged_objective(a.objective_from, a.compile_rows_from)
         out = Path(a.objective_from[0]).with_name("decode_objective.json")
@@ -987,13 +776,13 @@ def main(argv=None):
             result["notes"]["objective_error"] = f"{type(e).__name__}: {e}"
         save()
 
-    # phase 1, every model: HF eager, greedy check, every tkcc variant, floors (saved after each model)
+    # phase 1, every model: HF eager, greedy check, every front-door variant, floors (saved after each model)
     for name in a.models:
         spec = get_spec(name)
         mpe = max(spec.config.get("max_position_embeddings", 4096), max(contexts) + tokens + 64)
         t0 = time.time()
         model = build_model(name, dtype, dev, max_position_embeddings=mpe)
-        pack_projections(model)  # as tkcc's capture does: the fused step then reads q/k/v, gate/up in place
+        pack_projections(model)  # as tkcc's capture does, before any graph holds a weight pointer
         log(f"built {name} in {time.time() - t0:.1f}s")
         wb = weight_bytes_per_token(model)
         bw = meta.get("copy_bandwidth_GBps", 0) * 1e9
@@ -1011,32 +800,31 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - a family whose own cache is no StaticCache (MiniMax)
                 result["notes"].setdefault("hf_eager_failed", {})[name] = f"{type(e).__name__}: {e}"[:400]
                 log(f"{name}: hf_eager not timed: {type(e).__name__}: {e}")
-        # the FusedDecoder variants (and its greedy check) only when asked for: it serves Llama/OLMoE layouts only,
-        # the front-door variants (``lowered``) every family
-        fused = a.variants is None or any(v in {x for x, _ in VARIANTS} for v in a.variants)
         prompts = [[int(x) for x in torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator()
                                                    .manual_seed(n))] for n in ((3,) if a.smoke else (16, 40))]
-        if fused:
-            result["greedy"][name] = greedy_check(model, lambda S: FusedDecoder(model, max_cache_len=S), prompts,
-                                                  2 if a.smoke else 24, fp32_reference=CUDA)
+        if "lowered" in (a.variants or FRONT_DOOR) and not a.no_greedy:
+            try:
+                result["greedy"][name] = greedy_check(model, prompts, 2 if a.smoke else 32, fp32_reference=CUDA)
+            except Exception as e:  # noqa: BLE001 - the timing rows stand; say why the check is missing
+                result["notes"].setdefault("greedy_errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+                log(f"{name}: greedy check failed: {type(e).__name__}: {e}")
         for g in result["greedy"].get(name, []):
+            err = lambda e: "-" if e is None else f"{e:.4f}"  # noqa: E731 - no decode step before a divergence
             log(f"{name} greedy, prompt {g['prompt_len']}: " + "; ".join(
-                f"{k}: same={v['identical']} first_diff={v['first_divergence']} logits_err={v['logits_rel_err']:.4f}"
+                f"{k}: same={v['identical']} first_diff={v['first_divergence']} logits_err={err(v['logits_rel_err'])}"
                 for k, v in g.items() if isinstance(v, dict)))
-        def partial(r2, notes, rows=rows, name=name):
+
+        def partial(r2, fd_notes, rows=rows, name=name):
             """Save what is measured so far (a device fault in a later variant cannot lose it)."""
-            result["notes"][name] = notes
+            result["notes"][name] = {"front_door": fd_notes}
             result["partial_rows"] = rows + r2
             save()
 
-        r2, notes = tkcc_rows(model, name, contexts, tokens, a.reps, spec.is_moe, tune=CUDA, profile=not a.no_profile,
-                              variants=a.variants, step_tune=not a.no_step_tune, on_rows=partial) if fused else ([], {})
-        r3, fd_notes = frontdoor_rows(model, name, contexts, tokens, a.reps, a.variants, spec.family,
-                                      on_rows=lambda r, n, r2=r2: partial(r2 + r, notes), kernels=a.kernels)
-        notes["front_door"] = fd_notes
+        r2, fd_notes = frontdoor_rows(model, name, contexts, tokens, a.reps, a.variants, spec.family,
+                                      on_rows=partial, kernels=a.kernels)
         result.pop("partial_rows", None)
-        rows += r2 + r3
-        result["notes"][name] = notes
+        rows += r2
+        result["notes"][name] = {"front_door": fd_notes}
         rows.sort(key=lambda r: (r["variant"], r["routing"], r["context"]))
         rows += floor_rows(model, name, contexts, floors[name], wb)
         finish(rows, name)
@@ -1044,10 +832,6 @@ def main(argv=None):
         save()
         models[name] = model
         peak_reset()
-    result["lowered_vs_fused"] = lowered_vs_fused(result["rows"])
-    for r in result["lowered_vs_fused"]:
-        log(f"{r['model']} ctx={r['context']}: lowered {r['lowered_ms']:.3f} ms/token, ratio vs " +
-            ", ".join(f"{k} {v:.3f}" for k, v in r["ratio_vs"].items()))
     objective()
     # phase 2: HF static cache + torch.compile, last (minutes of compiling), within the deadline if one is set
     if a.compile:

@@ -7,8 +7,9 @@ Per model (bf16, batch 1, greedy, on the GPU):
 - ``hf_eager``: HF's own decode step over its StaticCache (``benchmarks/decode.py``'s timer);
 - ``torch_compile``: the same with ``torch.compile(max-autotune)``, each context compiled in a fresh
   process (``decode.py --compile-only``), as BENCH.md asks;
-- ``lab_best``: ``decode.py``'s best variant (``tkcc_v4``: the fused decoder with every option, step- and
-  attention-tuned at each context), driven directly;
+- ``lab_best``: ``decode.py``'s best variant (``lowered``: the graph-lowered decode step, its kernels tuned
+  and its attention layout tuned at each context, built on a cache sized to the context and judged against
+  the captured graph run in fp32), driven directly;
 - ``frontdoor``: ``tkcc.compile(model, "azure-conv", mode="tolerance")`` at its default budget, then
   ``compiled.generate``: ms/token = (time of 1 + N new tokens - time of 1) / N, after a warm-up, at each
   context (a prompt of that length);
@@ -209,7 +210,7 @@ def main(argv=None):
         a.skip = sorted(set(a.skip) | {"torch_compile", "lab_best"})
     import decode as lab
     import tkcc
-    from tkcc.frontend.models import build_model
+    from tkcc.frontend.models import build_model, get_spec
 
     dtype = torch.bfloat16 if CUDA else torch.float32
     dev = "cuda" if CUDA else "cpu"
@@ -274,11 +275,11 @@ def main(argv=None):
         torch.cuda.empty_cache() if CUDA else None
         if "lab_best" not in a.skip:
             try:
-                got, lab_notes = lab.tkcc_rows(model, name, a.contexts, 32, a.reps, "moe" in name,
-                                               variants=["tkcc_v4"], profile=False)
+                got, lab_notes = lab.frontdoor_rows(model, name, a.contexts, 32, a.reps, variants=["lowered"],
+                                                    family=get_spec(name).family)
                 rows += [dict(model=name, context=r["context"], variant="lab_best", ms_per_token=r["ms_per_token"],
-                              lab_variant=r["variant"]) for r in got if r.get("routing") in ("router", None)]
-                notes.setdefault(name, {})["lab"] = {k: v for k, v in lab_notes.items() if k != "profiles"}
+                              lab_variant=r["variant"]) for r in got]
+                notes.setdefault(name, {})["lab"] = lab_notes
             except Exception as e:  # noqa: BLE001 - the other rows stand; say why this one is missing
                 notes.setdefault(name, {})["lab_error"] = f"{type(e).__name__}: {e}"
             save()

@@ -1,11 +1,12 @@
-"""Where a fused decode step is far from the bf16 captured graph, is it a near-tied top-k choice? (GPU.)
+"""Where a decode step is far from the bf16 captured graph, is it a near-tied top-k choice? (GPU.)
 
     python benchmarks/judge_probe.py --model olmoe-16l --layers 3 16 --contexts 127 --draws 40
 
-The engine's tolerance-mode judge refused olmoe-16l's fused step at a decode input where it was 0.08 of scale
-from the bf16 graph and 0.077 from the graph run in fp32, which the bf16 graph was 0.012 from. This draws fresh
-decode inputs (random cache up to the context, a random token), builds the fused step through ``tkcc.compile``
-(as the front door does), and per draw records: the step's and the bf16 graph's distance from the fp32 graph
+The engine's tolerance-mode judge refused olmoe-16l's (since deleted) fused step at a decode input where it was
+0.08 of scale from the bf16 graph and 0.077 from the graph run in fp32, which the bf16 graph was 0.012 from. This
+draws fresh decode inputs (random cache up to the context, a random token), builds the step of ``--plan`` (a pass
+name, default the graph-lowered ``lowered_decode``) through ``tkcc.compile`` (as the front door does), and per
+draw records: the step's and the bf16 graph's distance from the fp32 graph
 (max |diff| over the fp32 logits' largest |value|, and the norm ratio), the fp32 router's near ties (top-k
 margins within ``TIE_REL`` of each row's scale), and the engine's second opinion on the logits and the cache
 (``validation.exact_opinion``), with the choice taken the other way where that is what matched.
@@ -104,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--contexts", nargs="+", type=int, default=[127])
     ap.add_argument("--draws", type=int, default=40)
     ap.add_argument("--bound", type=float, default=0.05)
-    ap.add_argument("--plan", default="decode_fused_step")
+    ap.add_argument("--plan", default="lowered_decode", help="the decode pass to build (default params)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "judge_probe.json"))
     a = ap.parse_args(argv)
     rows = []

@@ -12,8 +12,7 @@ fastest on the workload: an artifact (generated forwards and their kernels,
 - ``generate`` and ``stream`` run the one greedy loop
   (``tkcc.frontend.generate``) over the shipped forwards; on a GPU the decode
   step replays from a CUDA graph (``tkcc.kernels.graph_replay.GraphCache``, the
-  one capture utility), as the engine measured it, unless the forward replays
-  its own graph (the fused decode step). A model compiled for ``batch`` B > 1
+  one capture utility), as the engine measured it. A model compiled for ``batch`` B > 1
   (``tkcc.frontend.slots``) decodes up to B prompts together through its
   ``decode_slots`` step (``tkcc.frontend.slot_batch``), one prompt included;
 - ``save(path)`` writes ``tkcc.json`` (what was compiled, for which model,
@@ -26,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -200,7 +198,7 @@ class CompiledModel:
             self.settings.setdefault("slots", int(program.meta["slots"]))
         self._report = report
         self._output_type = output_type
-        self.forwards = _graphed(program, forwards, artifact)
+        self.forwards = _graphed(program, forwards)
         _settle_heap()
 
     def _moved(self, old: Path, new: Path) -> None:
@@ -372,8 +370,8 @@ def _prefill_call(args, kwargs) -> tuple[torch.Tensor | None, str]:
     return ids.long(), ""
 
 
-def _graphed(program, forwards: dict, artifact) -> dict:
-    """On a GPU, the decode step replays from a CUDA graph, as the engine measured it (unless it has its own)."""
+def _graphed(program, forwards: dict) -> dict:
+    """On a GPU, the decode step replays from a CUDA graph, as the engine measured it."""
     out = dict(forwards)
     dev = str(program.meta.get("device", "cpu"))
     if not dev.startswith("cuda"):
@@ -381,8 +379,7 @@ def _graphed(program, forwards: dict, artifact) -> dict:
     from tkcc.kernels.graph_replay import GraphCache
 
     for phase in ("decode", "decode_slots"):  # the slots step of a model compiled for a batch (frontend.slots)
-        phase_meta = (artifact.manifest["phases"].get(phase) or {}) if artifact is not None else {}
-        if phase in out and not phase_meta.get("captures_itself"):
+        if phase in out:
             out[phase] = GraphCache(out[phase], name=phase, capture_after=1)
     return out
 

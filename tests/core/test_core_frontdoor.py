@@ -117,38 +117,35 @@ def test_save_then_load_in_a_fresh_process_exact_plan(llama, tmp_path):
     assert got == {"tokens": want, "serves": "artifact", "captured": False}  # no graphs exported at load
 
 
-_FUSED = textwrap.dedent("""
+_LOWERED = textwrap.dedent("""
     import json, sys, torch
     import tkcc
+    from tkcc.kernels.common import fallbacks
     from tkcc.frontend.models import build_model
     model = build_model("llama-tiny", dtype=torch.float32)
-    # context spans of 8 and 16 positions: the 12 tokens after a 5-token prompt cross both
-    plan = [{"name": "decode_fused_step", "params": {"cuda_graph": False, "attn_spans": "8,16"}}]
-    c = tkcc.compile(model, plan=plan, mode="tolerance", measure=False, check=False)
+    plan = [{"name": "lowered_decode", "params": {"attn_tile": "32x4", "attn_chunk": 64}}]
+    c = tkcc.compile(model, plan=plan, mode="tolerance", measure=False, check=False, max_cache_len=48)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     c.save(sys.argv[1])
-    fused = c.forwards["decode"]
-    plain = {"prefill": c.forwards["prefill"], "decode": lambda i, p: fused(i, p)}  # no tkcc_greedy
-    print(json.dumps({"tokens": c.generate(ids, 12).tolist(), "greedy_step": hasattr(fused, "tkcc_greedy"),
-                      "plain": tkcc.frontend.greedy(c.program, ids, 12, forwards=plain).tolist(),
+    print(json.dumps({"tokens": c.generate(ids, 12).tolist(), "fallbacks": fallbacks(),
                       "captured": tkcc.frontend.greedy(c.program, ids, 12).tolist(),
                       "source": c.artifact.source("decode")}))
 """)
 
 
-def test_save_then_load_in_a_fresh_process_fused_decode_step_interpreted(tmp_path):
+def test_save_then_load_in_a_fresh_process_lowered_decode_step_interpreted(tmp_path):
+    """The graph-lowered step (its kernels live under the interpreter) is generated source like any candidate:
+    saved, then loaded in a fresh process with no search, it gives the captured graphs' greedy tokens."""
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", _FUSED, str(tmp_path / "saved")], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _LOWERED, str(tmp_path / "saved")], capture_output=True, text=True,
                        timeout=600, env={**os.environ, **env})
     assert r.returncode == 0, r.stderr[-3000:]
     built = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "bind_step" in built["source"] and "'fused_attention': True" in built["source"]
-    # the loop drives the step one replay per token, across spans, with the tokens of the plain calls and of
-    # the captured graphs
-    assert built["greedy_step"] and "forward.tkcc_greedy" in built["source"]
-    assert built["tokens"] == built["plain"] == built["captured"]
+    assert "torch.ops.tkcc.attention_rope.default(" in built["source"] and "call_module" not in built["source"]
+    assert built["fallbacks"] == {}  # every kernel ran (under the interpreter), none fell back to its reference
+    assert built["tokens"] == built["captured"]
     manifest = json.loads((tmp_path / "saved" / "artifact" / "manifest.json").read_text())
-    assert "tkcc.kernels.fused_step" in manifest["runtime"]
+    assert "tkcc.kernels.lowered" in manifest["runtime"]
     got = _load_in_subprocess(tmp_path / "saved", env)
     assert got["tokens"] == [built["tokens"][0][:6]] and got["serves"] == "artifact"
 

@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 (by test_decode_decoder.py): the decode passes with their kernel paths live
+"""Run under TRITON_INTERPRET=1 (by test_decode_passes.py): the decode passes with their kernel paths live
 (fp32, CPU) against the captured decode graph, on fresh cache contents. One JSON line per (model, plan)."""
 import json
 import sys
@@ -10,11 +10,7 @@ from tkcc.kernels.common import fallbacks
 from tkcc.passes.manager import apply_plan
 from tkcc.passes.plan import PassPlan
 
-PLAIN = {"fused_attention": False, "routed_moe": False, "fused_ends": False}  # every option off: the base path
-PLANS = {"fused_step": [("decode_fused_step", {"cuda_graph": False, **PLAIN})],
-         "fused_step_v2": [("decode_fused_step", {"cuda_graph": False, "fused_attention": True, "routed_moe": True,
-                                                  "fused_ends": False, "attn_chunk": 64})],
-         "fused_step_defaults": [("decode_fused_step", {"cuda_graph": False})],
+PLANS = {"lowered": [("lowered_decode", {"attn_chunk": 64, "attn_tile": "16x4"})],
          "graph_passes": [("decode_fusion", {}), ("kv_split_attention", {"chunk": 64}), ("moe_regroup", {})]}
 
 

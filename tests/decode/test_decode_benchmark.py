@@ -19,24 +19,39 @@ def test_decode_benchmark_smoke(tmp_path):
                         "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
-    rows = [r for r in res["rows"] if r["variant"] == "tkcc"]
-    assert rows and all(r["ms_per_token"] > 0 and r["context"] == 4 for r in rows)
+    assert {r["variant"] for r in res["rows"]} == {"lowered", "floor"}  # the default variants: FRONT_DOOR's
     for key in ("model", "context", "routing", "variant", "ms_per_token", "floor_ms_per_token", "peak_mem_bytes"):
         assert all(key in r for r in res["rows"])
     low = [r for r in res["rows"] if r["variant"] == "lowered"]  # the graph-lowered step, through tkcc.compile
-    assert low and all(r["ms_per_token"] > 0 and r["family"] == "llama" for r in low)
+    assert low and all(r["ms_per_token"] > 0 and r["context"] == 4 and r["family"] == "llama" for r in low)
+    assert all(r["plan"][0]["name"] == "lowered_decode" for r in low)
     assert all(r.get("family") for r in res["rows"])
     errs = res["notes"]["llama-tiny"]["front_door"]["first_step_logits_rel_err_vs_captured_graph"]
-    assert errs and all(v < 1e-4 for v in errs.values())
-    g = res["greedy"]["llama-tiny"][0]["tkcc_vs_hf"]
-    assert g["identical"] and g["logits_rel_err"] < 1e-4
+    assert set(errs) == {"lowered ctx 4"} and all(v < 1e-4 for v in errs.values())
+    g = res["greedy"]["llama-tiny"][0]
+    assert g["new_tokens"] == 2 and g["lowered"] == g["hf"]
+    for ref in ("lowered_vs_hf", "lowered_vs_captured_graph"):  # the lowered step's tokens, and its decode step's logits
+        assert g[ref]["identical"] and g[ref]["first_divergence"] is None, g
+        assert g[ref]["logits_rel_err"] is not None and g[ref]["logits_rel_err"] < 1e-4, g
+    assert "greedy_errors" not in res["notes"]
     assert res["meta"]["torch"] and res["meta"]["command"]
+
+
+def test_a_deleted_variant_is_refused():
+    """--variants names front-door variants only: a FusedDecoder variant of older commands (tkcc_v4) is refused
+    before any model is built, not run as nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--variants", "lowered", "tkcc_v4", "--out", "/nonexistent/decode.json"])
+    assert e.value.code == 2
 
 
 def test_objective_merges_runs_later_rows_win(tmp_path):
     """--objective-from with several runs: a later run's row replaces an earlier one's (same model, variant,
     routing, context), compile rows come from the fresh-process files, nothing replaced is dropped, and
-    the ratio is the best tkcc variant's P90 over compile's."""
+    the ratio is the best tkcc variant's P90 over compile's (an older run's tkcc_* rows count too)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import decode as bench
 
@@ -44,52 +59,61 @@ def test_objective_merges_runs_later_rows_win(tmp_path):
         return dict(model="m", variant=variant, routing=routing, context=ctx, ms_per_token=ms, peak_mem_bytes=0)
 
     files = {
-        "a.json": [row("tkcc", 128, 2.0), row("tkcc", 8192, 3.0), row("hf_compile[x]", 128, 9.0),
+        "a.json": [row("lowered", 128, 2.0), row("lowered", 8192, 3.0), row("hf_compile[x]", 128, 9.0),
                    row("hf_compile[x]", 8192, 9.0)],
-        "b.json": [row("tkcc", 128, 1.0), row("tkcc", 8192, 1.5), row("tkcc_v4", 128, 1.2), row("tkcc_v4", 8192, 1.2)],
+        "b.json": [row("lowered", 128, 1.0), row("lowered", 8192, 1.5), row("tkcc_v4", 128, 1.2),
+                   row("tkcc_v4", 8192, 1.2)],
         "c.json": [row("hf_compile[x]", 128, 4.0), row("hf_compile[x]", 8192, 4.0)],
     }
     for name, rows in files.items():
         (tmp_path / name).write_text(json.dumps(dict(rows=rows)))
     res = bench.merged_objective([str(tmp_path / "a.json"), str(tmp_path / "b.json")], [str(tmp_path / "c.json")])
-    assert len(res["replaced_rows"]) == 4  # a's two tkcc rows and its two compile rows
+    assert len(res["replaced_rows"]) == 4  # a's two lowered rows and its two compile rows
     assert {r["source"] for r in res["replaced_rows"]} == {"a.json"}
     p90 = {(o["trace"], o["variant"]): o["p90_decode_tokens_per_s"] for o in res["objective"]}
     assert p90 and all(v is not None for v in p90.values())
     for r in res["ratios"]:
         assert r["compile_p90"] == pytest.approx(p90[(r["trace"], "hf_compile[x]")])
-        assert r["tkcc_p90"] == max(p90[(r["trace"], "tkcc")], p90[(r["trace"], "tkcc_v4")])
+        assert r["tkcc_p90"] == max(p90[(r["trace"], "lowered")], p90[(r["trace"], "tkcc_v4")])
         assert r["ratio"] == pytest.approx(r["tkcc_p90"] / r["compile_p90"])
-    # at every context tkcc (b) is faster than compile (c) by 2.7-4x: so is its P90
+    # at every context lowered (b) is faster than compile (c) by 2.7-4x: so is its P90
     assert all(2.5 < r["ratio"] < 4.1 for r in res["ratios"]) and res["ratios"]
 
 
 PROBE = """
-import gc, sys, weakref, torch
+import sys, weakref, torch
 sys.path.insert(0, "benchmarks")
 import decode as bench
+import tkcc.frontend.capture
 from tkcc.frontend.models import build_model
-caches = []
-init = bench.FusedDecoder.__init__
-def tracked(self, *a, **k):
-    init(self, *a, **k)
-    caches.append(weakref.ref(self.k_cache))
-bench.FusedDecoder.__init__ = tracked
-def reset():
-    gc.collect()
-    print("alive", sum(r() is not None for r in caches), flush=True)
-    return 0
-bench.peak_reset = reset
-bench.tkcc_rows(build_model("llama-tiny", torch.float32, "cpu"), "llama-tiny", [4, 12], 1, 1, False, tune=False,
-                profile=False, variants=["tkcc"])
+cap = sys.modules["tkcc.frontend.capture"]  # the module (tkcc.frontend's attribute of that name is the function)
+progs = []
+capture = cap.capture
+def tracked(*a, **k):
+    prog = capture(*a, **k)
+    progs.append(weakref.ref(prog))
+    return prog
+cap.capture = tracked
+reset = bench.peak_reset
+def tracked_reset():
+    n = reset()
+    print("alive", len(progs), sum(r() is not None for r in progs), flush=True)
+    return n
+bench.peak_reset = tracked_reset
+rows, notes = bench.frontdoor_rows(build_model("llama-tiny", torch.float32, "cpu"), "llama-tiny", [4, 12], 1, 1,
+                                   variants=["lowered"])
+assert [r["context"] for r in rows] == [4, 12] and "variant_fallbacks" not in notes, notes
 """
 
 
 def test_no_row_keeps_an_earlier_rows_cache_alive():
-    """Each row's peak memory is its own: when the counter is reset for a row, no earlier row's decoder
-    cache is still allocated (a leftover view of one once charged a 32k cache to the next row)."""
+    """Each row's peak memory is its own: when the counter is reset for a row, no earlier context's captured
+    Program (its cache) is still allocated, and once a context's rows are taken its Program is freed, though
+    tkcc.compile froze it (gc.freeze) while it was alive (a leftover reference once charged a 32k cache to the
+    next row)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    alive = [int(ln.split()[1]) for ln in p.stdout.splitlines() if ln.startswith("alive")]
-    assert alive == [0, 0]
+    alive = [tuple(map(int, ln.split()[1:])) for ln in p.stdout.splitlines() if ln.startswith("alive")]
+    # (Programs captured so far, still alive): the row's own only at its reset, none after each context
+    assert alive == [(1, 1), (1, 0), (2, 1), (2, 0)], alive

@@ -1,4 +1,4 @@
-"""Decode at long context on the GPU (bf16): which of the captured graph, the lowered step and the fused step is
+"""Decode at long context on the GPU (bf16): which of the captured graph and the lowered step is
 off, on olmoe-16l's and llama-1b-16l's layer shapes (four layers each).
 
 On the H200 both front-door steps of olmoe-16l were refused at context 8192 (first-step logits 0.665 and 0.27
@@ -8,13 +8,15 @@ test_long_context_cpu.py), so each is judged against the captured graph run in f
 cache (``benchmarks/decode.py``'s ``judge_first_step``), and the bf16 captured graph is held to the same bound.
 From the kernels up: the attention kernels at every layout the tuners try; torch's SDPA (what the captured
 graph runs) on each of its backends; each kernel op of the tuned lowered step against its fp32 reference,
-layer by layer; then both whole steps through the benchmark's own front-door path.
+layer by layer; then the whole step through the benchmark's own front-door path. ``TKCC_LONG_CONTEXT``
+sets the long context (default 8192; at 32768 on the H200 on 2026-12-03, olmoe-16l's ops and whole step passed).
 
     PYTHONPATH=. python -m pytest -q -s -m gpu tests/decode/test_long_context_gpu.py
 """
 import inspect
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CONTEXT = 8192
+CONTEXT = int(os.environ.get("TKCC_LONG_CONTEXT", "8192"))
 LAYERS = 4
 MODELS = ["olmoe-16l", "llama-1b-16l"]
 OP_TOL = 3e-2  # one bf16 kernel against its fp32 reference (tkcc.kernels.checks' bf16 tolerance)
@@ -49,7 +51,7 @@ def _model(name):
 @pytest.mark.parametrize("pdl", [False, True])
 def test_attention_kernels_at_long_context_gpu_bf16(pdl):
     """tkcc.kernels.checks' attention_long family: OLMoE's and Llama-1B's heads over an 8232-position cache,
-    the new token on a split boundary and inside a split, every chunk the tuners try and the fused decoder's
+    the new token on a split boundary and inside a split, every chunk the tuners try and the
     span layouts, both attention paths, one scratch over several layers."""
     from tkcc.kernels.checks import run_checks
 
@@ -144,18 +146,18 @@ def test_lowered_ops_at_long_context_gpu_bf16(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_front_door_steps_at_long_context_gpu_bf16(name):
     """The benchmark's front-door path (capture at the context, random cache, tkcc.compile of each plan with its
-    tuning, first step): the lowered and the fused step, and the bf16 captured graph itself, each within
+    tuning, first step): the lowered step, and the bf16 captured graph itself, each within
     VARIANT_TOL of the captured graph run in fp32, at contexts 128 and 8192."""
     import decode as bench
 
     model = _model(name)
     rows, notes = bench.frontdoor_rows(model, name, [128, CONTEXT], tokens=2, reps=1,
-                                       variants=["lowered", "tkcc_frontdoor"], family=name.split("-")[0])
+                                       variants=["lowered"], family=name.split("-")[0])
     keys = ("first_step_logits_rel_err_vs_fp32", "first_step_logits_rel_err_vs_captured_graph", "captured_graph_vs_fp32",
             "captured_graph_jump_under_one_rounding_step", "fp32_reference_skipped", "variant_fallbacks")
     report = {k: notes.get(k) for k in keys}
     print(json.dumps({"model": name, **report}))
     assert not notes.get("fp32_reference_skipped"), report
     assert "variant_fallbacks" not in notes, report
-    assert len(notes["first_step_logits_rel_err_vs_fp32"]) == 4, report
+    assert len(notes["first_step_logits_rel_err_vs_fp32"]) == 2, report
     assert all(v < bench.VARIANT_TOL for v in notes["captured_graph_vs_fp32"].values()), report

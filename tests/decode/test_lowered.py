@@ -304,10 +304,6 @@ def test_device_pruning_of_attention_tiles(monkeypatch):
     monkeypatch.setattr(space, "device_limits", lambda device: (90, 232448))
     params, pruned = decode.LoweredDecode.space("cuda")
     assert "256x8" not in params["attn_tile"] and "attn_tile=256x8" in pruned
-    from tkcc.passes.decode_graph import DecodeFusedStep  # the fused step runs the same attention kernel
-
-    fused, why = DecodeFusedStep.space("cuda")
-    assert "256x8" not in fused["attn_tile"] and "64x4" in fused["attn_tile"] and "attn_tile=256x8" in why
     prog = capture_model("olmoe-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
     monkeypatch.setattr(decode, "head_shapes", lambda program: [(1, 128, True)])
     with pytest.raises(PlanError, match="attn_tile '256x8' cannot run.*274,432 B"):
@@ -526,12 +522,13 @@ def test_lowered_kernel_hooks_compile_for_sm90():
 
 def test_the_space_is_the_ops_own_config_lists():
     """The pass's values are spelled in its module (the registry loads without triton) but are the kernels' own."""
-    from tkcc.kernels import gemv
+    from tkcc.kernels import attention_rope, gemv
     from tkcc.passes.lower import space
     from tkcc.passes.lower.decode import LoweredDecode
 
     assert LoweredDecode.params["gemv_config"] == ["auto"] + ["x".join(map(str, c)) for c in gemv.CONFIGS]
-    assert all(space.parse_tile(t) for t in LoweredDecode.params["attn_tile"])
+    assert [space.parse_tile(t) for t in LoweredDecode.params["attn_tile"]] == list(attention_rope.TILES)
+    assert LoweredDecode.params["attn_chunk"] == [0] + list(attention_rope.CHUNKS)
     assert [space.parse_gemv(c) for c in space.GEMV_CONFIGS[1:]] == [tuple(c) for c in gemv.CONFIGS]
 
 

@@ -28,18 +28,18 @@ def test_capture_packs_projections_without_changing_outputs(name):
 
 
 def test_packed_view_reads_in_place_and_unpacked_weights_are_not_touched():
-    from tkcc.kernels.decoder import _regroup
+    from tkcc.kernels.lowered import pack_rows
 
     ps = [torch.nn.Parameter(torch.randn(r, 8)) for r in (4, 2, 2)]
     ptrs = [p.data_ptr() for p in ps]
     assert packed_view([p.data for p in ps]) is None
-    cat = _regroup(ps)  # not packed: a copy, the parameters stay where they are
+    cat = pack_rows([p.data for p in ps])  # not packed: a copy, the parameters stay where they are
     assert [p.data_ptr() for p in ps] == ptrs and torch.equal(cat, torch.cat([p.data for p in ps]))
     assert pack_group(ps) and not pack_group(ps)
-    view = _regroup(ps)
+    view = pack_rows([p.data for p in ps])
     assert view.data_ptr() == ps[0].data_ptr() and torch.equal(view, cat)
     ps[1].data.add_(1)
-    assert torch.equal(view[4:6], ps[1].data)  # a view: the decoder reads the parameters themselves
+    assert torch.equal(view[4:6], ps[1].data)  # a view: the lowered step reads the parameters themselves
 
 
 def test_mismatched_groups_are_left_alone():

@@ -162,22 +162,21 @@ def test_a_key_change_forces_a_new_capture():
 
 @gpu
 @pytest.mark.gpu
-def test_warmup_runs_on_a_side_stream_and_after_warmup_restores_state():
-    """A callable whose state lives outside its inputs (the fused decoder's position): the warm-up calls
-    advance it, ``after_warmup`` puts it back before capture, and each replay advances it once."""
+def test_warmup_runs_on_a_side_stream_and_replays_write_the_callers_input():
+    """The warm-up calls run on a side stream and do not leave their writes in the caller's input; each replay
+    then advances it once (``__call__`` copies the written input back)."""
     pos = torch.zeros(1, device="cuda")
     streams = []
 
-    def step():
+    def step(p):
         streams.append(torch.cuda.current_stream())
-        pos.add_(1)
+        p.add_(1)
 
-    saved = pos.clone()
-    g = CapturedCall(step, warmup=3, after_warmup=lambda: pos.copy_(saved))
+    g = CapturedCall(step, (pos,), warmup=3)
     assert len(streams) == 4 and all(s != torch.cuda.default_stream() for s in streams)
     assert float(pos) == 0.0
     for n in (1, 2, 3):
-        g.replay()
+        g(pos)
         assert float(pos) == n
 
 

@@ -42,7 +42,7 @@ from tkcc.errors import ArtifactError, TkccError
 from tkcc.version import __version__
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: no module nodes (the fused decode step's fallback modules, 'aux', are gone)
 TARGETS = ("triton",)
 
 # Kernel modules already executed in this process, by (file name, SHA-256 of the kernel file, SHA-256 of
@@ -112,23 +112,18 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
                   f"Load with tkcc.codegen.Artifact.open(path).load(program_or_model)[{phase!r}].")
         fs = emit_forward(gm, phase, program.model, getattr(program, "state", None), header)
         fname = f"forward_{phase}.py"
-        aux = []  # in execution order (a list: the manifest's JSON sorts the keys of objects)
-        for mod_name, afs in _with_aux(fs, fname[:-3]):
-            files[f"{mod_name}.py"] = afs.source.encode()
-            for k, v in afs.constants.items():
-                if k in constants and not torch.equal(constants[k], v):
-                    raise ArtifactError(f"phase {phase!r}: constant {k!r} differs from another phase's")
-                constants[k] = v
-            kernels.update(afs.kernels)
-            calls += [(phase, c) for c in afs.kernel_calls]
-            used_targets |= afs.targets
-            runtime |= set(afs.runtime) | ({"tkcc.kernels.ops"} if afs.op_calls else set())
-            if afs is not fs:
-                aux.append({"module": f"{mod_name}.py", "bindings": afs.bindings, "kernels": sorted(afs.kernels),
-                            "ops": afs.op_calls})
+        files[fname] = fs.source.encode()
+        for k, v in fs.constants.items():
+            if k in constants and not torch.equal(constants[k], v):
+                raise ArtifactError(f"phase {phase!r}: constant {k!r} differs from another phase's")
+            constants[k] = v
+        kernels.update(fs.kernels)
+        calls += [(phase, c) for c in fs.kernel_calls]
+        used_targets |= fs.targets
+        runtime |= set(fs.runtime) | ({"tkcc.kernels.ops"} if fs.op_calls else set())
         phases[phase] = {"module": fname, "inputs": fs.inputs, "bindings": fs.bindings,
                          "kernels": sorted(fs.kernels), "ops": fs.op_calls, "targets": sorted(fs.targets),
-                         "aux": aux, "runtime": sorted(fs.runtime), "captures_itself": fs.captures_itself}
+                         "runtime": sorted(fs.runtime)}
     for name, k in sorted(kernels.items()):
         files[f"kernels/{name}.py"] = k.source.encode()
     if constants:
@@ -188,14 +183,6 @@ def build_artifact(program, plan, out_dir, target: str = "triton", tier: int | N
     art = Artifact.open(out_dir)
     art.kernel_calls = [{**c, "phase": phase} for phase, c in calls]  # this build's, not part of the artifact
     return art
-
-
-def _with_aux(fs, name: str):
-    """(module name, ForwardSource) of every fallback module a phase's forward imports, depth first, then of the
-    forward itself: the order to execute them in (a module after those it imports)."""
-    for aux_name, afs in fs.aux.items():
-        yield from _with_aux(afs, aux_name)
-    yield name, fs
 
 
 def _write_atomically(out_dir: Path, files: dict[str, bytes]) -> None:
@@ -312,8 +299,6 @@ class Artifact:
             raise ArtifactError(f"{self.path}: built for a {want}, got a {type(model).__name__}")
         for phase, meta in self.manifest["phases"].items():
             self._check_bindings(phase, meta, model, state)
-            for aux in meta.get("aux") or []:
-                self._check_bindings(phase, aux, model, state)
         pkg = self._import()
         constants = {}
         if "constants.pt" in self._blobs:
@@ -407,8 +392,6 @@ class Artifact:
                         setattr(kpkg, rel[8:-3], shared)
                     made.append(fullname)
             for meta in self.manifest["phases"].values():
-                for aux in meta.get("aux") or []:  # in the order written: each after the fallbacks it imports
-                    made.append(self._exec(f"{pkg_name}.{aux['module'][:-3]}", aux["module"]).__name__)
                 made.append(self._exec(f"{pkg_name}.{meta['module'][:-3]}", meta["module"]).__name__)
         except ArtifactError:
             for m in made:

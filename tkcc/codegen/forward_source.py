@@ -36,10 +36,7 @@ class ForwardSource:
     inputs: list[str] = field(default_factory=list)
     kernel_calls: list[dict] = field(default_factory=list)  # {kernel, node, shapes, dtypes, strides}: AOT, discovery
     op_calls: list[dict] = field(default_factory=list)  # {op, node, target}: calls to tkcc.kernels.ops
-    aux: dict[str, "ForwardSource"] = field(default_factory=dict)  # module name -> a fallback graph's forward
     runtime: list[str] = field(default_factory=list)  # kernel-library modules the forward imports
-    captures_itself: bool = False  # a node replays its own CUDA graph: callers must not capture the forward
-    greedy: list[str] = field(default_factory=list)  # module nodes' greedy-step methods (see emit_forward)
 
     @property
     def targets(self) -> set[str]:
@@ -91,14 +88,11 @@ def _fetch(gm, target: str):
     return obj
 
 
-def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str,
-                 name: str | None = None) -> ForwardSource:
+def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str) -> ForwardSource:
     """Write ``gm`` as a module with ``bind(model, state, constants) -> forward``.
 
-    A ``call_module`` node is written only when its module describes itself (``tkcc_source()``: the
-    kernel-library function that rebuilds it from a JSON config, and the graph it falls back to, which
-    becomes a module of its own beside this one, in ``aux``). ``name``: this module's name in the artifact."""
-    name = name or f"forward_{phase}"
+    Every node is a call of a function (aten, operator, the kernel library's ops and generated kernels):
+    a pass lowers to ops, never to an opaque module, so the artifact's source is the whole computation."""
     if type(gm.graph._codegen) is not torch.fx.graph.CodeGen:
         raise ArtifactError(f"phase {phase!r}: graph uses {type(gm.graph._codegen).__name__} (pytree inputs); "
                             "capture through tkcc.frontend, which gives plain positional graphs")
@@ -184,13 +178,9 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
             if n.target == "_guards_fn" and not n.users:
                 body.append("# (export input guard _guards_fn omitted: inputs come from Program.make_inputs)")
                 continue
-            sub = _fetch(gm, n.target)
-            describe = getattr(sub, "tkcc_source", None)
-            if not callable(describe):
-                raise ArtifactError(f"{where}: call_module {n.target!r} ({type(sub).__name__}) is not supported by "
-                                    "codegen: a module node must describe itself with tkcc_source()")
-            call = _module_call(n, describe(), name, model, state, header, names, imports, taken, bind_lines, out)
-            out.captures_itself |= bool(getattr(sub, "captures_itself", False))
+            raise ArtifactError(f"{where}: call_module {n.target!r} ({type(_fetch(gm, n.target)).__name__}) is not "
+                                "supported by codegen: a pass lowers a region to function calls (torch.ops, the "
+                                "kernel library's ops), not to a module")
         else:
             raise ArtifactError(f"{where}: unknown node kind {n.op!r}")
         body.append(f"{names[n]} = {call}")
@@ -222,10 +212,6 @@ def emit_forward(gm: torch.fx.GraphModule, phase: str, model, state, header: str
     lines += [f"    {x}" for x in bind_lines]
     lines += ["", f"    def forward({', '.join(sig)}):"]
     lines += [f"        {x}" for x in body]
-    computes = [n for n in gm.graph.nodes if n.op.startswith("call_") and n.target != "_guards_fn"]
-    if len(computes) == 1 and len(out.greedy) == 1:
-        # the phase is one self-describing step: the greedy loop may drive it one token at a time
-        lines += ["", f"    forward.tkcc_greedy = {out.greedy[0]}"]
     lines += ["", "    return forward", ""]
     out.source = "\n".join(lines)
     return out
@@ -254,32 +240,7 @@ def _packed_binding(gm, n, var: str, model_names: dict, state_names: dict, bind_
     bind_lines.append(f"{var} = _rt_{LOWERED_MODULE.rsplit('.', 1)[1]}.pack_rows([{', '.join(srcs)}])")
 
 
-def _module_call(n, desc: dict, name: str, model, state, header: str, names, imports, taken, bind_lines,
-                 out: ForwardSource) -> str:
-    """A self-describing module node: built once in ``bind`` by its kernel-library factory, then called."""
-    import importlib
-
-    mod, factory = desc["module"], desc["factory"]
-    if not mod.startswith("tkcc.kernels.") or not callable(getattr(importlib.import_module(mod), factory, None)):
-        raise ArtifactError(f"node {n.name!r}: {mod}.{factory} is not a function of the kernel library "
-                            "(tkcc.kernels): an artifact imports nothing else of tkcc")
-    fb_name = f"{name}__{n.target.replace('.', '_')}"
-    out.aux[fb_name] = emit_forward(desc["fallback"], f"{name}:{n.target}", model, state,
-                                    f"{header}\n\nThe graph node {n.target!r} falls back to.", name=fb_name)
-    if mod not in out.runtime:
-        out.runtime.append(mod)
-    built = emit.safe_name(n.target.replace(".", "_"), taken)
-    bind_lines.append(f"{built} = _rt_{mod.rsplit('.', 1)[1]}.{factory}(model, state, {desc['config']!r}, "
-                      f"_fb_{fb_name}.bind(model, state, constants))")
-    if desc.get("greedy"):
-        out.greedy.append(f"{built}.{desc['greedy']}")
-    args = [emit.literal(a, names, imports) for a in n.args]
-    args += [f"{k}={emit.literal(v, names, imports)}" for k, v in n.kwargs.items()]
-    return f"{built}({', '.join(args)})"
-
-
 def module_imports(out: ForwardSource) -> list[str]:
     lines = [f"from {m.rpartition('.')[0]} import {m.rpartition('.')[2]} as _rt_{m.rpartition('.')[2]}"
              f"  # kernel library" for m in out.runtime]
-    lines += [f"from . import {fb} as _fb_{fb}" for fb in out.aux]
     return lines

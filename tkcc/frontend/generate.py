@@ -2,7 +2,7 @@
 
 Everything that decodes greedily uses it: ``tkcc.compile``'s ``generate`` and ``stream``, the server, the
 engine's ``generate``, golden records and checks (teacher-forced), the engine's greedy validation, the
-sharded-layout check and its rank workers, and the fused decoder's checks against HF.
+sharded-layout check and its rank workers.
 
 ``forwards`` swaps in other callables per phase (a compiled artifact's forward, the eager StepModule, a
 replayed CUDA graph) with the graph's signature, ``(input_ids [B, T], cache_position [T]) -> logits
@@ -37,7 +37,7 @@ def greedy(program: Program, prompt_ids: torch.Tensor, new_tokens: int,
     for tok, last in greedy_steps(program, prompt_ids, new_tokens, forwards):
         tokens.append(tok)
         if return_logits:
-            logits_out.append(last.float())
+            logits_out.append(last.to(torch.float32, copy=True))  # a replayed step's buffer is reused
     out = torch.stack(tokens, dim=1)
     return (out, torch.stack(logits_out, dim=1)) if return_logits else out
 
@@ -141,8 +141,8 @@ def _steps(fwd, prompt_ids, new_tokens, reset, chunk, force, on_prompt):
                     on_prompt(logits)
         last = logits[:, -1]
         pos = torch.full((1,), plen, dtype=torch.long, device=device)
-        # a decode forward that is one self-feeding step (the fused decode step) offers ``tkcc_greedy``: it keeps
-        # the token and position on the device itself and picks its layout by the position the host knows
+        # a decode forward replayed from a CUDA graph offers ``tkcc_greedy`` (graph_replay.GreedyStep): one
+        # self-feeding replay a token, the token and position kept on the device
         step = getattr(fwd["decode"], "tkcc_greedy", None) if force is None else None
         tok = argmax(last)
         for i in range(new_tokens):

@@ -38,16 +38,6 @@ class Program:
     eager:           the nn.Module whose forward each graph captured (same
                      signature, same state, same weights): the plain PyTorch
                      reference to compare a graph or a compiled artifact with.
-    tuned:           kernel configs a pass timed on this model's shapes, keyed by
-                     everything they were tuned for; shared by the Programs of
-                     one model's tiers (the fast tier's blocks have the slow
-                     tier's shapes), so a build of the same step on another
-                     tier does not time them again. What a build picked still
-                     travels in its artifact; this is never read at load.
-    whole:           the whole model's Program when this one is a tier of its
-                     first blocks (``runtime.programs.build_tiers`` sets it): a
-                     pass that times kernel configs times them there, since a
-                     few blocks' launches and weights are not the model's step.
     """
 
     graphs: dict[str, torch.fx.GraphModule]
@@ -61,8 +51,6 @@ class Program:
     make_inputs: dict[str, Callable] = field(default_factory=dict)
     recapture: Callable[[int], "Program"] | None = None
     eager: torch.nn.Module | None = None
-    tuned: dict = field(default_factory=dict)
-    whole: "Program | None" = None
 
     @property
     def phases(self) -> list[str]:

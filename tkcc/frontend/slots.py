@@ -31,7 +31,7 @@ graphs bind as usual), and its submodule ``slots`` holds the B slot rows that
 
 The input is named ``slot_positions``, not ``cache_position``: passes and
 kernels that assume one position for the whole step (split-KV decode
-attention, the fused batch-1 decoder) key on that name and leave this graph alone.
+attention, the lowered batch-1 step) key on that name and leave this graph alone.
 
 Bitwise: a row's logits depend only on that row's token, position and cache row,
 not on the other rows' contents nor on the slot index (a GEMM computes each

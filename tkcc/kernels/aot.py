@@ -1,7 +1,7 @@
 """Compile every kernel variant ahead of time for a GPU target, with no GPU present.
 
 The Triton interpreter is lenient about types; the real compiler is not. This
-renders each template variant the fused decode path uses and compiles it for
+renders each template variant the decode kernels use and compiles it for
 ``sm_90`` (or another target), returning per-kernel register/shared-memory
 use and spills, so a broken kernel is caught before any device time is spent.
 """

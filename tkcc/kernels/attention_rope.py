@@ -38,6 +38,10 @@ def attention_rope_ref(qkv, k_cache, v_cache, pos, inv_freq, hq, hkv, q_norm=Non
 
 
 MERGE_MAX_SPLITS = 16  # one BLOCK_SP tile per head in the in-kernel merge
+# the kernel's tiles (positions per loop step, warps) and positions per split-KV program a caller may pick;
+# the lowered step's parameter space spells them as params (tkcc.passes.lower.space; a test holds them equal)
+TILES = [(64, 4), (32, 4), (16, 4), (128, 4), (128, 8), (256, 8), (32, 2)]
+CHUNKS = [64, 128, 256, 512, 1024, 2048]
 
 
 class AttentionRope:

@@ -176,11 +176,11 @@ def check_attention(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 77), (8
 
 
 def _attn_tile(i: int) -> tuple[int, int]:
-    """The i-th of the tiles the decoder's tune_step may pick for the attention kernels, cyclically: every
-    tile is checked without multiplying the cases."""
-    from tkcc.kernels.decoder import ATTN_TILES
+    """The i-th of the tiles a tuned step may pick for the attention kernels, cyclically: every tile is
+    checked without multiplying the cases."""
+    from tkcc.kernels.attention_rope import TILES
 
-    return ATTN_TILES[i % len(ATTN_TILES)]
+    return TILES[i % len(TILES)]
 
 
 def _inv_freq(D: int, device) -> torch.Tensor:
@@ -311,8 +311,8 @@ def check_attention_long(device, dtype, g, pdl=False, shapes=(
     norm over the whole projection) and Llama-1B's (32 q / 8 kv heads of 64), a cache of 8232 positions (the
     benchmark's at context 8192). The new token on a split boundary (8192: its split holds no cached position,
     only the new one) and inside a split; every chunk the tuners try (several splits merged in the kernel, more
-    than MERGE_MAX_SPLITS merged by the combine launch) and layouts laid out for a shorter span (the fused
-    decoder's ``attn_spans``: its last split takes every position past the grid); tiles cycled. The fused
+    than MERGE_MAX_SPLITS merged by the combine launch) and layouts laid out for a shorter span
+    (``AttentionRope(span=)``: its last split takes every position past the grid); tiles cycled. The fused
     kernel (attention_rope) and the separate path (rope, attention + combine, same layout) against rope_ref
     then attention_ref, each layout's scratch serving LAYERS caches in a row as a step's layers share it.
     Cache positions from pos on are NaN before the launch (pos is written, never read; later ones untouched).
@@ -464,7 +464,7 @@ FAMILIES = {
 
 def run_checks(device="cpu", dtype=torch.float32, families=None, seed=None, pdl=False,
                cpu_shapes: int | None = None):
-    """``pdl``: launch with programmatic dependent launch (GPU, Hopper+) — the variant the fused decoder uses.
+    """``pdl``: launch with programmatic dependent launch (GPU, Hopper+) — the variant a captured step uses.
     ``cpu_shapes``: only the first N of each family's CPU shapes (a second dtype's run, whose masks and tiles the
     first one covered)."""
     g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, (1,))))

@@ -21,7 +21,6 @@ from tkcc.kernels.render import load
 # (BLOCK_N, BLOCK_K, num_warps) candidates the tuner times; the first fitting one is the default.
 CONFIGS = [(4, 512, 4), (8, 512, 4), (16, 256, 4), (2, 1024, 4), (4, 1024, 8), (8, 256, 2), (1, 2048, 4), (16, 512, 8),
            (2, 2048, 4), (4, 2048, 4), (4, 2048, 8), (8, 2048, 8), (8, 1024, 4), (32, 256, 8), (1, 8192, 4), (2, 8192, 8)]
-TUNED: dict[tuple, tuple] = {}
 # the interpreter runs programs one by one in Python: few, large ones are fastest there
 INTERP_CONFIG = (64, 128, 4)
 
@@ -43,10 +42,6 @@ def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None,
     if residual is not None:
         y = residual + y
     return y
-
-
-def _key(N, K, norm, gated, residual, dtype):
-    return (N, K, bool(norm), bool(gated), bool(residual), str(dtype))
 
 
 NSLOT = 256  # argmax: groups of programs fold their row maxima into at most NSLOT 64-bit slots
@@ -116,7 +111,7 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     if out is None:
         out = torch.empty(N, device=x.device, dtype=x.dtype)
     default = INTERP_CONFIG if interpreting() else CONFIGS[0]
-    bn, bk, nw = config or TUNED.get(_key(N, K, norm_w is not None, gated, residual is not None, x.dtype)) or default
+    bn, bk, nw = config or default  # a config is the caller's (the lowered step's artifact): no global table
     bk = min(bk, triton.next_power_of_2(K))
     pdl = launch_pdl(pdl)
     mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,

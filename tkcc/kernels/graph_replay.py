@@ -1,7 +1,7 @@
 """The one CUDA-graph capture and replay utility, and the PDL setting of the kernels launched inside it.
 
-Every CUDA graph tkcc makes is made here: the decode step of ``tkcc.compile``'s result and of the fused
-decoder, the engine's graph per bucket, ``exact_cudagraph``, ``exact_regions`` and the science path,
+Every CUDA graph tkcc makes is made here: the decode step of ``tkcc.compile``'s result (and its
+self-feeding greedy step), the engine's graph per bucket, ``exact_cudagraph``, ``exact_regions`` and the science path,
 the torch.compile backend's replayed forwards, and the parallel profiler's replay timings. It imports
 nothing of tkcc, so kernels, passes, runtime and parallel may all use it.
 
@@ -216,9 +216,7 @@ def _device_for(leaves, device) -> torch.device:
 class CapturedCall:
     """One CUDA graph of ``fn(*args, **kwargs)`` (see the module docstring).
 
-    ``after_warmup``: called after the warm-up calls, before the capture (a callable whose state lives
-    outside its inputs restores it there: the fused decoder's token and position). Inputs the warm-up
-    wrote to (their version counter moved) are restored before the capture, and ``__call__`` copies
+    Inputs the warm-up calls (on a side stream) wrote to (their version counter moved) are restored before the capture, and ``__call__`` copies
     them back to the caller's tensors after each replay, so in-place ops on inputs keep their meaning.
     ``speculate``: host reads of the model's own state are recorded in the first warm-up call and
     replayed during capture, each checked after every replay (``tkcc.kernels.host_reads``).
@@ -229,7 +227,7 @@ class CapturedCall:
 
     def __init__(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, *, pool=None, warmup: int = 2,
                  static_ptrs: frozenset = frozenset(), speculate: bool = False, pdl: bool = False,
-                 after_warmup: Callable | None = None, device=None):
+                 device=None):
         self.fn = fn
         self.pdl = bool(pdl)
         self.guard_vec, self.expected = None, None
@@ -239,7 +237,7 @@ class CapturedCall:
         self.device = _device_for(leaves, device)
         try:
             with _CAPTURE_LOCK, torch.cuda.device(self.device), torch.no_grad(), pdl_scope(self.pdl, self.device):
-                self._capture(leaves, pool, warmup, frozenset(static_ptrs), speculate, after_warmup)
+                self._capture(leaves, pool, warmup, frozenset(static_ptrs), speculate)
         except Exception as e:
             if _device_fault(e):
                 raise
@@ -248,7 +246,7 @@ class CapturedCall:
                 raise
             raise GraphCaptureError(_capture_failure_reason(e)) from e
 
-    def _capture(self, leaves, pool, warmup, static_ptrs, speculate, after_warmup) -> None:
+    def _capture(self, leaves, pool, warmup, static_ptrs, speculate) -> None:
         self.static_ptrs = static_ptrs
         self._dev_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)
                          and x.device.type == "cuda" and x.data_ptr() not in static_ptrs]
@@ -285,8 +283,6 @@ class CapturedCall:
                             "separate static buffers would break that aliasing")
         for i in self._written:  # warm-up changed the buffers: the caller's values again before capturing
             self.static_leaves[i].copy_(leaves[i])
-        if after_warmup is not None:
-            after_warmup()
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: a server captures a swapped-in forward beside the thread serving the old one, whose
         # launches a process-wide capture would fail ("operation not permitted when stream is capturing")
@@ -390,7 +386,7 @@ class CapturedCall:
 def replay_us(fn: Callable, reps: int = 20, warmup: int = 2, warm_replays: int = 1, pdl: bool = False,
               device=None) -> float:
     """Median device microseconds of ``fn()`` replayed from a CUDA graph (launch gaps as in a captured
-    step, no host overhead): what the machine profiler and the fused decoder's tuning time."""
+    step, no host overhead): what the machine profiler and the lowered step's tuning time."""
     g = CapturedCall(fn, (), warmup=warmup, pdl=pdl, device=device)
     return statistics.median(g.replay_times_us(reps, warm=warm_replays))
 
@@ -501,7 +497,7 @@ class GreedyStep:
     """A decode forward's greedy step (``greedy_body``) captured as one CUDA graph that feeds itself: each replay
     reads the token and position the one before wrote, so the greedy loop runs one replay and one 8-byte copy
     per token, with no input copies, argmax or position kernels launched between replays (on llama-1b-16l those
-    cost ~45 us a token on the H200). The same interface as the fused decode step's own ``tkcc_greedy``.
+    cost ~45 us a token on the H200).
     Where the step cannot be captured (``GraphCache`` refused the forward, or the capture fails) it runs the
     same body through the cache's call, eagerly or from its plain graph."""
 
@@ -656,11 +652,10 @@ class GraphCache:
 
     @property
     def tkcc_greedy(self):
-        """The greedy loop's self-feeding step over this callable (``GreedyStep``; the callable's own, when it
-        has one). Not for a speculating cache: its replays are checked against host reads."""
-        own = getattr(self.fn, "tkcc_greedy", None)
-        if own is not None or self.speculate:
-            return own
+        """The greedy loop's self-feeding step over this callable (``GreedyStep``). Not for a speculating cache:
+        its replays are checked against host reads."""
+        if self.speculate:
+            return None
         step = self.__dict__.get("_greedy")
         if step is None:
             step = self.__dict__["_greedy"] = GreedyStep(self)

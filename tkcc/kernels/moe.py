@@ -20,7 +20,6 @@ GATE_UP_CONFIGS = [(4, 512, 4), (8, 512, 4), (2, 1024, 4), (16, 256, 4), (4, 102
                    (4, 2048, 8), (1, 2048, 4), (8, 1024, 8)]
 DOWN_CONFIGS = [(4, 512, 4), (8, 512, 4), (2, 1024, 4), (16, 256, 4), (4, 1024, 8), (8, 256, 2), (8, 1024, 8),
                 (16, 1024, 8), (1, 1024, 2), (32, 512, 8)]
-TUNED: dict[tuple, tuple] = {}
 
 
 def moe_ref(x, router_logits, gate_up, down, top_k, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,
@@ -47,10 +46,6 @@ def moe_ref(x, router_logits, gate_up, down, top_k, norm_topk_prob=False, residu
     return y if residual is None else residual + y
 
 
-def _cfg(kind, shape, dtype, default):
-    return TUNED.get((kind, shape, str(dtype)), default)
-
-
 def moe(x, router_logits, gate_up, down, top_k, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,
         forced_ids=None, act_buf=None, out=None, gate_up_config=None, down_config=None, pdl=None):
     """One token: x [H] (pre-norm when norm_w is given), router_logits [E] -> [H] (+ residual)."""
@@ -75,13 +70,13 @@ def moe(x, router_logits, gate_up, down, top_k, norm_topk_prob=False, residual=N
     common = dict(TOPK=top_k, E_PAD=max(16, next_pow2(E)), NORM_TOPK=norm_topk_prob, FORCED=forced_ids is not None)
     fid = forced_ids if forced_ids is not None else router_logits
     interp = (64, 128, 4) if interpreting() else None
-    bn, bk, nw = gate_up_config or interp or _cfg("gate_up", (E, I, H), x.dtype, GATE_UP_CONFIGS[0])
+    bn, bk, nw = gate_up_config or interp or GATE_UP_CONFIGS[0]
     bk = min(bk, triton.next_power_of_2(H))
     mod.moe_gate_up_kernel[(triton.cdiv(I, bn), top_k)](
         x, norm_w if norm_w is not None else x, router_logits, fid, gate_up, act_buf, I, H, E, eps,
         gate_up.stride(0), gate_up.stride(1), BLOCK_N=bn, BLOCK_K=bk, NORM=norm_w is not None,
         EVEN_K=(H % bk == 0), num_warps=nw, **common, **launch)
-    bn, bk, nw = down_config or interp or _cfg("down", (E, I, H), x.dtype, DOWN_CONFIGS[0])
+    bn, bk, nw = down_config or interp or DOWN_CONFIGS[0]
     bk = min(bk, triton.next_power_of_2(I))
     mod.moe_down_kernel[(triton.cdiv(H, bn),)](
         act_buf, router_logits, fid, down, residual if residual is not None else x, out, I, H, E,

@@ -106,13 +106,8 @@ def fast_blocks_for(num_blocks: int, requested: int | None) -> int:
 
 
 def build_tiers(program, fast_blocks: int) -> dict:
-    """{'fast': first k blocks, 'slow': whole model}; weights shared (Program.truncate), and the configs a pass
-    tuned on either tier's shapes (``Program.tuned``), which the fast tier times on the whole model
-    (``Program.whole``)."""
+    """{'fast': first k blocks, 'slow': whole model}; weights shared (Program.truncate)."""
     fast = program.truncate(fast_blocks)
-    fast.tuned = program.tuned
-    if fast is not program:
-        fast.whole = program
     return {"fast": fast, "slow": program}
 
 

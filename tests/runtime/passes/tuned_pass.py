@@ -1,4 +1,4 @@
-"""A user pass that tunes a Triton kernel while it runs, as ``decode_fused_step`` does on a GPU.
+"""A user pass that tunes a Triton kernel while it runs, as ``lowered_decode`` does on a GPU.
 
 ``apply`` launches ``scale_kernel`` once per candidate block size (on a GPU, or wherever
 ``tkcc.kernels.discovery`` lists compiles for a GPU target) and leaves the graph alone. ``broken=True``

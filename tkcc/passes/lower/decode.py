@@ -18,7 +18,7 @@ matches stays in aten inside the same step, and a pattern that matched a region 
 log: lowering is per region, never all or nothing, and never a wrong result. The result is an ordinary
 graph of aten and ``torch.ops.tkcc`` nodes: codegen writes it as the artifact's forward, and the decode
 phase replays from one CUDA graph through the wrapper every compiled forward gets
-(``tkcc.runtime.cudagraph.GraphCache``).
+(``tkcc.kernels.graph_replay.GraphCache``).
 
 Parameters (derived from the ops' own configs, see ``space.py``): ``attn_chunk`` and ``attn_tile`` (the
 fused attention's layout), ``gemv_config`` (one config for every GEMV, or ``auto``), ``pdl``
@@ -84,7 +84,7 @@ def head_shapes(program) -> list[tuple[int, int, bool]]:
 def tile_pruned_space(params: dict, device, program) -> tuple[dict, dict]:
     """``params`` less the ``attn_tile`` values ``device`` cannot run at ``program``'s head shapes (the reference
     models' without one), and why each was pruned: the space of every pass whose step runs the fused attention
-    kernel (``lowered_decode``, ``decode_fused_step``)."""
+    kernel (``lowered_decode``)."""
     limits = space.device_limits(device) if device is not None else None
     bad = space.pruned_tiles(limits, head_shapes(program) if program is not None else space.DEVICE_SHAPES)
     out = dict(params)

@@ -1,7 +1,7 @@
 """The lowered step's parameter space, from the configs of the kernel ops it emits, pruned per device.
 
-- ``attn_tile``: the fused attention kernel's tile (positions per loop step x warps), ``ATTN_TILES`` of
-  ``tkcc.kernels.lowered``. A tile whose shared memory exceeds what the device gives one block is pruned
+- ``attn_tile``: the fused attention kernel's tile (positions per loop step x warps), ``TILES`` of
+  ``tkcc.kernels.attention_rope`` spelled ``POSITIONSxWARPS``. A tile whose shared memory exceeds what the device gives one block is pruned
   before any candidate uses it, with the reason: its use is found by compiling the kernel for the device's
   architecture at the model's head shapes (Triton ahead of time, specialised as the JIT specialises it:
   software pipelining of the cache loads is what makes large tiles large), e.g. the 256x8 tile at head
@@ -17,7 +17,8 @@ import logging
 
 log = logging.getLogger("tkcc.passes.lower")
 
-# the fused attention kernel's configs (mirrors the ones the FusedDecoder tuned over)
+# the fused attention kernel's configs, spelled as params (the kernel's own lists: tkcc.kernels.attention_rope's
+# TILES and CHUNKS; 0 picks the chunk by the kv head count)
 ATTN_TILES = ["64x4", "32x4", "16x4", "128x4", "128x8", "256x8", "32x2"]
 ATTN_CHUNKS = [0, 64, 128, 256, 512, 1024, 2048]
 # MLA's split kernel tiles (positions per loop step x warps; tkcc.kernels.mla_attention caps the positions by

@@ -11,7 +11,7 @@
 - Then, inside the whole step (``refine_in_step``), the attention's fastest layouts and the fastest tile of
   each other chunk, then each GEMV group's three fastest configs: PDL overlap with the neighbouring kernels
   and the L2 state are the step's, which a kernel timed alone misses (llama-1b-16l at 8k on an H200: the
-  layout fastest alone, chunk 512, left the lowered step 3% behind the fused step, which tunes in the step).
+  layout fastest alone, chunk 512, left the lowered step 3% behind the fused step it replaced, which tuned in the step).
 
 What is picked lives in the graph (so in the artifact's source), never in a process-global table.
 ``timer(fn) -> µs`` is ``tkcc.kernels.graph_replay.replay_us`` on a GPU; tests give a fake one.
