@@ -366,8 +366,97 @@ def reference_jump(prog, tok, pos, ref, seed: int) -> float:
     return worst
 
 
+def greedy_timer(fwd, start_tok, start_pos, c):
+    """``run(n)``: n greedy tokens from (start_tok, start_pos), as the greedy loop drives ``fwd``: through its
+    self-feeding step (``tkcc_greedy``) where it has one. Called twice before it is returned (compiles, capture)."""
+    step = getattr(fwd, "tkcc_greedy", None)
+
+    def run(n):
+        with torch.no_grad():
+            tok, pos = start_tok, start_pos
+            for i in range(n):
+                if step is not None:
+                    tok = step(tok, pos if i == 0 else None, position=c + i, continued=i > 0)[0][:, None]
+                    continue
+                logits = fwd(tok, pos)
+                tok = logits[:, -1].argmax(-1)[:, None]
+                pos = pos + 1
+    run(2)
+    return run
+
+
+REAL_TOKENS = 256  # steps of sampled real routing a forced step cycles through
+
+
+def _moe_arg(n, name: str, index: int, default=None):
+    """Argument ``name`` (schema position ``index``) of a ``tkcc.moe`` node, given by position or keyword."""
+    return n.kwargs.get(name, n.args[index] if len(n.args) > index else default)
+
+
+def forced_routing(gm, seed: int = 0):
+    """(graph, note): a copy of the lowered decode graph ``gm`` whose ``tkcc.moe`` ops take their experts from
+    real routing (``tkcc.traffic.routing.Routing.for_model``: OLMoE's or Mixtral's measured skew fitted to the
+    model's experts, sampled for REAL_TOKENS steps), one step's row per call: a device counter the graph
+    advances, so it replays from a CUDA graph like the step it copies. (None, why) where it has no
+    softmax-routed MoE op (the forced hook is the softmax router's)."""
+    import copy
+    import operator
+
+    from tkcc.traffic.routing import Routing
+
+    moes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe.default]
+    if not moes:
+        return None, "no tkcc.moe op in the lowered step"
+    if any(_moe_arg(n, "router", 12, "softmax") == "sigmoid_grouped" for n in moes):
+        return None, "a grouped (sigmoid) router: the kernels force a softmax router's choice only"
+    w = _moe_arg(moes[0], "gate_up", 4)
+    w = operator.attrgetter(w.target)(gm) if w.op == "get_attr" else w.meta["val"]
+    E, k, L, dev = int(w.shape[0]), int(_moe_arg(moes[0], "top_k", 6)), len(moes), w.device
+    routing = Routing.for_model(L, E, k, seed=seed)
+    table = torch.stack([routing.sample_topk(layer, REAL_TOKENS, generator=torch.Generator().manual_seed(seed + layer))
+                         for layer in range(L)], 1).to(device=dev, dtype=torch.int32).contiguous()  # [T, L, k]
+    g = copy.deepcopy(gm.graph)
+    new = torch.fx.GraphModule(gm, g)
+    new.register_buffer("tkcc_forced_ids", table)
+    new.register_buffer("tkcc_forced_step", torch.zeros(1, dtype=torch.long, device=dev))
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    with g.inserting_before(first):
+        step = g.get_attr("tkcc_forced_step")
+        row = g.call_function(torch.ops.aten.select.int, (g.call_function(
+            torch.ops.aten.index_select.default, (g.get_attr("tkcc_forced_ids"), 0, step)), 0, 0))  # [L, k]
+    for layer, n in enumerate(n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe.default):
+        with g.inserting_before(n):
+            n.kwargs = {**n.kwargs, "forced_ids": g.call_function(torch.ops.aten.select.int, (row, 0, layer))}
+    with g.inserting_before(next(n for n in g.nodes if n.op == "output")):
+        nxt = g.call_function(torch.ops.aten.remainder.Scalar, (
+            g.call_function(torch.ops.aten.add.Tensor, (step, 1)), REAL_TOKENS))
+        g.call_function(torch.ops.aten.copy_.default, (step, nxt))
+    new.recompile()
+    return new, (f"{L} MoE layers, {E} experts, top-{k}: sampled real routing, max/mean expert load "
+                 f"{routing.imbalance():.2f}")
+
+
+def real_routing_row(compiled, start_tok, start_pos, c, tokens, reps, seed=0):
+    """(ms/token, note) of ``compiled``'s lowered decode step with the experts real traffic picks
+    (``forced_routing``), timed as its own step is (from a CUDA graph on the GPU, as ``tkcc.compile`` wraps its
+    decode forward); (None, why) where the step cannot be forced."""
+    gm = getattr(compiled, "compiled_program", None)
+    if gm is None:
+        return None, "the compiled model keeps no lowered graph"
+    forced, why = forced_routing(gm.graphs["decode"], seed=seed)
+    if forced is None:
+        return None, why
+    fwd = forced
+    if CUDA:
+        from tkcc.kernels.graph_replay import GraphCache
+
+        fwd = GraphCache(forced, name="decode", capture_after=1)
+    run = greedy_timer(fwd, start_tok, start_pos, c)
+    return time_steps(run, tokens, reps), why
+
+
 def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=None, on_rows=None, fp32=True,
-                   kernels=False):
+                   kernels=False, real_routing=True):
     """Rows of the front-door variants (``FRONT_DOOR``) at every context: the model's decode phase captured with
     a cache of that context (``context + tokens + 8`` positions), each plan built by ``tkcc.compile``
     (``measure=False``: this script does the timing), the cache filled with random K/V up to the context. A
@@ -442,19 +531,7 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
                     if not ok:
                         raise RuntimeError(why)
 
-                    step = getattr(fwd, "tkcc_greedy", None)  # what the greedy loop drives: a self-feeding step
-
-                    def run(n, fwd=fwd, step=step):
-                        with torch.no_grad():
-                            tok, pos = start_tok, start_pos
-                            for i in range(n):
-                                if step is not None:
-                                    tok = step(tok, pos if i == 0 else None, position=c + i, continued=i > 0)[0][:, None]
-                                    continue
-                                logits = fwd(tok, pos)
-                                tok = logits[:, -1].argmax(-1)[:, None]
-                                pos = pos + 1
-                    run(2)
+                    run = greedy_timer(fwd, start_tok, start_pos, c)
                     ms = time_steps(run, tokens, reps)
                     split = device_split(fwd, start_tok, start_pos) if CUDA else {}  # positions c .. c + ~25: in the cache
                     if kernels and CUDA:
@@ -464,7 +541,7 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
             except Exception as e:
                 failed[variant] = f"ctx {c}: {type(e).__name__}: {e}"
                 log(f"{name} {variant}: FAILED ({type(e).__name__}: {e}); dropped from this run")
-                compiled = fwd = run = step = None  # nothing of the failed build outlives it into the next row
+                compiled = fwd = run = None  # nothing of the failed build outlives it into the next row
                 peak_reset()
                 continue
             rows.append(dict(model=name, context=c, routing="router", variant=variant, ms_per_token=ms,
@@ -473,7 +550,22 @@ def frontdoor_rows(model, name, contexts, tokens, reps, variants=None, family=No
             notes.setdefault("front_door_pass_notes", {})[f"{variant} ctx {c}"] = plan_notes[-12:]
             notes.setdefault("front_door_pass_logs", {})[f"{variant} ctx {c}"] = logs
             log(f"{name} {variant} ctx={c}: {ms:.3f} ms/token (build {build_s:.0f}s)")
-            del compiled, fwd, run, step  # the step (a GreedyStep on the GPU) holds the forward and its cache
+            if real_routing:
+                try:
+                    real = real_routing_row(compiled, start_tok, start_pos, c, tokens, reps, seed=c)
+                except Exception as e:  # noqa: BLE001 - the router's row stands; say why the real one is missing
+                    real = None
+                    notes.setdefault("real_routing_errors", {})[f"{variant} ctx {c}"] = f"{type(e).__name__}: {e}"[:400]
+                    log(f"{name} {variant} ctx={c}: no real-routing row ({type(e).__name__}: {e})")
+                if real is not None:
+                    ms_real, why = real
+                    if ms_real is None:
+                        notes.setdefault("real_routing_skipped", {})[variant] = why
+                    else:
+                        rows.append(dict(rows[-1], routing="real", ms_per_token=ms_real, peak_mem_bytes=None,
+                                         peak_mem_bytes_raw=None, real_routing=why))
+                        log(f"{name} {variant} ctx={c} routing=real: {ms_real:.3f} ms/token ({why})")
+            del compiled, fwd, run  # the step (a GreedyStep on the GPU) holds the forward and its cache
             if on_rows is not None:
                 on_rows(rows, notes)
         del prog
@@ -574,8 +666,9 @@ def print_table(rows):
     print("\nmodel         ctx    routing  variant          ms/token   floor    %floor  peak GiB")
     for r in rows:
         fl = r.get("floor_ms_per_token") or float("nan")
+        pk = "-" if r.get("peak_mem_bytes") is None else f"{r['peak_mem_bytes'] / 2**30:.2f}"  # real routing: not taken
         print(f"{r['model']:<13} {r['context']:>6} {r['routing']:<8} {r['variant']:<15} {r['ms_per_token']:>9.3f} "
-              f"{fl:>8.3f} {100 * fl / r['ms_per_token']:>7.1f} {r['peak_mem_bytes'] / 2**30:>8.2f}")
+              f"{fl:>8.3f} {100 * fl / r['ms_per_token']:>7.1f} {pk:>8}")
 
 
 def floor_rows(model, name, contexts, floors, weight_bytes):

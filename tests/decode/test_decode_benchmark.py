@@ -117,3 +117,86 @@ def test_no_row_keeps_an_earlier_rows_cache_alive():
     alive = [tuple(map(int, ln.split()[1:])) for ln in p.stdout.splitlines() if ln.startswith("alive")]
     # (Programs captured so far, still alive): the row's own only at its reset, none after each context
     assert alive == [(1, 1), (1, 0), (2, 1), (2, 0)], alive
+
+
+def test_real_routing_forces_each_steps_experts_and_advances():
+    """The real-routing rows' step: a copy of the lowered graph whose MoE ops take a sampled real routing table's
+    row per call (a device counter it advances, wrapping), the lowered graph itself untouched. On CPU the op
+    runs its reference, ``moe_ref`` with the forced ids (the kernel's forced path: tkcc.passes.lower.checks)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode as bench
+
+    import tkcc
+    from tkcc.frontend.models import build_model
+
+    model = build_model("olmoe-tiny", torch.float32, "cpu")
+    compiled = tkcc.compile(model, plan=[{"name": "lowered_decode"}], mode="tolerance", measure=False, check=False,
+                            progress=False, max_cache_len=32)
+    gm = compiled.compiled_program.graphs["decode"]
+    forced, why = bench.forced_routing(gm, seed=3)
+    n_moe = sum(n.target is torch.ops.tkcc.moe.default for n in gm.graph.nodes)
+    assert forced is not None and f"{n_moe} MoE layers" in why, why
+    assert not any("forced_ids" in n.kwargs for n in gm.graph.nodes)  # the original keeps routing by itself
+    table = forced.tkcc_forced_ids
+    assert tuple(table.shape) == (bench.REAL_TOKENS, n_moe, model.config.num_experts_per_tok)
+    assert all(len(set(r.tolist())) == r.numel() for r in table.reshape(-1, table.shape[-1])[:64])  # k distinct
+    state = [b.clone() for b in compiled.program.state.buffers()]
+
+    def step(f, pos):
+        for b, v in zip(compiled.program.state.buffers(), state):
+            b.copy_(v)
+        with torch.no_grad():
+            return f(torch.tensor([[5]]), torch.tensor([pos])).float()
+
+    own = step(gm, 3)
+    got = [step(forced, 3) for _ in range(3)]
+    assert int(forced.tkcc_forced_step) == 3  # one row a call
+    assert not torch.equal(got[0], own) and not torch.equal(got[0], got[1])  # each call its own row's experts
+    # row 0 again after wrapping: the same output as the first call
+    forced.tkcc_forced_step.zero_()
+    assert torch.equal(step(forced, 3), got[0])
+    forced.tkcc_forced_step.fill_(bench.REAL_TOKENS - 1)
+    step(forced, 3)
+    assert int(forced.tkcc_forced_step) == 0
+    # the table forced to every layer's own choice for this input gives the unforced step
+    own_ids = []
+    real_moe = torch.ops.tkcc.moe.default
+
+    def spy(*a, **k):
+        from tkcc.kernels.lowered import rms_norm_ref
+
+        x = a[0].reshape(1, -1) if a[1] is None else rms_norm_ref(a[0].reshape(1, -1), a[1], a[2])
+        own_ids.append(torch.topk(torch.softmax(torch.nn.functional.linear(x, a[3]).float(), -1), a[6]).indices[0])
+        return real_moe(*a, **k)
+
+    for n in gm.graph.nodes:
+        if n.target is real_moe:
+            n.target = spy
+    gm.recompile()
+    try:
+        step(gm, 3)
+    finally:
+        for n in gm.graph.nodes:
+            if n.target is spy:
+                n.target = real_moe
+        gm.recompile()
+    forced.tkcc_forced_ids[0] = torch.stack(own_ids).to(torch.int32)
+    forced.tkcc_forced_step.zero_()
+    assert torch.equal(step(forced, 3), own)
+
+
+def test_real_routing_is_refused_by_name_where_the_router_is_grouped():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode as bench
+    import tkcc.kernels.lowered  # noqa: F401 - registers torch.ops.tkcc
+
+    g = torch.fx.Graph()
+    h = g.placeholder("h")
+    g.output(g.call_function(torch.ops.tkcc.moe.default, (h, None, 1e-6, h, h, h, 2, True, False, h),
+                             {"router": "sigmoid_grouped"}))
+    forced, why = bench.forced_routing(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert forced is None and "grouped" in why

@@ -241,21 +241,32 @@ ROUTERS = ("softmax", "softmax_fp32", "sigmoid_grouped")
 
 def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
             top_k: int, norm_topk: bool, residual: bool, router: str = "softmax", router_bias: Optional[Tensor] = None,
-            n_group: int = 1, topk_group: int = 1, scaling: float = 1.0) -> Tensor:
+            n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+            forced_ids: Optional[Tensor] = None) -> Tensor:
     """A sparse-MoE block for tokens h [B, T, H] as OLMoE / Qwen3-MoE / Mixtral write it, with transformers'
     ``batched_mm`` experts: [RMSNorm] -> router logits -> softmax (fp32) -> top-k [-> renormalised] [->
     rounded to the dtype (``router="softmax"``; Mixtral's ``"softmax_fp32"`` keeps them fp32)] -> each token's
-    k experts (gate_up [E, 2I, H], silu(g) * u, down [E, H, I]) weighted and summed [-> + h]."""
+    k experts (gate_up [E, 2I, H], silu(g) * u, down [E, H, I]) weighted and summed [-> + h].
+    ``forced_ids`` [k] (a benchmark's real routing, softmax routers only): every token takes these experts in
+    place of its top-k, each weighted by its softmax probability (renormalised over the k when ``norm_topk``)."""
     x = rms_norm_ref(h, norm_weight, eps) if norm_weight is not None else h
     H = x.shape[-1]
     xs = x.view(-1, H)
+    if forced_ids is not None and router == "sigmoid_grouped":
+        from tkcc.errors import TkccError
+
+        raise TkccError("tkcc.moe: forced_ids takes a softmax router's experts; the grouped router has no such hook")
     if router == "sigmoid_grouped":
         w, ids = _grouped_router(xs, router_w, router_bias, top_k, n_group, topk_group, norm_topk, scaling)
     else:
         logits = F.linear(xs.reshape(-1, H), router_w)
         probs = F.softmax(logits, dtype=torch.float, dim=-1) if router == "softmax" else \
             F.softmax(logits.float(), dim=-1)
-        w, ids = torch.topk(probs, top_k, dim=-1)
+        if forced_ids is not None:
+            ids = forced_ids.reshape(1, top_k).long().clamp(0, gate_up.shape[0] - 1).expand(xs.shape[0], top_k)
+            w = probs.gather(-1, ids)
+        else:
+            w, ids = torch.topk(probs, top_k, dim=-1)
         if norm_topk:
             w = w / w.sum(dim=-1, keepdim=True)
         if router == "softmax":
@@ -505,7 +516,7 @@ def _grouped_router(xs, router_w, bias, top_k, n_group, topk_group, norm_topk, s
 
 
 def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="softmax", router_bias=None,
-               n_group=1, topk_group=1) -> str | None:
+               n_group=1, topk_group=1, forced_ids=None) -> str | None:
     """None when the routed-MoE kernels take this call, else why not."""
     reason = fallback_reason(h, norm_weight, router_w, gate_up, down)
     if reason is not None:
@@ -525,6 +536,11 @@ def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="so
         return f"grouped router over {E} experts in {n_group} groups (top {topk_group}) with bias {router_bias is not None}"
     if not 1 <= top_k <= E or count.numel() < 1 or count.dtype != torch.int32:
         return f"top-{top_k} of {E} experts, counter {tuple(count.shape)} {count.dtype}"
+    if forced_ids is not None and router == "sigmoid_grouped":
+        return "forced_ids with the grouped router (the kernel forces a softmax router's choice only)"
+    if forced_ids is not None and (forced_ids.numel() != top_k or forced_ids.device != h.device
+                                   or not forced_ids.is_contiguous() or forced_ids.dtype.is_floating_point):
+        return f"forced_ids {tuple(forced_ids.shape)} {forced_ids.dtype} is not {top_k} contiguous integer ids"
     return None
 
 
@@ -532,13 +548,14 @@ def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="so
 def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
         top_k: int, norm_topk: bool, residual: bool, count: Tensor, configs: Optional[list[int]] = None,
         pdl: bool = False, router: str = "softmax", router_bias: Optional[Tensor] = None, n_group: int = 1,
-        topk_group: int = 1, scaling: float = 1.0) -> Tensor:
+        topk_group: int = 1, scaling: float = 1.0, forced_ids: Optional[Tensor] = None) -> Tensor:
     """``moe_ref`` as three launches (``tkcc.kernels.moe_routed``): the router GEMV with the norm prologue whose
     last program picks the top-k (softmax, renormalisation) once; gate_up over the k selected experts only
     (silu(g) * u); down weighted over them, plus the residual. ``configs``: (BLOCK_N, warps) of router,
-    gate_up and down (6 ints), None for the kernels' defaults."""
+    gate_up and down (6 ints), None for the kernels' defaults. ``forced_ids``: see ``moe_ref`` (never in a
+    graph a pass writes; ``benchmarks/decode.py`` adds it for its real-routing rows)."""
     reason = moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router, router_bias, n_group,
-                        topk_group)
+                        topk_group, forced_ids)
     if reason is None:
         from tkcc.kernels import moe_routed as mr
         from tkcc.kernels.common import interpreting
@@ -560,16 +577,16 @@ def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, 
         out = torch.empty(H, device=dev, dtype=dt)
         mr.launch(x, router_w, gate_up, down, top_k, norm_topk, x if residual else None, norm_weight, eps, out,
                   scratch, rc, gc, dc, pdl=pdl and _pdl_ok(dev), fp32_weights=router == "softmax_fp32",
-                  grouped=grouped)
+                  grouped=grouped, forced_ids=forced_ids)
         return out.view(h.shape)
     note_fallback("tkcc.moe", reason)
     return moe_ref(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, router, router_bias,
-                   n_group, topk_group, scaling)
+                   n_group, topk_group, scaling, forced_ids)
 
 
 @moe.register_fake
 def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, count, configs=None, pdl=False,
-      router="softmax", router_bias=None, n_group=1, topk_group=1, scaling=1.0):
+      router="softmax", router_bias=None, n_group=1, topk_group=1, scaling=1.0, forced_ids=None):
     return torch.empty_like(h)
 
 

@@ -239,6 +239,7 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
         rows += run_case(name, Region(fn, t), lambda H=H: (_rand((1, 1, H), g, device, dtype),), "tkcc.moe.default",
                          False, dtype)
     rows += check_deepseek_moe(device, dtype, g)
+    rows += check_moe_forced(device, dtype, g, shapes)
     for E, H, I, k in shapes[:2]:  # the routed experts of a normed input (a block with a shared expert)
         t = {"router": _rand((E, H), g, device, dtype, H ** -0.5),
              "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
@@ -246,6 +247,34 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
         rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, routed experts of a normed input]",
                          Region(lambda s, xs, k=k: moe.routed(xs, s.router, s.gate_up, s.down, top_k=k), t),
                          lambda H=H: (_rand((1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
+    return rows
+
+
+def check_moe_forced(device, dtype, g, shapes):
+    """The op with ``forced_ids`` (the benchmark's real-routing hook) against ``moe_ref`` given the same ids, and
+    ``moe_ref`` forced to the router's own top-k against ``moe_ref`` routing by itself."""
+    from tkcc.kernels.lowered import moe_ref, rms_norm_ref
+
+    rows = []
+    for (E, H, I, k), (router, norm_topk) in zip(shapes, (("softmax", False), ("softmax", True),
+                                                       ("softmax_fp32", True))):
+        nw, rw = _rand((H,), g, device, dtype, 0.5) + 1, _rand((E, H), g, device, dtype, H ** -0.5)
+        gu, dn = _rand((E, 2 * I, H), g, device, dtype, H ** -0.5), _rand((E, H, I), g, device, dtype, I ** -0.5)
+        h = _rand((1, 1, H), g, device, dtype)
+        ids = torch.randperm(E, generator=g)[:k].to(device=device, dtype=torch.int32)
+        count = torch.zeros(1, device=device, dtype=torch.int32)
+        got = torch.ops.tkcc.moe(h, nw, 1e-5, rw, gu, dn, k, norm_topk, True, count, router=router, forced_ids=ids)
+        ref = moe_ref(h, nw, 1e-5, rw, gu, dn, k, norm_topk, True, router, forced_ids=ids)
+        err = rel_err(got, ref)
+        name = f"moe forced[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if norm_topk else ''}]"
+        rows.append({"case": name, "dtype": str(dtype).replace("torch.", ""), "op": "tkcc.moe.default",
+                     "rel_err": err, "tol": TOL[dtype], "exact": False, "ok": bool(err <= TOL[dtype])})
+        x = rms_norm_ref(h.view(1, H), nw, 1e-5)
+        own = torch.topk(torch.softmax(torch.nn.functional.linear(x, rw).float(), -1), k, -1).indices[0]
+        same = torch.equal(moe_ref(h, nw, 1e-5, rw, gu, dn, k, norm_topk, True, router, forced_ids=own),
+                           moe_ref(h, nw, 1e-5, rw, gu, dn, k, norm_topk, True, router))
+        rows.append({"case": name + " own top-k", "dtype": str(dtype).replace("torch.", ""), "op": "moe_ref",
+                     "rel_err": 0.0 if same else float("inf"), "tol": 0.0, "exact": True, "ok": same})
     return rows
 
 
