@@ -325,10 +325,13 @@ def _settle_heap() -> None:
     """Collect once, then freeze what is alive: a compile leaves millions of long-lived Python objects (graphs,
     the engine's records) that the cyclic collector would otherwise re-scan in the middle of decode loops,
     stalling the host long enough to drain the GPU's queue (the serving frameworks do the same at start-up).
+    What an earlier call froze is unfrozen first: a forward swapped out of a server since (or a compiled model
+    the caller dropped) is freed here, with its caches, instead of staying frozen for the process's life.
     The device memory the compile's engine cached and no longer uses goes back to the device, so another
     process (a server loading the saved artifact) can have it."""
     import gc
 
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     if torch.cuda.is_initialized():

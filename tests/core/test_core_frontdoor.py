@@ -256,3 +256,29 @@ def test_export_writes_a_campaigns_shipped_candidate_for_tkcc_load(tmp_path, cap
     assert torch.equal(loaded.generate(ids, 4), greedy(ref, ids, 4))
     assert main(["export", "nope", "--store", str(db), "--out", str(tmp_path / "x"), "--json"]) == 2
     assert "no campaign 'nope'" in capsys.readouterr().out
+
+
+def test_settling_the_heap_frees_what_an_earlier_settle_froze():
+    """Each compiled model freezes what is alive (no collector scans in decode loops); the next one unfreezes
+    first, so a forward swapped out of a server, or a model the caller dropped, is freed then (a cycle holding
+    a tensor stands in for it), not frozen for the process's life."""
+    import gc
+    import weakref
+
+    from tkcc.compiled import _settle_heap
+
+    class Held:
+        pass
+
+    held = Held()
+    held.self, held.cache = held, torch.zeros(8)
+    alive = weakref.ref(held)
+    try:
+        _settle_heap()
+        del held
+        gc.collect()
+        assert alive() is not None  # frozen: out of the collector's sight
+        _settle_heap()
+        assert alive() is None
+    finally:
+        gc.unfreeze()
