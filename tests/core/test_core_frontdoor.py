@@ -127,8 +127,8 @@ _LOWERED = textwrap.dedent("""
     c = tkcc.compile(model, plan=plan, mode="tolerance", measure=False, check=False, max_cache_len=48)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     c.save(sys.argv[1])
-    print(json.dumps({"tokens": c.generate(ids, 12).tolist(), "fallbacks": fallbacks(),
-                      "captured": tkcc.frontend.greedy(c.program, ids, 12).tolist(),
+    print(json.dumps({"tokens": c.generate(ids, 8).tolist(), "fallbacks": fallbacks(),
+                      "captured": tkcc.frontend.greedy(c.program, ids, 8).tolist(),
                       "source": c.artifact.source("decode")}))
 """)
 

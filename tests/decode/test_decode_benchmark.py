@@ -128,24 +128,23 @@ def test_real_routing_forces_each_steps_experts_and_advances():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import decode as bench
 
-    import tkcc
-    from tkcc.frontend.models import build_model
+    from tkcc.frontend.capture import capture_model
+    from tkcc.passes.manager import apply_plan
 
-    model = build_model("olmoe-tiny", torch.float32, "cpu")
-    compiled = tkcc.compile(model, plan=[{"name": "lowered_decode"}], mode="tolerance", measure=False, check=False,
-                            progress=False, max_cache_len=32)
-    gm = compiled.compiled_program.graphs["decode"]
+    prog = capture_model("olmoe-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
+    new, _ = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance", check_numerics=False)
+    gm = new.graphs["decode"]
     forced, why = bench.forced_routing(gm, seed=3)
     n_moe = sum(n.target is torch.ops.tkcc.moe.default for n in gm.graph.nodes)
     assert forced is not None and f"{n_moe} MoE layers" in why, why
     assert not any("forced_ids" in n.kwargs for n in gm.graph.nodes)  # the original keeps routing by itself
     table = forced.tkcc_forced_ids
-    assert tuple(table.shape) == (bench.REAL_TOKENS, n_moe, model.config.num_experts_per_tok)
+    assert tuple(table.shape) == (bench.REAL_TOKENS, n_moe, prog.model.config.num_experts_per_tok)
     assert all(len(set(r.tolist())) == r.numel() for r in table.reshape(-1, table.shape[-1])[:64])  # k distinct
-    state = [b.clone() for b in compiled.program.state.buffers()]
+    state = [b.clone() for b in prog.state.buffers()]
 
     def step(f, pos):
-        for b, v in zip(compiled.program.state.buffers(), state):
+        for b, v in zip(prog.state.buffers(), state):
             b.copy_(v)
         with torch.no_grad():
             return f(torch.tensor([[5]]), torch.tensor([pos])).float()
