@@ -404,7 +404,8 @@ def forced_routing(gm, seed: int = 0):
 
     from tkcc.traffic.routing import Routing
 
-    moes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe.default]
+    g = copy.deepcopy(gm.graph)  # node for node: its get_attr targets are gm's
+    moes = [n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe.default]
     if not moes:
         return None, "no tkcc.moe op in the lowered step"
     if any(_moe_arg(n, "router", 12, "softmax") == "sigmoid_grouped" for n in moes):
@@ -415,7 +416,6 @@ def forced_routing(gm, seed: int = 0):
     routing = Routing.for_model(L, E, k, seed=seed)
     table = torch.stack([routing.sample_topk(layer, REAL_TOKENS, generator=torch.Generator().manual_seed(seed + layer))
                          for layer in range(L)], 1).to(device=dev, dtype=torch.int32).contiguous()  # [T, L, k]
-    g = copy.deepcopy(gm.graph)
     new = torch.fx.GraphModule(gm, g)
     new.register_buffer("tkcc_forced_ids", table)
     new.register_buffer("tkcc_forced_step", torch.zeros(1, dtype=torch.long, device=dev))
@@ -424,7 +424,7 @@ def forced_routing(gm, seed: int = 0):
         step = g.get_attr("tkcc_forced_step")
         row = g.call_function(torch.ops.aten.select.int, (g.call_function(
             torch.ops.aten.index_select.default, (g.get_attr("tkcc_forced_ids"), 0, step)), 0, 0))  # [L, k]
-    for layer, n in enumerate(n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe.default):
+    for layer, n in enumerate(moes):
         with g.inserting_before(n):
             n.kwargs = {**n.kwargs, "forced_ids": g.call_function(torch.ops.aten.select.int, (row, 0, layer))}
     with g.inserting_before(next(n for n in g.nodes if n.op == "output")):
@@ -446,12 +446,9 @@ def real_routing_row(compiled, start_tok, start_pos, c, tokens, reps, seed=0):
     forced, why = forced_routing(gm.graphs["decode"], seed=seed)
     if forced is None:
         return None, why
-    fwd = forced
-    if CUDA:
-        from tkcc.kernels.graph_replay import GraphCache
+    from tkcc.compiled import _graphed  # the wrapper tkcc.compile gives its decode forward (a CUDA graph on a GPU)
 
-        fwd = GraphCache(forced, name="decode", capture_after=1)
-    run = greedy_timer(fwd, start_tok, start_pos, c)
+    run = greedy_timer(_graphed(compiled.program, {"decode": forced})["decode"], start_tok, start_pos, c)
     return time_steps(run, tokens, reps), why
 
 

@@ -350,9 +350,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: 
     if reason is None:
         from tkcc.kernels import gemv as gemv_mod
 
-        from tkcc.kernels.common import interpreting
-
-        cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
+        cfg = tuple(config) if config else None  # None: the kernel's default
         y = gemv_mod.gemv(x.contiguous().view(-1), weight, norm_w=norm_weight, eps=eps,
                           residual=None if residual is None else residual.contiguous().view(-1), gated=bool(act),
                           config=cfg, pdl=pdl and _pdl_ok(x.device), bias=bias, act=act or "silu", up_act=up_act)
@@ -558,16 +556,13 @@ def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, 
                         topk_group, forced_ids)
     if reason is None:
         from tkcc.kernels import moe_routed as mr
-        from tkcc.kernels.common import interpreting
 
         E, I2, H = gate_up.shape
         dev, dt = h.device, h.dtype
         if configs:
             rc, gc, dc = tuple(configs[0:2]), tuple(configs[2:4]), tuple(configs[4:6])
-        elif interpreting():
-            rc = gc = dc = mr.INTERP
         else:
-            rc, gc, dc = mr.ROUTER_CONFIGS[0], mr.GATE_UP_CONFIGS[0], mr.DOWN_CONFIGS[0]
+            rc, gc, dc = mr.default_configs()
         grouped = (router_bias, n_group, topk_group, scaling) if router == "sigmoid_grouped" else None
         logits_dt = torch.float32 if grouped else dt  # DeepSeek's logits are fp32 throughout
         scratch = (torch.empty(E, device=dev, dtype=logits_dt), torch.empty(top_k, device=dev, dtype=torch.int32),
@@ -603,9 +598,8 @@ def gemv_gather(table: Tensor, ids: Tensor, weight: Tensor, norm_weight: Optiona
         reason = f"table {tuple(table.shape)} strides {table.stride()} / ids {ids.dtype}"
     if reason is None:
         from tkcc.kernels import gemv as gemv_mod
-        from tkcc.kernels.common import interpreting
 
-        cfg = tuple(config) if config else (gemv_mod.INTERP_CONFIG if interpreting() else gemv_mod.CONFIGS[0])
+        cfg = tuple(config) if config else None  # None: the kernel's default
         e = torch.empty(table.shape[1], device=table.device, dtype=table.dtype)
         y = gemv_mod.gemv(table, weight, norm_w=norm_weight, eps=eps, config=cfg, pdl=pdl and _pdl_ok(table.device),
                           gather=(ids.reshape(1), e), bias=bias)

@@ -60,12 +60,6 @@ class RoutedMoE:
         self.act = torch.empty(top_k, I, device=device, dtype=dtype)
         self.count = torch.zeros(1, device=device, dtype=torch.int32)  # the router's arrival counter, self-resetting
 
-    def default_configs(self):
-        """The kernels' configs where the caller (the lowered step's artifact) gives none."""
-        if interpreting():
-            return INTERP, INTERP, INTERP
-        return ROUTER_CONFIGS[0], GATE_UP_CONFIGS[0], DOWN_CONFIGS[0]
-
     def __call__(self, x, router_w, gate_up, down, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,
                  forced_ids=None, out=None, router_config=None, gate_up_config=None, down_config=None, pdl=None):
         """x [H] (pre-norm when norm_w) -> [H] (+ residual), written to ``out`` (may be ``residual``)."""
@@ -87,10 +81,17 @@ class RoutedMoE:
             return out
         if out is None:
             out = torch.empty(H, device=x.device, dtype=x.dtype)
-        rc, gc, dc = self.default_configs()
+        rc, gc, dc = default_configs()
         return launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, out,
                       (self.logits, self.ids, self.wts, self.xn, self.act, self.count), router_config or rc,
                       gate_up_config or gc, down_config or dc, pdl=pdl, forced_ids=forced_ids)
+
+
+def default_configs():
+    """(router, gate_up, down) configs where the caller (the lowered step's artifact) gives none."""
+    if interpreting():
+        return INTERP, INTERP, INTERP
+    return ROUTER_CONFIGS[0], GATE_UP_CONFIGS[0], DOWN_CONFIGS[0]
 
 
 def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, out, scratch, rc, gc, dc,
