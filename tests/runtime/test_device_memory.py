@@ -32,16 +32,28 @@ def test_the_derived_limit_is_the_resident_model_plus_headroom_within_the_device
     assert dm.derived_limit(total, 138 * GiB, 130 * GiB) == 138 * GiB
     # a small device: the reserve is at least 1 GiB
     assert dm.derived_limit(8 * GiB, 5 * GiB, 4 * GiB) == 7 * GiB
+    # a device mostly free (a 1B model's watcher beside its server on an H200): half of what is free, less the
+    # reserve, so that a served long prompt's buckets fit; the other half stays with the server
+    assert dm.derived_limit(total, 3 * GiB, int(2.5 * GiB), int(0.5 * GiB), free=120 * GiB) == \
+        3 * GiB + int(0.5 * (120 * GiB - int(total * 0.05)))
+    # ... and where little is free, the model's own rule
+    assert dm.derived_limit(total, 3 * GiB, int(2.5 * GiB), int(0.5 * GiB), free=12 * GiB) == 3 * GiB + 5 * GiB
 
 
 def test_start_measures_the_resident_model_and_puts_the_cap_on():
     dev = FakeDevice(total=80 * GiB)
+    dev.others = 66 * GiB                  # the device is mostly another process's: the model's own rule
     weights = dev.alloc(3 * GiB)           # resident: weights, cache, the reference's graphs
     scratch = dev.alloc(1 * GiB)           # the start-up's activations, freed again
     del scratch
     b = dm.DeviceBudget.start(dev, 0, model_bytes=int(2.5 * GiB), device="cuda:0")
     assert b.resident == 3 * GiB
     assert b.limit == 3 * GiB + max(2 * GiB, 5 * GiB, 2 * GiB)
+    dev.others = 0                         # the same start on a device mostly free: half of its free memory
+    free = dev.read().free
+    assert dm.DeviceBudget.start(dev, 0, model_bytes=int(2.5 * GiB)).limit == \
+        3 * GiB + int(0.5 * (free - 4 * GiB))
+    b.enforce()
     assert dev.fraction() == pytest.approx(b.limit / dev.total)  # the allocator's cap is the limit
     assert "derived" in b.how and "resident 3.00 GiB" in b.how
     ok = dev.alloc(b.limit - 3 * GiB - 1)  # up to the limit: allowed

@@ -17,6 +17,7 @@ from tkcc.runtime import device_memory as dm  # noqa: E402
 
 def _started(total=80 * GiB, resident=3 * GiB, model_bytes=GiB):
     dev = FakeDevice(total=total)
+    dev.others = total - 10 * GiB  # another process holds most of the device: the limit is the model's own rule
     keep = dev.alloc(resident)
     b = dm.DeviceBudget.start(dev, 0, model_bytes=model_bytes, device="cuda:0")
     return dev, keep, b

@@ -8,9 +8,13 @@ so one candidate's device memory is the next one's problem unless it is bounded 
   and the worker goes on. It is derived from the device and the model (``derived_limit``): what the engine
   holds from the device after start-up, its cache emptied (weights, KV cache, the reference's captured graphs
   and their pools: ``resident``) plus a headroom of
-  max(2 GiB, 2x the weights and cache, 2x the start-up's own transient peak), never more than the device less
-  a reserve for what lives outside the caching allocator (the CUDA context, cuBLAS workspaces, NCCL buffers,
-  loaded kernels). ``tkcc serve --device-max-mem GiB`` overrides it (``check_given``).
+  max(2 GiB, 2x the weights and cache, 2x the start-up's own transient peak, half of the device's free memory
+  then), never more than the device less a reserve for what lives outside the caching allocator (the CUDA
+  context, cuBLAS workspaces, NCCL buffers, loaded kernels). The half of what is free is what makes a
+  workload's shapes fit that the start-up never saw: a candidate measured on a served 10k-token prompt keeps
+  its own CUDA graphs (and their pools) at every bucket beside the reference's, which no multiple of the
+  model's size predicts (the H200 serve run's watcher ran out at 12-14 GiB with 120 GiB free); the other
+  half stays with whatever else shares the device (the server whose traffic the engine measures). ``tkcc serve --device-max-mem GiB`` overrides it (``check_given``).
 * **A leak** is device memory in live tensors (``memory_allocated`` after a collection, ``synchronize`` and
   ``empty_cache``) above what the worker held before the candidate was loaded, once it is unloaded, less
   what the engine's own caches gained meanwhile (the reference's graphs for new shapes, its bank of results,
@@ -33,6 +37,7 @@ MiB = 1 << 20
 MIN_HEADROOM = 2 * GiB     # a candidate's own room above the resident model, at least
 RESIDENT_FACTOR = 2        # ... or this many times the weights and KV cache (a candidate that repacks them)
 TRANSIENT_FACTOR = 2       # ... or this many times the start-up's transient peak (activations at its shapes)
+FREE_SHARE = 0.5           # ... or this share of the device's free memory after start-up (less the reserve)
 MIN_RESERVE = 1 * GiB      # device memory left outside the cap: the CUDA context, workspaces, NCCL, modules
 RESERVE_FRACTION = 0.05    # ... or this fraction of the device, whichever is more
 LEAK_SLACK = 64 * MiB      # device memory a candidate may leave behind without blame (allocator rounding)
@@ -97,11 +102,13 @@ def reserve_of(total: int) -> int:
     return max(MIN_RESERVE, int(total * RESERVE_FRACTION))
 
 
-def derived_limit(total: int, resident: int, model_bytes: int, transient: int = 0) -> int:
+def derived_limit(total: int, resident: int, model_bytes: int, transient: int = 0, free: int = 0) -> int:
     """The device-memory limit when none is given (see the module docstring): ``resident`` (what the engine
-    holds after start-up) plus max(MIN_HEADROOM, 2x ``model_bytes`` (weights + KV cache), 2x ``transient``),
-    never more than the device less its reserve, and never below what the engine already holds."""
-    headroom = max(MIN_HEADROOM, RESIDENT_FACTOR * int(model_bytes), TRANSIENT_FACTOR * max(0, int(transient)))
+    holds after start-up) plus max(MIN_HEADROOM, 2x ``model_bytes`` (weights + KV cache), 2x ``transient``,
+    half of ``free`` (the device's free memory after start-up, every process's use taken off) less the
+    reserve), never more than the device less its reserve, and never below what the engine already holds."""
+    headroom = max(MIN_HEADROOM, RESIDENT_FACTOR * int(model_bytes), TRANSIENT_FACTOR * max(0, int(transient)),
+                   int(FREE_SHARE * max(0, int(free) - reserve_of(total))))
     return max(int(resident), min(int(resident) + headroom, int(total) - reserve_of(total)))
 
 
@@ -196,10 +203,11 @@ class DeviceBudget:
                                   "the reference's graphs)")
             limit, how = int(given), "--device-max-mem"
         else:
-            limit = derived_limit(r.total, resident, model_bytes, transient)
+            limit = derived_limit(r.total, resident, model_bytes, transient, r.free)
             how = (f"derived: resident {resident / GiB:.2f} GiB + max({MIN_HEADROOM / GiB:g} GiB, "
                    f"{RESIDENT_FACTOR}x weights and KV cache {model_bytes / GiB:.2f} GiB, {TRANSIENT_FACTOR}x start-up "
-                   f"transient {transient / GiB:.2f} GiB), at most the device {r.total / GiB:.1f} GiB less "
+                   f"transient {transient / GiB:.2f} GiB, {FREE_SHARE:g}x free {r.free / GiB:.1f} GiB less the "
+                   f"reserve), at most the device {r.total / GiB:.1f} GiB less "
                    f"{reserve_of(r.total) / GiB:.1f} GiB")
         budget = cls(reader, limit, resident, how, owned, device)
         budget.enforce()
