@@ -65,3 +65,10 @@ def test_a_re_optimisation_starts_from_what_serves(tmp_path):
     assert [c.plan for c in starts] == [fused, PassPlan()] and starts[0].key == fused.hash()
     store.record_ship(cid, PassPlan().hash(), [], 100.0, "revert", "the baseline measures better now")
     assert serving_starts(store, cid) is None  # reverted to the empty plan: the campaign's own default
+    # a server's watcher: what the server serves, before any ship (its own default plan) and after
+    exact = PassPlan.of(("cse", {}), ("dce", {}))
+    for cid_now in (None, cid):
+        starts = serving_starts(store, cid_now, serving=lambda: exact)
+        assert [c.plan for c in starts] == [exact, PassPlan()] and starts[0].key == exact.hash()
+    assert serving_starts(store, cid, serving=lambda: PassPlan()) is None
+    assert serving_starts(store, cid, serving=lambda: None) is None  # a forward without a plan

@@ -467,6 +467,8 @@ def test_the_server_serves_what_a_watch_campaign_left_shipped(served, tmp_path):
     watcher.store = ExperimentStore(str(tmp_path / "store.db"))
     cid = watcher.store.open_campaign("serve-test-0", MODEL, {}, resume=False)
     watcher.store.record_ship(cid, PassPlan().hash(), [], 1.0, "ship", "baseline")
+    # each campaign starts from what serves (the server's own plan, before any ship): its key is the server's tag
+    assert watcher._serving_plan().hash() == served.server.scheduler.current.tag
     try:
         watcher.events.append(WatchEvent(time.time(), "campaign", {"shipped": (PassPlan().hash(), 1.0)}))
         assert served.server.scheduler.current.tag == PassPlan().hash() and len(watcher.shipped) == 1

@@ -53,7 +53,7 @@ class WatchEvent:
 def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, name: str, model: str,
           budget_s: float, min_requests: int = 200, poll_s: float = 5.0, max_polls: int | None = None,
           workload_kwargs: dict | None = None, tiers=("fast", "slow"), progress=False, on_event=None,
-          sleep=time.sleep, events: list | None = None, stop=None) -> list[WatchEvent]:
+          sleep=time.sleep, events: list | None = None, stop=None, serving=None) -> list[WatchEvent]:
     """Run the watch loop (until ``max_polls`` polls, ``stop`` is set, or forever). Returns what happened.
 
     ``make_evaluator(workload)`` gives an Evaluator measuring on that workload; ``make_proposer()`` a
@@ -62,7 +62,8 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
     verdict and a re-optimisation. Every poll adds one event (``on_event(event)`` is called with each, as it
     happens); pass ``events`` to keep them where an interrupt cannot lose them (or to follow a loop that
     runs in a thread). ``stop``: a ``threading.Event`` that ends the loop at its next poll (a server's
-    ``--watch`` thread).
+    ``--watch`` thread). ``serving``: a callable giving the PassPlan of what serves now (a server's current
+    forward), which each campaign starts from; without it, the last campaign's ship still in force.
     """
     events = events if events is not None else []
 
@@ -90,7 +91,7 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
             rolling.set_reference(cur)
             emit("reference", {"requests": len(cur)})
             campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                           model, budget_s, wk, tiers, progress, emit, campaign_id, noise)
+                                           model, budget_s, wk, tiers, progress, emit, campaign_id, noise, serving)
             rounds += 1
         else:
             verdict = rolling.check()
@@ -106,7 +107,8 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
                     _failed(emit, "recheck", "", e)
                 rolling.set_reference(cur)
                 campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                               model, budget_s, wk, tiers, progress, emit, campaign_id, noise)
+                                               model, budget_s, wk, tiers, progress, emit, campaign_id, noise,
+                                               serving)
                 rounds += 1
             else:
                 note = quiet_note(verdict, rolling.params)
@@ -138,13 +140,17 @@ def quiet_note(verdict, params: dict) -> str:
             f"p < {alpha:g})")
 
 
-def serving_starts(store, campaign_id) -> list[Candidate] | None:
-    """What a re-optimisation starts from: what serves now (the last campaign's ship still in force, after any
-    revert), beside the empty plan; None (the campaign's own default) before anything shipped. A campaign that
-    started from the empty plan alone shipped it when it found nothing better in its budget, and the server
-    swapped a faster forward out for it."""
-    chain = shipped_chain(store, campaign_id) if campaign_id is not None else []
-    plan = PassPlan.from_json(chain[-1]["plan"]) if chain else PassPlan()
+def serving_starts(store, campaign_id, serving=None) -> list[Candidate] | None:
+    """What a re-optimisation starts from: what serves now (``serving()``, a server's current forward's plan;
+    without it, the last campaign's ship still in force, after any revert), beside the empty plan; None (the
+    campaign's own default) when the empty plan serves. A campaign that started from the empty plan alone
+    shipped it when it found nothing better in its budget, and the server swapped a faster forward out for it:
+    its own default plan before the watcher's first ship (the H200 serve run, 2.49 -> 3.04 ms TPOT)."""
+    if serving is not None:
+        plan = serving() or PassPlan()
+    else:
+        chain = shipped_chain(store, campaign_id) if campaign_id is not None else []
+        plan = PassPlan.from_json(chain[-1]["plan"]) if chain else PassPlan()
     if not plan.steps:
         return None
     return [Candidate("serving", plan), Candidate("baseline", PassPlan())]
@@ -156,7 +162,7 @@ def _failed(emit, stage: str, name: str, e: Exception) -> None:
 
 
 def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget_s, wk, tiers, progress, emit,
-              previous=None, noise=None):
+              previous=None, noise=None, serving=None):
     """One re-optimisation campaign; (its id, its noise). One that fails is an event, and the loop goes on
     from the last campaign that ran (a watcher in a server must outlive a failed campaign)."""
     workload = rolling.workload(**wk)
@@ -164,7 +170,7 @@ def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget
                          extra={"buckets": [b.__dict__ for b in workload.buckets], "objective": workload.objective})
     try:
         state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress,
-                             starts=serving_starts(store, previous))
+                             starts=serving_starts(store, previous, serving))
     except TkccError as e:
         _failed(emit, "campaign", name, e)
         return previous, noise

@@ -131,8 +131,12 @@ class ServeWatch:
                   self.store, name=f"serve-{server.model_name}", model=server.model_name,
                   budget_s=parse_window(a.watch_budget), min_requests=a.watch_min_requests,
                   poll_s=a.watch_poll, workload_kwargs=wk, progress=False, stop=self.stop_event,
-                  events=self.events)
+                  events=self.events, serving=self._serving_plan)
         self.state = "stopped"
+
+    def _serving_plan(self):
+        """The PassPlan of the forward serving now (what each campaign starts from); None if it has none."""
+        return getattr(self.server.scheduler.current.compiled, "plan", None)
 
     def _on_event(self, ev) -> None:
         """After a campaign, serve what it left shipped: a campaign that keeps the baseline (or the candidate
