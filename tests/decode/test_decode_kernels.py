@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ["gemv", "argmax", "rmsnorm", "silu_mul", "router", "moe", "attention", "rope", "moe_routed", "attention_rope",
+FAMILIES = ["gemv", "argmax", "rmsnorm", "router", "moe", "attention", "rope", "moe_routed", "attention_rope",
             "cache_bounds"]
 
 

@@ -75,8 +75,6 @@ def _variants(pdl):
            "BLOCK_K": "constexpr"}
     for res in (True, False):
         v.append(("rmsnorm.py.jinja", dict(residual=res), "rmsnorm_kernel", sig, dict(BLOCK_K=2048)))
-    v.append(("silu_mul.py.jinja", {}, "silu_mul_kernel", {"x_ptr": _P, "y_ptr": _P, "N": "i32",
-                                                           "BLOCK": "constexpr"}, dict(BLOCK=1024)))
     v.append(("router.py.jinja", {}, "router_kernel", {"logits_ptr": _P, "ids_ptr": "*i64", "w_ptr": _P, "E": "i32",
                                                        "TOPK": "constexpr", "E_PAD": "constexpr",
                                                        "NORM_TOPK": "constexpr"},
