@@ -29,10 +29,11 @@ def _run_interp(families, dtype):
     return p.returncode, res
 
 
+# fp16: the families the lowered step does not reach. gemv, attention_rope and moe_routed run in fp16 under the
+# interpreter as the lowered rewrites' replacements, against their patterns (test_lowered.py's CHECKS)
 @pytest.mark.parametrize("dtype,families", [
     ("float32", FAMILIES),
-    ("float16", ["gemv", "argmax", "attention", "rope"]),
-    pytest.param("float16", ["moe_routed", "attention_rope"], marks=pytest.mark.slow),
+    ("float16", ["argmax", "attention", "rope"]),
 ])
 def test_kernels_match_reference_interpreter(dtype, families):
     rc, res = _run_interp(families, dtype)
