@@ -6,8 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-# one compute thread per worker: two workers each running torch's and numpy's two threads (and the interpreter
-# subprocesses beside them) oversubscribe two cores (-7% wall on a sample of the heaviest files)
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-  "$PY" -m pytest -q -p no:cacheprovider -n "${TKCC_TEST_WORKERS:-2}" --dist loadfile -m "not serial" --durations=25
+"$PY" -m pytest -q -p no:cacheprovider -n "${TKCC_TEST_WORKERS:-2}" --dist loadfile -m "not serial" --durations=25
 "$PY" -m pytest -q -p no:cacheprovider -m serial --durations=25
