@@ -53,7 +53,7 @@ def test_start_measures_the_resident_model_and_puts_the_cap_on():
     free = dev.read().free
     assert dm.DeviceBudget.start(dev, 0, model_bytes=int(2.5 * GiB)).limit == \
         3 * GiB + int(0.5 * (free - 4 * GiB))
-    b.enforce()
+    b.enforce()                            # that second start capped the device at its own limit: b's cap back on
     assert dev.fraction() == pytest.approx(b.limit / dev.total)  # the allocator's cap is the limit
     assert "derived" in b.how and "resident 3.00 GiB" in b.how
     ok = dev.alloc(b.limit - 3 * GiB - 1)  # up to the limit: allowed

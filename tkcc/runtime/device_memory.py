@@ -14,7 +14,8 @@ so one candidate's device memory is the next one's problem unless it is bounded 
   workload's shapes fit that the start-up never saw: a candidate measured on a served 10k-token prompt keeps
   its own CUDA graphs (and their pools) at every bucket beside the reference's, which no multiple of the
   model's size predicts (the H200 serve run's watcher ran out at 12-14 GiB with 120 GiB free); the other
-  half stays with whatever else shares the device (the server whose traffic the engine measures). ``tkcc serve --device-max-mem GiB`` overrides it (``check_given``).
+  half stays with whatever else shares the device (the server whose traffic the engine measures).
+  ``tkcc serve --device-max-mem GiB`` overrides it (``check_given``).
 * **A leak** is device memory in live tensors (``memory_allocated`` after a collection, ``synchronize`` and
   ``empty_cache``) above what the worker held before the candidate was loaded, once it is unloaded, less
   what the engine's own caches gained meanwhile (the reference's graphs for new shapes, its bank of results,
