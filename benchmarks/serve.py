@@ -441,7 +441,8 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
         def reship():
             try:
                 ships = [r for r in srv.admin.status().get("ships", []) if "spec" in r]
-                spec = ships[-1]["spec"] if ships else {"plan": _default_plan_json()}
+                first = {"artifact": str(args.artifact)} if args.artifact else {"plan": _default_plan_json()}
+                spec = ships[-1]["spec"] if ships else first  # what serves, built again
                 forced.append(_safe_ship(srv, spec))
             finally:
                 busy.clear()

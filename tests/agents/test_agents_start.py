@@ -27,10 +27,11 @@ class FastRefuses(TimedEvaluator):
         return super().measure(ahash, tier)
 
 
-def _run(tmp_path, ev, clock):
+def _run(tmp_path, ev, clock, serving=False):
     cfg = CampaignConfig(name="s", model="m", budget_s=60, tiers=("fast", "slow"), started=clock())
     store = ExperimentStore(tmp_path / "e.db")
-    starts = [Candidate("start", PassPlan.of((Fuse.name, {"block": 16}))), Candidate("baseline", PassPlan())]
+    starts = [Candidate("start", PassPlan.of((Fuse.name, {"block": 16})), serving=serving),
+              Candidate("baseline", PassPlan())]
     return run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse]), seed=0), ev, progress=False, clock=clock,
                         starts=starts), store
 
@@ -42,6 +43,17 @@ def test_a_start_refused_on_the_screening_tier_gives_way_to_the_next(tmp_path):
     ships = store.ships(state.campaign_id)
     assert ships[0]["candidate"] == Candidate("baseline", PassPlan()).key, ships[0]
     assert "failed on the fast tier" in ships[0]["detail"]["why"] and "cache state differs" in ships[0]["detail"]["why"]
+
+
+def test_what_a_server_serves_is_replaced_by_nothing_when_it_cannot_be_measured(tmp_path):
+    """The same refusal, where the start is what a live server serves: nothing was compared with it, so the
+    campaign ships nothing (an H200 watcher swapped a faster forward out for the empty plan)."""
+    clock = FakeClock()
+    ev = FastRefuses(clock)
+    with pytest.raises(TkccError, match=r"what serves now \(\w+\) could not be measured on the fast tier "
+                                        r"\(.*cache state differs.*nothing replaces it"):
+        _run(tmp_path, ev, clock, serving=True)
+    assert not ev.shipped
 
 
 def test_no_start_on_both_tiers_names_each_reason(tmp_path):

@@ -474,6 +474,8 @@ def test_the_server_serves_what_a_watch_campaign_left_shipped(served, tmp_path):
         assert served.server.scheduler.current.tag == PassPlan().hash() and len(watcher.shipped) == 1
         watcher.events.append(WatchEvent(time.time(), "campaign", {"shipped": (PassPlan().hash(), 1.0)}))
         assert len(watcher.shipped) == 1  # already serving it: nothing to swap
+        kept = watcher._ship({"baseline": True})  # a campaign that kept what serves: known by plan, not by tag
+        assert kept.get("kept") == PassPlan().hash() and len(watcher.shipped) == 1
         assert watcher.status()["events"][0]["kind"] == "campaign"
     finally:
         watcher.store.close()

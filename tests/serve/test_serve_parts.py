@@ -308,6 +308,49 @@ def test_a_saved_artifact_is_served_as_compiled(compiled, builder, tmp_path):
     assert torch.equal(loaded.generate(prompt, 8), want)
 
 
+def test_a_server_started_from_an_artifact_builds_each_plan_shipped_into_it(compiled, builder, tmp_path):
+    """A loaded artifact never captured, so its Program holds no graphs: the first plan shipped captures one,
+    and each later plan builds on the Program the swap before it freed (the H200 drift run served an artifact,
+    and every ship after the first failed: 'greedy() needs the phases prefill and decode')."""
+    from tkcc.serve.scheduler import Scheduler, Served
+    from tkcc.serve.swap import Swapper
+
+    prompt = torch.tensor([[4, 5, 6]])
+    want = compiled.generate(prompt, 6)
+    compiled.save(tmp_path / "art")
+    first, tag = builder.first(artifact=str(tmp_path / "art"))
+    assert not first.program.graphs and not builder.can_build_on(first.program)
+    assert builder.can_build_on(compiled.program)
+    sched = Scheduler(Served(first, tag)).start()
+    swapper = Swapper(SimpleNamespace(scheduler=sched), builder)
+    try:
+        recs = [swapper.ship({"plan": compiled.plan.to_json()}) for _ in range(3)]
+        served = sched.current.compiled
+    finally:
+        sched.stop()
+    assert not swapper.failures, swapper.failures
+    assert [r["previous"] for r in recs] == [tag] + [r["current"] for r in recs[:-1]]
+    assert served.program.graphs and served.program is not compiled.program
+    assert torch.equal(served.generate(prompt, 6), want)
+
+
+def test_the_server_builds_and_searches_in_its_artifacts_mode():
+    """A server started from an artifact builds and searches in the mode it was compiled in; --mode exact over a
+    tolerance artifact is refused by name."""
+    from tkcc.commands.http_cmd import _serving_mode
+
+    def served(mode):
+        return SimpleNamespace(report=lambda print_report=False: SimpleNamespace(mode=mode))
+
+    args = lambda mode, artifact="out/model": SimpleNamespace(mode=mode, artifact=artifact)  # noqa: E731
+    assert _serving_mode(args(None), served("tolerance")) == "tolerance"
+    assert _serving_mode(args(None), served("exact")) == "exact"
+    assert _serving_mode(args("tolerance"), served("exact")) == "tolerance"
+    assert _serving_mode(args(None, None), served("tolerance")) == "exact"  # no artifact: the default
+    with pytest.raises(TkccError, match="--mode exact: --artifact out/model was compiled in tolerance mode"):
+        _serving_mode(args("exact"), served("tolerance"))
+
+
 def test_ids_are_read_one_step_late_in_order():
     """The CUDA path's order, with a recording stand-in for the device copy: step i+1 starts before id i is
     read, every id comes out once and in order, and stopping early closes the steps."""

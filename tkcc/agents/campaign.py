@@ -434,6 +434,8 @@ def _start_best_of(run: _Run, starts: list[Candidate]) -> bool:
                             judge=lambda o: "a starting candidate, measured to choose what serves first")
         if slow is not None:
             scored.append((slow, cand))
+        elif cand.serving:
+            raise TkccError(_unmeasured_serving(cand, "slow", _last_reason(run)))
     if not scored:
         raise TkccError(f"none of the {len(starts)} starting candidates could be measured ({_last_reason(run)})")
     scored.sort(key=lambda t: -t[0])
@@ -445,6 +447,8 @@ def _start_best_of(run: _Run, starts: list[Candidate]) -> bool:
                               judge=lambda o: f"the serving candidate on the {run.screen} tier")
         if screen is not None:
             break
+        if cand.serving:
+            raise TkccError(_unmeasured_serving(cand, run.screen, _last_reason(run)))
         failed.append(f"{cand.key} failed on the {run.screen} tier ({_last_reason(run)})")
         run.say(f"starting candidate {failed[-1]}; the next best serves first")
     else:
@@ -464,6 +468,13 @@ def _start_best_of(run: _Run, starts: list[Candidate]) -> bool:
     else:
         run.serving_screen = [slow]
     return True
+
+
+def _unmeasured_serving(cand: Candidate, tier: str, reason: str) -> str:
+    """Why a campaign stops when what a server serves could not be measured: nothing was compared with it, so
+    nothing may replace it (an H200 watcher swapped a faster forward out for the empty plan this way)."""
+    return (f"what serves now ({cand.key}) could not be measured on the {tier} tier ({reason}): nothing else is "
+            "compared with it, so nothing replaces it")
 
 
 def _measure_serving_slow(run: _Run) -> float | None:

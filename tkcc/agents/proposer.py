@@ -24,6 +24,7 @@ class Candidate:
     note: str = ""
     eager: bool = False  # the model's own eager forward (no plan): what tkcc.compile must never be slower than
     compare: str = ""    # a forward measured beside, never shipped: "inductor" (torch.compile of the eager forward)
+    serving: bool = False  # what a live server serves now: a campaign that cannot measure it replaces it with nothing
 
     @property
     def key(self) -> str:

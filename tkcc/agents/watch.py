@@ -153,7 +153,7 @@ def serving_starts(store, campaign_id, serving=None) -> list[Candidate] | None:
         plan = PassPlan.from_json(chain[-1]["plan"]) if chain else PassPlan()
     if not plan.steps:
         return None
-    return [Candidate("serving", plan), Candidate("baseline", PassPlan())]
+    return [Candidate("serving", plan, serving=serving is not None), Candidate("baseline", PassPlan())]
 
 
 def _failed(emit, stage: str, name: str, e: Exception) -> None:

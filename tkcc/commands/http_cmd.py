@@ -26,7 +26,9 @@ def add_http_args(p) -> None:
     g.add_argument("--artifact", default=None, help="serve this saved artifact (tkcc.load) instead of compiling")
     g.add_argument("--plan", default=None, help="pass plan to compile and serve (JSON or file; default: the "
                                                 "default plan)")
-    g.add_argument("--mode", default="exact", choices=["exact", "tolerance"], help="compile mode (default exact)")
+    g.add_argument("--mode", default=None, choices=["exact", "tolerance"],
+                   help="compile mode of the plans built and searched while serving (default: --artifact's own "
+                        "mode, else exact)")
     g.add_argument("--tokenizer", default=None, help="HF tokenizer directory (default: the model directory's; "
                                                      "built-in models: bytes)")
     g.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model's)")
@@ -123,6 +125,18 @@ def _serve_forever(args, server, info, sock, t0) -> None:
         http.join(0.5)
 
 
+def _serving_mode(args, compiled) -> str:
+    """The mode plans are built and searched in: ``--mode``, else an artifact's own (a watcher in exact mode
+    could neither propose a tolerance artifact's passes nor hold its plan to their bound)."""
+    if not args.artifact:
+        return args.mode or "exact"
+    built = compiled.report(print_report=False).mode or "exact"
+    if args.mode == "exact" and built == "tolerance":
+        raise TkccError(f"--mode exact: --artifact {args.artifact} was compiled in tolerance mode (its passes "
+                        "change rounding); serve it with --mode tolerance, or leave --mode out")
+    return args.mode or built
+
+
 def _build_server(args):
     from tkcc.runtime.programs import check_device, parse_dtype
     from tkcc.runtime.protocol import write_secret
@@ -134,13 +148,14 @@ def _build_server(args):
     device = check_device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model, name, tok_dir = load_model(args.model, parse_dtype(dtype_name), device)
-    builder = ForwardBuilder(model, max_cache_len=args.max_cache_len, mode=args.mode, batch=args.batch)
+    builder = ForwardBuilder(model, max_cache_len=args.max_cache_len, mode=args.mode or "exact", batch=args.batch)
     plan = None
     if args.plan:
         from tkcc.passes.default_plan import resolve_plan
 
-        plan = resolve_plan(args.plan, args.mode)
+        plan = resolve_plan(args.plan, args.mode or "exact")
     compiled, tag = builder.first(plan=plan, artifact=args.artifact)
+    args.mode = builder.mode = _serving_mode(args, compiled)
     vocab = int(compiled.program.meta["vocab_size"])
     tokenizer = load_tokenizer(args.tokenizer or tok_dir, vocab)
     limits = Limits(max_body_bytes=args.max_request_bytes, max_prompt_tokens=args.max_prompt_tokens,

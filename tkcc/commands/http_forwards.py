@@ -72,7 +72,9 @@ class ForwardBuilder:
         return capture(self.model, max_cache_len=self.max_cache_len, batch=self.batch)
 
     def can_build_on(self, program) -> bool:
-        return program is not None and program.model is self.model
+        """A Program a plan can be built on: one of this model that holds captured graphs (a loaded artifact's
+        holds none: it never captured, so the first plan shipped into a server started from one captures)."""
+        return program is not None and program.model is self.model and bool(program.graphs)
 
     def needs_program(self, spec: dict) -> bool:
         return "artifact" not in spec

@@ -154,13 +154,29 @@ class ServeWatch:
 
     def _ship(self, spec: dict) -> dict:
         """Swap ``spec`` in; a swap that fails is recorded with its cause and the loop goes on (the server
-        serves on what it served)."""
+        serves on what it served). A campaign that keeps what serves ships it: nothing is rebuilt then."""
+        if self._serves_already(spec):
+            return {"kept": self.server.scheduler.current.tag, "spec": spec}
         try:
             rec = self.server.swapper.ship(spec)
         except TkccError as e:
             rec = {"error": str(e), "spec": spec}
         self.shipped.append(rec)
         return rec
+
+    def _serves_already(self, spec: dict) -> bool:
+        """``spec`` is the plan the server serves (a loaded artifact's tag is its plan's hash and its folder, so
+        the tag alone does not say)."""
+        from tkcc.passes.plan import PassPlan
+
+        serving = self._serving_plan()
+        if serving is None or not isinstance(spec, dict) or not ({"plan", "baseline"} & set(spec)):
+            return False
+        try:
+            plan = PassPlan() if spec.get("baseline") else PassPlan.from_json(spec["plan"])
+        except TkccError:
+            return False
+        return plan.hash() == serving.hash()
 
     def status(self) -> dict:
         evs = [{"time": e.time, "kind": e.kind, **{k: v for k, v in e.detail.items() if k != "shifts"}}
@@ -169,5 +185,5 @@ class ServeWatch:
         return {"state": self.state, "error": self.error, "events": evs[-20:],
                 "polls_quiet": sum(e.kind == "quiet" for e in self.events), "polls_waiting": len(waiting),
                 "waiting": waiting[-1].detail if waiting else None,
-                "swaps": sum("error" not in r for r in self.shipped),
+                "swaps": sum("current" in r for r in self.shipped),
                 "swap_errors": [r["error"] for r in self.shipped if "error" in r][-5:]}
