@@ -228,6 +228,33 @@ def test_held_by_counts_each_storage_once_and_skips_modules_and_functions():
     assert dm.held_by(roots, "cuda") == 0
 
 
+def test_held_by_counts_what_a_callable_graph_object_keeps():
+    """A reference's CapturedCall is callable, and its static buffers are the engine's: counted (they were
+    charged to the candidate measured when they were made); its fn, a closure or a module, is not descended."""
+    import functools
+
+    import torch
+
+    from tkcc.kernels.graph_replay import CapturedCall
+
+    big = torch.zeros(1 << 20)  # 4 MiB, reached only through the function's closure and the partial
+    logits = torch.zeros(512)   # 2 KiB
+
+    class Replay:
+        def __init__(self):
+            self.static_outputs = [logits]
+            self.fn = lambda: big
+            self.partial = functools.partial(torch.add, big)
+
+        def __call__(self):
+            return self.fn()
+
+    assert dm.held_by([{"ref": Replay()}], "cpu") == 2048
+    call = CapturedCall.__new__(CapturedCall)  # a capture's attributes without a device to capture on
+    call.__dict__.update(static_outputs=[logits], fn=lambda: big)
+    assert callable(call) and dm.held_by([call], "cpu") == 2048
+
+
 # ------------------------------------------------------------------------------------ the worker, end to end
 LEAKY = '''
 import fake_device

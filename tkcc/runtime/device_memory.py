@@ -28,6 +28,7 @@ Everything that reads CUDA memory goes through ``CudaMemory``; the logic takes a
 """
 from __future__ import annotations
 
+import functools
 import gc
 from dataclasses import dataclass
 
@@ -131,9 +132,17 @@ def check_given(given_bytes, total: int, device: str) -> int:
 
 def held_by(roots, device_type: str = "cuda") -> int:
     """Bytes of the distinct tensor storages on ``device_type`` that ``roots`` reach through containers and
-    plain objects' attributes (not through modules or functions: the weights are constant, and a forward's
-    closure is its candidate's). What the engine's own caches hold."""
+    objects' attributes (not through modules or functions: the weights are constant, and a forward's closure is
+    its candidate's). What the engine's own caches hold. An object with a ``__call__`` is still an object: the
+    reference's ``CapturedCall`` keeps its static inputs and outputs (at a served long prompt, gigabytes of logits)
+    as attributes, and skipping it charged them to the candidate measured when they were made (the H200 watcher's
+    engine: "+4289 MiB of live tensors after unload" for a candidate that held none)."""
+    import types
+
     import torch
+
+    functions = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType,
+                 functools.partial)
 
     seen_obj, seen_storage, total = set(), set(), 0
     stack = list(roots)
@@ -153,7 +162,7 @@ def held_by(roots, device_type: str = "cuda") -> int:
             stack.extend(x.values())
         elif isinstance(x, (list, tuple, set, frozenset)):
             stack.extend(x)
-        elif isinstance(x, torch.nn.Module) or callable(x):
+        elif isinstance(x, (torch.nn.Module, type)) or isinstance(x, functions):
             continue
         else:
             d = getattr(x, "__dict__", None)
