@@ -23,6 +23,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+if interpreting():  # the interpreter without its per-helper-call re-patching (interp_patch.py)
+    from tkcc.kernels.interp_patch import install as _install_interp_patch
+
+    _install_interp_patch()
+
+
 def fallback_reason(*tensors: torch.Tensor | None) -> str | None:
     """None when a Triton kernel can take these tensors, else why not."""
     ts = [t for t in tensors if t is not None]
