@@ -57,15 +57,17 @@ def _check_gemv_ends(device, dtype, g, pdl, N, K):
     """The decode step's ends: x gathered from a table row (copied out), argmax of y with pos/seq advanced;
     twice in a row (the self-resetting slots and counters), the second time with every row tied; and 601
     one-row programs (arrival groups of 3, the last group of 1; on the CPU's interpreter, which runs programs one
-    by one, NSLOT + 1: groups of 2, the last of 1)."""
-    from tkcc.kernels.gemv import NSLOT, ArgmaxState, gemv, gemv_ref
+    by one, 9 over a state of 8 slots: groups of 2, the last of 1, as NSLOT + 1 over NSLOT slots)."""
+    from tkcc.kernels.gemv import ArgmaxState, gemv, gemv_ref
 
     rows = []
     table = _rand(37, K, device=device, dtype=dtype, g=g)
     nw = _rand(K, device=device, dtype=dtype, g=g)
-    st = ArgmaxState(device)
-    many = NSLOT + 1 if str(device) == "cpu" else 601
-    for n, cfg in ((N, (32, 512, 4)), (N, (8, 64, 2)), (many, (1, 64, 2))):
+    cpu = str(device) == "cpu"
+    full = ArgmaxState(device)  # NSLOT slots: N rows' programs fill groups of 1
+    few = ArgmaxState(device, nslot=8) if cpu else full
+    many = 9 if cpu else 601
+    for n, cfg, st in ((N, (32, 512, 4), full), (N, (8, 64, 2), full), (many, (1, 64, 2), few)):
         w = _rand(n, K, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(K))
         for tied in (False, True):
             wt = torch.ones_like(w) if tied else w

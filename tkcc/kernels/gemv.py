@@ -51,9 +51,10 @@ class ArgmaxState:
     """What the argmax epilogue needs besides ``tok``: its slots (kept at the minimum between launches) and
     its arrival counters (all programs, then one per group; kept at 0), reset by the last arrivals."""
 
-    def __init__(self, device):
-        self.slots = torch.full((NSLOT,), -2**63, device=device, dtype=torch.int64)
-        self.count = torch.zeros(1 + NSLOT, device=device, dtype=torch.int32)
+    def __init__(self, device, nslot: int = NSLOT):
+        # nslot (a power of two): NSLOT but in the checks, where fewer programs then fill several groups
+        self.slots = torch.full((nslot,), -2**63, device=device, dtype=torch.int64)
+        self.count = torch.zeros(1 + nslot, device=device, dtype=torch.int32)
 
 
 def _ends_ref(x, y, gather, argmax):
@@ -123,7 +124,8 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         ends += [gather[0], gather[1], xt.stride(0)]
     if argmax is not None:
         tok, st, pos, seq = argmax
-        ends += [st.slots, st.count, tok, pos, seq, triton.cdiv(grid[0], NSLOT), NSLOT]
+        nslot = st.slots.numel()
+        ends += [st.slots, st.count, tok, pos, seq, triton.cdiv(grid[0], nslot), nslot]
     mod.gemv_kernel[grid](xt, w, out, norm_w if norm_w is not None else x, residual if residual is not None else x,
                           N, K, w.stride(0), eps, *ends, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=(K % bk == 0),
                           FULL_K=bk >= K, num_warps=nw, **({"launch_pdl": True} if pdl else {}))
