@@ -6,79 +6,29 @@ kernel runs in subprocesses with TRITON_INTERPRET=1, in fp32 and fp16. GPU: bf16
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "decode"))
+from interp_proc import module_run  # noqa: E402
+
 S = 40  # KV cache positions of the step tests
+MODELS = ["llama-tiny", "olmoe-tiny"]
+INTERP_TESTS = ("test_the_kernel_matches_the_reference_in_the_interpreter",
+                "test_the_slot_step_runs_the_kernel_in_the_interpreter")
 
 
-def _interp(args: list[str], dtype: str = "float32", timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", TKCC_CHECK_DTYPE=dtype, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_the_kernel_matches_the_reference_in_the_interpreter(dtype):
-    """Several B, positions (0 and S - 1 always among them; NaN past each row's own) and head layouts (GQA, MHA,
-    MQA; one split and several); the op's dispatch; and a row's bits beside other rows."""
-    p = _interp(["-m", "tkcc.kernels.slot_attention"], dtype)
-    assert p.returncode in (0, 1), p.stderr[-3000:]
-    res = json.loads(p.stdout)
-    kinds = {r["kernel"] for r in res["rows"]}
-    assert kinds == {"slot_attention", "slot_attention:op", "slot_attention:rows"}
-    assert {eval(r["shape"])[5] for r in res["rows"]} >= {"splits=1", "splits=3"}
-    assert p.returncode == 0 and not res["failed"], json.dumps(res["failed"], indent=1)
-
-
-_STEP = r"""
-import json, torch
-from tkcc.frontend.models import build_model
-from tkcc.frontend.slots import PHASE, capture_slots
-from tkcc.frontend.slot_batch import generate_slots
-from tkcc.kernels.common import fallbacks
-
-torch.manual_seed(0)
-prog = capture_slots(build_model("{name}"), 3, max_cache_len={S})
-gen = torch.Generator().manual_seed(1)
-errs = []
-for _ in range(2):
-    for b in prog.state.buffers():
-        b.copy_(torch.randn(b.shape, generator=gen))
-    snap = [t.clone() for t in prog.state.buffers()]
-    ids, pos = prog.inputs(PHASE, None, gen)
-    pos[0], pos[-1] = 0, {S} - 1
-    with torch.no_grad():
-        got = prog.graphs[PHASE](ids, pos)
-        for t, s in zip(prog.state.buffers(), snap):
-            t.copy_(s)
-        want = prog.eager(ids, pos)  # the plain step: repeat_kv + sdpa under the mask
-    errs.append(float((got - want).norm() / want.norm()))
-prompts = torch.randint(0, 256, (3, 5), generator=gen)
-graphs = dict(prog.graphs)
-together = torch.stack(list(generate_slots(prog, graphs, prompts, 5)), 1)
-alone = torch.cat([torch.stack(list(generate_slots(prog, graphs, prompts[i:i + 1], 5)), 1) for i in range(3)])
-print(json.dumps({{"errs": errs, "same": bool(torch.equal(together, alone)),
-                  "fell_back": [k for k in fallbacks() if k.startswith("slot_attention")]}}))
-"""
-
-
-@pytest.mark.parametrize("name", ["llama-tiny", "olmoe-tiny"])
-def test_the_slot_step_runs_the_kernel_in_the_interpreter(name):
-    """The rewritten decode_slots graph on the kernel path: the plain step's logits within fp32 rounding, and
-    each prompt's greedy tokens decoded beside others equal those it gets alone."""
-    p = _interp(["-c", _STEP.format(name=name, S=S)])
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
-    assert res["fell_back"] == []
-    assert max(res["errs"]) < 1e-5, res
-    assert res["same"]
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_run(request):
+    """Every interpreter case of this module (the kernel checks in fp32 and fp16, the slot step of each model), in
+    one subprocess started with the module (tests/decode/interp_proc.py): its imports are paid once, and it runs
+    beside the in-process tests; the tests that read it come last."""
+    yield from module_run(request, INTERP_TESTS, [str(HERE / "interp_slots.py"),
+                                                  str(int(torch.randint(1, 2**31, (1,)))), str(S), *MODELS])
 
 
 @pytest.fixture(scope="module", params=["llama-tiny", "olmoe-tiny"])
@@ -157,3 +107,27 @@ def test_the_kernel_and_the_step_on_the_gpu_bf16():
         want = prog.eager(ids, pos).float()
     assert float((got - want).norm() / want.norm()) < 3e-2
     assert not [k for k in fallbacks() if k.startswith("slot_attention")]
+
+
+# ---- under the interpreter (one subprocess, started with the module: these read it, last) ----------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_kernel_matches_the_reference_in_the_interpreter(interpreter_run, dtype):
+    """Several B, positions (0 and S - 1 always among them; NaN past each row's own) and head layouts (GQA, MHA,
+    MQA; one split and several); the op's dispatch; and a row's bits beside other rows."""
+    (res,) = [r for r in interpreter_run.lines() if r.get("dtype") == dtype]
+    assert res["n"] > 0
+    kinds = {r["kernel"] for r in res["rows"]}
+    assert kinds == {"slot_attention", "slot_attention:op", "slot_attention:rows"}
+    assert {eval(r["shape"])[5] for r in res["rows"]} >= {"splits=1", "splits=3"}
+    assert not res["failed"], json.dumps(res["failed"], indent=1)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_slot_step_runs_the_kernel_in_the_interpreter(interpreter_run, name):
+    """The rewritten decode_slots graph on the kernel path: the plain step's logits within fp32 rounding, and
+    each prompt's greedy tokens decoded beside others equal those it gets alone."""
+    (res,) = [r for r in interpreter_run.lines() if r.get("model") == name]
+    assert res["fell_back"] == []
+    assert max(res["errs"]) < 1e-5, res
+    assert res["same"]
