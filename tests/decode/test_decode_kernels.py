@@ -2,43 +2,35 @@
 
 CPU: the Triton interpreter must be switched on before triton is imported, and
 other tests import triton normally, so each family runs in a subprocess with
-TRITON_INTERPRET=1 (fp32 and fp16). GPU: bf16 in this process.
+TRITON_INTERPRET=1 (fp32 and fp16; one process, interp_kernels.py). GPU: bf16 in this process.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from interp_proc import module_run  # noqa: E402
+
 FAMILIES = ["gemv", "argmax", "rmsnorm", "router", "moe", "attention", "rope", "moe_routed", "attention_rope",
             "cache_bounds"]
 
 
-def _run_interp(families, dtype):
-    # fp16 runs each family's first shape: its masks and tiles are the fp32 run's, its arithmetic is fp16's
-    env = dict(os.environ, TRITON_INTERPRET="1", TKCC_CHECK_DTYPE=dtype, PYTHONPATH=str(ROOT),
-               TKCC_CHECK_SHAPES="1" if dtype == "float16" else "")
-    p = subprocess.run([sys.executable, "-m", "tkcc.kernels.checks", *families], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode in (0, 1), p.stderr[-3000:]
-    res = json.loads(p.stdout)
-    return p.returncode, res
-
-
+# fp16 runs each family's first shape: its masks and tiles are the fp32 run's, its arithmetic is fp16's.
 # fp16: the families the lowered step does not reach. gemv, attention_rope and moe_routed run in fp16 under the
 # interpreter as the lowered rewrites' replacements, against their patterns (test_lowered.py's CHECKS)
-@pytest.mark.parametrize("dtype,families", [
-    ("float32", FAMILIES),
-    ("float16", ["argmax", "attention", "rope"]),
-])
-def test_kernels_match_reference_interpreter(dtype, families):
-    rc, res = _run_interp(families, dtype)
-    assert res["n"] > 0
-    assert rc == 0 and not res["failed"], json.dumps(res["failed"], indent=1)
+INTERP = {"float32": (FAMILIES, ""), "float16": (["argmax", "attention", "rope"], ":1")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_run(request):
+    """Both dtypes' runs in one subprocess started with the module (interp_proc.py): its imports paid once."""
+    groups = [f"{dt}:{','.join(fams)}{first}" for dt, (fams, first) in INTERP.items()]
+    yield from module_run(request, ("test_kernels_match_reference_interpreter",),
+                          [str(HERE / "interp_kernels.py"), *groups])
 
 
 def test_checks_detect_a_wrong_kernel():
@@ -108,3 +100,12 @@ def test_gemv_gather_needs_a_table():
 
     with pytest.raises(TkccError, match=r"\[rows, K\] table"):
         gemv(torch.randn(32), torch.randn(8, 32), gather=(torch.tensor([0]), torch.empty(32)))
+
+
+# ---- under the interpreter (one subprocess, started with the module: this reads it, last) ----------------------
+
+@pytest.mark.parametrize("dtype", list(INTERP))
+def test_kernels_match_reference_interpreter(interpreter_run, dtype):
+    (res,) = [r for r in interpreter_run.lines() if r["dtype"] == dtype]
+    assert res["n"] > 0
+    assert not res["failed"], json.dumps(res["failed"], indent=1)
