@@ -10,12 +10,10 @@ cache by at most 2%. So the benchmark judges a front-door step against the captu
 (``judge_first_step``), where a correct bf16 step is within ~0.02, and reports how far the bf16 reference
 itself is from fp32: a GPU run then says which of the three is off (tests/decode/test_long_context_gpu.py).
 
-The interpreter must be on before triton is imported: the kernel runs are subprocesses (this file, run as a
-script, is the step check's).
+The interpreter must be on before triton is imported: the kernel runs are one subprocess (this file, run as a
+script, started with the module).
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,24 +22,26 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _interp(args, timeout=600):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env.pop("TKCC_CHECK_DTYPE", None)
-    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+LONG_TEST = "test_attention_at_long_context_matches_its_reference_interpreter"
+STEP_TEST = "test_long_context_steps_with_their_tuning_match_the_captured_graph_interpreter"
 
 
-def test_attention_at_long_context_matches_its_reference_interpreter():
-    """tkcc.kernels.checks' attention_long family (fp32): MHA heads of 128 with the whole-projection q/k norm
-    and a GQA head, the new token on a split boundary and inside a split, 19 splits (combine launch), 10
-    (merged in the kernel), 3, a grid laid out for a shorter span; the fused kernel and the separate path,
-    one layout's scratch over several layers' caches."""
-    p = _interp(["-m", "tkcc.kernels.checks", "attention_long"], timeout=300)
-    assert p.returncode in (0, 1), p.stderr[-3000:]
-    res = json.loads(p.stdout)
-    assert res["n"] >= 16 and not res["failed"], json.dumps(res["failed"], indent=1)
+@pytest.fixture(scope="module", autouse=True)
+def interpreter_run(request):
+    """The module's interpreter cases (the attention_long checks, the tuned step) in one subprocess, this file run as
+    a script, started with the module (tests/decode/interp_proc.py): its imports are paid once and it runs beside
+    the in-process tests. Only the parts whose tests are selected run."""
+    from interp_proc import InterpRun
+
+    wanted = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
+    parts = [part for part, test in (("checks", LONG_TEST), ("step", STEP_TEST)) if test in wanted]
+    run = InterpRun([__file__, *parts]) if parts else None
+    yield run
+    if run is not None:
+        run.close()
 
 
 def test_first_step_is_judged_against_fp32():
@@ -130,21 +130,6 @@ def test_front_door_check_takes_the_fp32_run_and_leaves_the_cache():
     assert all(torch.equal(a, b) for a, b in zip(before, prog.state.buffers()))
 
 
-@pytest.mark.slow
-def test_long_context_steps_with_their_tuning_match_the_captured_graph_interpreter():
-    """A one-layer OLMoE-like model with OLMoE's attention (MHA, a head of 128) at context 200 (fp32,
-    interpreter): the lowered step after its tuners ran (a fake clock that calls every candidate: GEMVs, MoE,
-    the attention layout at context 128, the GEMVs again in the whole step) leaves every cache row as it was and
-    gives the captured graph's logits."""
-    p = _interp([__file__], timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    got = {r["variant"]: r for r in map(json.loads, p.stdout.strip().splitlines())}
-    assert set(got) == {"lowered"}
-    r = got["lowered"]
-    assert r["timer_calls"] > 5 and r["rows_changed"] == [] and r["rel_err"] < 1e-4, r
-    assert r["tuned_at"] == 129  # the attention layout was timed at a position inside the context
-
-
 def _step_check():
     """The subprocess of the slow test above (TRITON_INTERPRET=1): one JSON line per step."""
     import random
@@ -206,5 +191,40 @@ def _step_check():
     report("lowered", left, got, tuned_at=att["context"])
 
 
-if __name__ == "__main__":
-    _step_check()
+def _checks():
+    """The attention_long family of tkcc.kernels.checks (fp32), one JSON line {"checks": n, "failed"}."""
+    from tkcc.kernels.checks import run_checks
+
+    rows = run_checks("cpu", torch.float32, ["attention_long"])
+    print(json.dumps({"checks": len(rows), "failed": [r for r in rows if not r["ok"]]}), flush=True)
+
+
+if __name__ == "__main__":  # the module's subprocess (TRITON_INTERPRET=1): the parts named, in order
+    if "checks" in sys.argv[1:]:
+        _checks()
+    if "step" in sys.argv[1:]:
+        _step_check()
+
+
+# ---- under the interpreter (one subprocess, started with the module: these read it, last) ----------------------
+
+def test_attention_at_long_context_matches_its_reference_interpreter(interpreter_run):
+    """tkcc.kernels.checks' attention_long family (fp32): MHA heads of 128 with the whole-projection q/k norm
+    and a GQA head, the new token on a split boundary and inside a split, 19 splits (combine launch), 10
+    (merged in the kernel), 3, a grid laid out for a shorter span; the fused kernel and the separate path,
+    one layout's scratch over several layers' caches."""
+    (res,) = [r for r in interpreter_run.lines(timeout=900) if "checks" in r]
+    assert res["checks"] >= 16 and not res["failed"], json.dumps(res["failed"], indent=1)
+
+
+@pytest.mark.slow
+def test_long_context_steps_with_their_tuning_match_the_captured_graph_interpreter(interpreter_run):
+    """A one-layer OLMoE-like model with OLMoE's attention (MHA, a head of 128) at context 200 (fp32,
+    interpreter): the lowered step after its tuners ran (a fake clock that calls every candidate: GEMVs, MoE,
+    the attention layout at context 128, the GEMVs again in the whole step) leaves every cache row as it was and
+    gives the captured graph's logits."""
+    got = {r["variant"]: r for r in interpreter_run.lines(timeout=900) if "variant" in r}
+    assert set(got) == {"lowered"}
+    r = got["lowered"]
+    assert r["timer_calls"] > 5 and r["rows_changed"] == [] and r["rel_err"] < 1e-4, r
+    assert r["tuned_at"] == 129  # the attention layout was timed at a position inside the context
