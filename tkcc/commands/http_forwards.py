@@ -113,9 +113,9 @@ class ForwardBuilder:
         if "artifact" in spec:
             compiled = load_artifact(str(spec["artifact"]), self.model, self.batch)
             return compiled, _artifact_tag(compiled, spec["artifact"])
-        from tkcc.passes.plan import PassPlan
+        from tkcc.serve.swap import plan_of
 
-        plan = PassPlan() if spec.get("baseline") else PassPlan.from_json(spec["plan"])
+        plan = plan_of(spec)
         for pm in spec.get("pass_modules") or ():
             if pm not in self.pass_modules:
                 self.pass_modules.append(pm)

@@ -162,7 +162,7 @@ def held_by(roots, device_type: str = "cuda") -> int:
             stack.extend(x.values())
         elif isinstance(x, (list, tuple, set, frozenset)):
             stack.extend(x)
-        elif isinstance(x, (torch.nn.Module, type)) or isinstance(x, functions):
+        elif isinstance(x, (torch.nn.Module, *functions)):
             continue
         else:
             d = getattr(x, "__dict__", None)

@@ -146,6 +146,16 @@ def _on_gpu(compiled) -> bool:
     return str(compiled.program.meta.get("device", "cpu")).startswith("cuda")
 
 
+def plan_of(spec: dict):
+    """The PassPlan a candidate spec names: ``{"baseline": true}`` the empty plan, ``{"plan": [...]}`` that plan;
+    None for an artifact. Raises PlanError (a TkccError) naming a bad step."""
+    from tkcc.passes.plan import PassPlan
+
+    if "artifact" in spec:
+        return None
+    return PassPlan() if spec.get("baseline") else PassPlan.from_json(spec["plan"])
+
+
 def _spec_text(spec) -> str:
     if not isinstance(spec, dict):
         return repr(spec)[:80]

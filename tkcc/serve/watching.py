@@ -144,8 +144,6 @@ class ServeWatch:
         if ev.kind != "campaign" or not ev.detail.get("shipped") or self.store is None:
             return
         key = ev.detail["shipped"][0]
-        if key == self.server.scheduler.current.tag:
-            return
         rows = [r for r in self.store.ships() if r["candidate"] == key and r["action"] in ("ship", "revert")]
         if not rows:
             return
@@ -167,16 +165,16 @@ class ServeWatch:
     def _serves_already(self, spec: dict) -> bool:
         """``spec`` is the plan the server serves (a loaded artifact's tag is its plan's hash and its folder, so
         the tag alone does not say)."""
-        from tkcc.passes.plan import PassPlan
+        from tkcc.serve.swap import plan_of
 
         serving = self._serving_plan()
         if serving is None or not isinstance(spec, dict) or not ({"plan", "baseline"} & set(spec)):
             return False
         try:
-            plan = PassPlan() if spec.get("baseline") else PassPlan.from_json(spec["plan"])
+            plan = plan_of(spec)
         except TkccError:
             return False
-        return plan.hash() == serving.hash()
+        return plan is not None and plan.hash() == serving.hash()
 
     def status(self) -> dict:
         evs = [{"time": e.time, "kind": e.kind, **{k: v for k, v in e.detail.items() if k != "shifts"}}
@@ -185,5 +183,5 @@ class ServeWatch:
         return {"state": self.state, "error": self.error, "events": evs[-20:],
                 "polls_quiet": sum(e.kind == "quiet" for e in self.events), "polls_waiting": len(waiting),
                 "waiting": waiting[-1].detail if waiting else None,
-                "swaps": sum("current" in r for r in self.shipped),
+                "swaps": sum("error" not in r for r in self.shipped),
                 "swap_errors": [r["error"] for r in self.shipped if "error" in r][-5:]}
