@@ -464,7 +464,9 @@ class EngineCore:
         return prefetch.discover(self, spec, tier)
 
     @prefetch.jit_counted
-    def op_load(self, spec: dict, tier: str) -> dict:
+    def op_load(self, spec: dict, tier: str, serving: bool = False) -> dict:
+        """Build ``spec`` for ``tier`` (once; a loaded candidate is reused). ``serving`` is the worker's memory
+        ledger's (``tkcc.runtime.worker``): the build is the same."""
         from tkcc.runtime.tp import check_layout_of, exact_at_degree_1
 
         check_tier(tier)

@@ -28,8 +28,8 @@ def _methods(sup: Supervisor, server: "EngineServer") -> dict:
     def status() -> dict:
         return sup.status()
 
-    def load(candidate: dict, tiers="both", timeout_s: float | None = None) -> dict:
-        return sup.load(candidate, tiers, timeout_s)
+    def load(candidate: dict, tiers="both", timeout_s: float | None = None, serving: bool = False) -> dict:
+        return sup.load(candidate, tiers, timeout_s, serving=bool(serving))
 
     def prepare(candidate: dict, tiers="both", timeout_s: float | None = None) -> dict:
         return sup.prepare(candidate, tiers, timeout_s)

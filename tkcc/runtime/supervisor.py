@@ -303,7 +303,7 @@ class Supervisor(Ahead):
                 continue
             try:
                 spec = self.specs[cid]
-                self._call_raw("load", spec=spec, tier=tier)
+                self._call_raw("load", spec=spec, tier=tier, serving=True)  # it served before the restart
                 v = self._call_raw("validate", candidate=cid, tier=tier)
                 if not v.get("ok"):
                     raise EngineError(v.get("reason"))
@@ -363,13 +363,15 @@ class Supervisor(Ahead):
             out["busy"] = True
         return out
 
-    def load(self, candidate: dict, tiers=TIERS, timeout_s: float | None = None) -> dict:
+    def load(self, candidate: dict, tiers=TIERS, timeout_s: float | None = None, serving: bool = False) -> dict:
+        """Build ``candidate`` for each tier. ``serving``: it serves already (a watcher's reference), so the
+        worker keeps what its first load warms (``tkcc.runtime.memory_ledger``) instead of charging it."""
         res = {}
         for tier in _tiers(tiers):
             kernels = self.kernels_for(candidate, tier, timeout_s)  # its compiles queued ahead, if any
             if kernels is not None and not kernels["ok"]:
                 raise EngineError(f"the {tier} tier: {kernels['reason']}")
-            r = self.call("load", timeout_s, spec=candidate, tier=tier)
+            r = self.call("load", timeout_s, spec=candidate, tier=tier, **({"serving": True} if serving else {}))
             if kernels is not None:
                 r["kernels"] = kernels
             self.specs[r["candidate"]] = candidate

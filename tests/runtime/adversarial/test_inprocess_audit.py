@@ -132,3 +132,22 @@ def test_honest_candidates_pass_the_audit(engine):
             res = c.experiment(spec, tiers="both", reps=10)
             assert res["ok"], res
         assert c.status()["engine"]["restarts"] == before
+
+
+def test_what_serves_already_is_not_charged_for_what_its_first_run_leaves(engine):
+    """A candidate loaded with ``serving`` (a watcher's reference: it serves already) opens no memory account, so
+    the host memory its first run leaves (on a GPU: kernels compiled and CUDA modules loaded once per process)
+    stays the worker's: measured, unloaded, no restart. The same memory left by a candidate loaded without it
+    restarts the worker (``hides_memory`` above)."""
+    body = "import collections\n        collections._tkcc_warm = [torch.ones(1 << 25)]\n        return base(x)"
+    spec = {"source": engine.forward_source("serving_warms", body)}
+    with engine.client() as c:
+        before = c.status()["engine"]["restarts"]
+        c.load(spec, tiers="fast", serving=True)
+        res = c.experiment(spec, tiers="fast", reps=10)
+        st = c.status()
+    assert res["ok"], res
+    fast = res["tiers"]["fast"]
+    assert fast["measurement"]["objective"] > 0 and "failure" not in fast, fast
+    assert "unload" not in res, res["unload"]  # its unload charged nothing (else: failure "memory")
+    assert st["engine"]["restarts"] == before
