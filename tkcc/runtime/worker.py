@@ -262,10 +262,13 @@ class _Single:
                 cid = cands.candidate_id(params.get("spec"), self.core.max_bytes)
             except Exception:  # noqa: BLE001 - the op itself reports a bad spec
                 cid = None
-            if cid and cid not in self.core.candidates and not params.get("serving"):
+            if cid and params.get("serving"):  # it serves already: what its first load warms stays the worker's
+                self.ledger.forget(cid)  # ... even when its compiles were discovered (an account opened) before
+                cid = None
+            elif cid and cid not in self.core.candidates:
                 self.ledger.opened(cid)  # a fresh measurement: nothing before this candidate is charged to it
             else:
-                cid = None  # serving: it serves already; what its first load warms stays the worker's
+                cid = None
         self.found = None
         try:
             result = getattr(self.core, f"op_{op}")(**params)
