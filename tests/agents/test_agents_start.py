@@ -63,7 +63,7 @@ def test_no_start_on_both_tiers_names_each_reason(tmp_path):
 
 
 def test_a_re_optimisation_starts_from_what_serves(tmp_path):
-    """The watch loop's next campaign starts from what serves (beside the empty plan): started from the empty
+    """The watch loop's next campaign starts from what serves (a server's alone): started from the empty
     plan alone, a campaign that found nothing better shipped it, and the server swapped a faster forward out."""
     from tkcc.agents.watch import serving_starts
 
@@ -77,10 +77,37 @@ def test_a_re_optimisation_starts_from_what_serves(tmp_path):
     assert [c.plan for c in starts] == [fused, PassPlan()] and starts[0].key == fused.hash()
     store.record_ship(cid, PassPlan().hash(), [], 100.0, "revert", "the baseline measures better now")
     assert serving_starts(store, cid) is None  # reverted to the empty plan: the campaign's own default
-    # a server's watcher: what the server serves, before any ship (its own default plan) and after
+    # a server's watcher: what the server serves alone (the recheck after a drift compares it with the empty
+    # plan), before any ship (its own default plan) and after; loaded as what serves already
     exact = PassPlan.of(("cse", {}), ("dce", {}))
     for cid_now in (None, cid):
         starts = serving_starts(store, cid_now, serving=lambda: exact)
-        assert [c.plan for c in starts] == [exact, PassPlan()] and starts[0].key == exact.hash()
+        assert [(c.plan, c.serving) for c in starts] == [(exact, True)] and starts[0].key == exact.hash()
     assert serving_starts(store, cid, serving=lambda: PassPlan()) is None
     assert serving_starts(store, cid, serving=lambda: None) is None  # a forward without a plan
+
+
+def test_a_servers_campaign_measures_what_serves_and_never_the_empty_plan(tmp_path):
+    """A server's watcher campaign screens against what serves and spends nothing on the empty plan (the recheck
+    after a drift covers it); its one start is loaded as serving and stays what serves when nothing beats it."""
+    from tkcc.agents.watch import serving_starts
+
+    clock = FakeClock()
+    ev = TimedEvaluator(clock)
+    serving = PassPlan.of((Fuse.name, {"block": 16}))
+    store = ExperimentStore(tmp_path / "e.db")
+    cfg = CampaignConfig(name="w", model="m", budget_s=30, tiers=("fast", "slow"), started=clock())
+    state = run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse]), seed=0), ev, progress=False, clock=clock,
+                         starts=serving_starts(store, None, serving=lambda: serving))
+    starts = {(e.candidate, e.tier) for e in store.experiments(state.campaign_id) if e.proposer in ("start", "baseline")}
+    assert starts == {(serving.hash(), "fast"), (serving.hash(), "slow")}, starts  # no empty plan among them
+    first = store.ships(state.campaign_id)[0]
+    assert first["candidate"] == serving.hash() and "what serves now" in first["detail"]["why"]
+    assert not ev.shipped  # nothing was swapped in: what served is what serves
+
+    clock = FakeClock()
+    with pytest.raises(TkccError, match="the serving candidate .* failed on the fast tier .*cache state differs"):
+        run_campaign(CampaignConfig(name="w2", model="m", budget_s=30, tiers=("fast", "slow"), started=clock()),
+                     ExperimentStore(tmp_path / "e2.db"), BayesianSearch(SearchSpace([Fuse]), seed=0),
+                     FastRefuses(clock), progress=False,
+                     clock=clock, starts=serving_starts(store, None, serving=lambda: serving))

@@ -412,8 +412,11 @@ def _start(run: _Run, starts: list[Candidate]) -> bool:
         run.say(f"the slow tier's reference is measured when a candidate is promoted: {why}")
     if st.shipped is None:
         st.shipped = (cand.key, run.serving_slow)
+        why = ("what serves now serves first (the one starting candidate)" if cand.serving
+               else "the empty plan serves first (what the engine starts with)" if not cand.plan.steps
+               else "the one starting candidate serves first")
         run.store.record_ship(st.campaign_id, cand.key, cand.plan.to_json(), run.serving_slow, "ship", "baseline",
-                              {"why": "the empty plan serves first (what the engine starts with)"})
+                              {"why": why})
     else:
         st.shipped = (st.shipped[0], run.serving_slow)
     return True
