@@ -79,9 +79,10 @@ def input_bucket(b: Bucket) -> Bucket | None:
 
 
 def for_program(program, w: Workload) -> Workload:
-    """``w`` as ``program`` serves it: on a slots Program each batch-1 decode bucket gains its ``decode_slots``
-    twin at batch B (see the module docstring); any other Program, or a workload that names the slot step
-    itself, is returned as it is."""
+    """``w`` as ``program`` serves it: prompts longer than its prefill chunk as that chunk's step
+    (``chunked_prefill``), and on a slots Program each batch-1 decode bucket gains its ``decode_slots`` twin at
+    batch B (see the module docstring); a workload that names the slot step itself gains no twins."""
+    w = chunked_prefill(program, w)
     n = int(program.meta.get("slots") or 0)
     if n < 2 or SLOTS_PHASE not in program.graphs or any(b.phase == SLOTS_PHASE for b in w.buckets):
         return w
@@ -90,6 +91,29 @@ def for_program(program, w: Workload) -> Workload:
     if not twins:
         return w
     return replace(w, buckets=list(w.buckets) + twins, meta={**w.meta, "slots": n})
+
+
+def chunked_prefill(program, w: Workload) -> Workload:
+    """On a Program whose prompts go in chunks (``meta["prefill_chunk"]``: the built-in MoE models' ``batched_mm``
+    experts gather every token's top-k expert weights, 64 MiB a token for OLMoE, so ``generate`` and the server
+    prefill ``chunk`` tokens a step), a prefill bucket longer than the chunk is the step serving runs: a prefill
+    of ``chunk`` tokens, with the bucket's share of requests (those of one context merge). A whole 4k-token
+    prompt in one step asked for 256 GiB on an H200 when ``tkcc compile`` validated OLMoE at the trace's
+    longest prefill bucket; that step never runs."""
+    chunk = int(program.meta.get("prefill_chunk") or 0)
+    if chunk < 1 or not any(b.phase == "prefill" and b.context > chunk for b in w.buckets):
+        return w
+    out: dict[tuple, Bucket] = {}
+    for b in w.buckets:
+        if b.phase == "prefill" and b.context > chunk:
+            b = replace(b, context=chunk)
+        k = (b.phase, b.batch, b.context, b.shapes)
+        if k in out:  # one bucket a shape: the merged share, the new_tokens of the larger share
+            a = out[k]
+            out[k] = replace(a if a.weight >= b.weight else b, weight=a.weight + b.weight)
+        else:
+            out[k] = b
+    return replace(w, buckets=list(out.values()), meta={**w.meta, "prefill_chunk": chunk})
 
 
 def serving_view(w: Workload, medians: dict[str, float]) -> tuple[Workload, dict[str, float]]:
