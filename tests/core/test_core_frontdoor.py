@@ -72,6 +72,17 @@ def test_compile_serves_what_measured_fastest_never_slower_than_eager(llama, mon
     assert torch.equal(compiled.generate(ids, 4), greedy(llama, ids, 4))
 
 
+def test_a_tolerance_compile_judges_candidates_in_tolerance_on_a_reproducible_reference(llama, tmp_path):
+    """The CPU reference reproduces its own bits, so ``auto`` validation would hold every candidate to them and
+    refuse each inexact pass the tolerance search proposes (olmoe-16l's lowered step on an H200); the engine of
+    a tolerance compile judges in tolerance (with the reference's greedy tokens), an exact one bit for bit."""
+    for mode, want in (("tolerance", "validation tolerance (forced"), ("exact", "validation exact: the reference")):
+        compiled = tkcc.compile(llama.model, "azure-conv", program=llama, budget=0, mode=mode, progress=False,
+                                out_dir=tmp_path / mode)
+        log = compiled.report(print_report=False).loop["log"]
+        assert any(want in line for line in log), (mode, log)
+
+
 def test_compile_call_returns_what_the_model_returns(llama, tmp_path):
     compiled = tkcc.compile(llama.model, program=llama, measure=False, out_dir=tmp_path / "o")
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))

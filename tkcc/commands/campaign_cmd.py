@@ -152,8 +152,13 @@ class _Engine:
 
 
 def compile_args(args, ray_address: str | None = None) -> tuple[str, ...]:
-    """``tkcc serve`` arguments for the engine's compile pool and kernel cache, from the campaign's."""
+    """``tkcc serve`` arguments for the engine's compile pool, kernel cache and validation, from the campaign's.
+    ``--tolerance`` validates in tolerance mode unless ``--engine-arg`` says how (``tkcc.runtime.determinism``:
+    ``auto`` would keep a bit-reproducible reference's tier exact and refuse every inexact pass)."""
     out: tuple[str, ...] = ()
+    given = [a.split("=")[0] for a in getattr(args, "engine_arg", None) or ()]
+    if getattr(args, "tolerance", False) and "--validation" not in given:
+        out += ("--validation", "tolerance")
     if getattr(args, "compile_workers", None) is not None:
         if args.compile_workers < 0:
             raise TkccError(f"--compile-workers must be 0 or more, got {args.compile_workers}")

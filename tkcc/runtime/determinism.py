@@ -19,6 +19,12 @@ below the dtype's floor, the ``rtol`` of ``tkcc.passes.lint.TOLERANCES`` (the
 one table for passes, golden checks and the engine). Beside the bound, a
 candidate's greedy tokens must equal the reference's wherever the reference
 agrees with itself (``tkcc.runtime.golden.reference_greedy``).
+
+A search that admits inexact passes (``tkcc.compile(mode="tolerance")``, ``tkcc campaign --tolerance``, a
+server's watcher over a tolerance artifact) starts its engine with ``--validation tolerance``: under ``auto`` a
+reference that reproduces its own bits keeps its tier exact, and every inexact pass is then refused as "not
+bit-exact in exact mode" (a tolerance-mode ``tkcc compile`` of olmoe-16l on an H200 shipped an elementwise
+fusion at +33% that way, never its lowered step).
 """
 from __future__ import annotations
 

@@ -117,6 +117,8 @@ class ServeWatch:
         extra = ["--dtype", a.dtype] if a.dtype else []
         if a.max_cache_len:
             extra += ["--max-cache-len", str(a.max_cache_len)]
+        if a.mode == "tolerance":  # the search admits inexact passes: judged in tolerance (runtime.determinism)
+            extra += ["--validation", "tolerance"]
         rolling = _ServerTrace(server, a.watch_horizon)
         self.store = ExperimentStore(a.watch_store)
         with spawned_engine(a.model, a.device, extra=tuple(extra),
