@@ -496,7 +496,7 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
                "watch_events": [{k: v for k, v in e.items() if k in ("time", "kind", "field", "magnitude",
                                                                      "requests", "reverted", "shipped", "stopped",
                                                                      "evaluated", "reason", "stage", "name",
-                                                                     "error", "note")}
+                                                                     "error", "note", "tried", "decisions")}
                                 for e in watch.get("events") or [] if e.get("kind") != "waiting"][-12:],
                "measuring_windows_s": [[round(a - origin, 1), round(b - origin, 1)] for a, b in windows],
                "ships": ships[-12:], "decode_graph": status.get("decode_graph"), "server_metrics": m,
