@@ -27,5 +27,5 @@ def test_only_the_serving_candidate_is_loaded_as_serving():
     plan = PassPlan.from_json([{"name": "dce"}])
     ev.build(Candidate("serving", plan, serving=True), "slow")
     ev.build(Candidate("other", plan), "slow")
-    assert [kw for _, _, kw in c.loads] == [{"serving": True}, {}]
+    assert [kw for _, _, kw in c.loads] == [{"serving": True}, {"serving": False}]
     assert all(t == "slow" for _, t, _ in c.loads)

@@ -38,7 +38,7 @@ def test_without_a_chunk_or_a_longer_one_the_workload_is_as_given(chunk):
 
 def test_a_builtin_moe_program_chunks_its_prefill():
     """What sets the chunk: the captured Program of a built-in MoE model (batched_mm experts), not a stand-in."""
-    from tkcc.frontend.hf import capture_hf
+    from tkcc.frontend.hf import _prefill_chunk, capture_hf
     from tkcc.frontend.models import build_model
 
     program = capture_hf(build_model("olmoe-tiny"), max_cache_len=512)
@@ -47,6 +47,4 @@ def test_a_builtin_moe_program_chunks_its_prefill():
     w = for_program(program, Workload(buckets=[Bucket("prefill", 1, 400, 8, 1.0), Bucket("decode", 1, 400, 8, 1.0)]))
     assert [b.key() for b in w.buckets] == ["prefill/b1/c256/n8", "decode/b1/c400/n8"]
     check_buckets(program, w)
-    from tkcc.frontend.hf import _prefill_chunk
-
     assert _prefill_chunk(build_model("llama-tiny")) is None  # a dense model's prompt goes in one step

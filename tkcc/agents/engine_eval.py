@@ -131,7 +131,7 @@ class EngineEvaluator:
             self.prepare(cand, tier)
         spec = self._spec(cand)
         try:
-            res = self.client.load(spec, tiers=tier, **({"serving": True} if cand.serving else {}))
+            res = self.client.load(spec, tiers=tier, serving=cand.serving)
         except EngineError as e:
             err = TkccError(f"the engine could not build {cand.key} for the {tier} tier: {e}")
             err.timing = {"critical": {"render": round(float((self._prepared.get((cand.key, tier)) or {})

@@ -371,7 +371,7 @@ class Supervisor(Ahead):
             kernels = self.kernels_for(candidate, tier, timeout_s)  # its compiles queued ahead, if any
             if kernels is not None and not kernels["ok"]:
                 raise EngineError(f"the {tier} tier: {kernels['reason']}")
-            r = self.call("load", timeout_s, spec=candidate, tier=tier, **({"serving": True} if serving else {}))
+            r = self.call("load", timeout_s, spec=candidate, tier=tier, serving=serving)
             if kernels is not None:
                 r["kernels"] = kernels
             self.specs[r["candidate"]] = candidate
