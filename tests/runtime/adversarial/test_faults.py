@@ -56,13 +56,17 @@ FAULTS = {
         raise MemoryError("pretend the next allocation failed")
     """, failure="memory", words="MemoryError"),
     "leaves_an_orphan": dict(setup="""
+        _pid_file = "ORPHAN_PID_FILE"                   # the test puts its own path here
         if os.fork() == 0:                              # a double fork: the grandchild tries to outlive its parent
             if os.fork() == 0:
-                with open(os.environ.get("ORPHAN_PID_FILE", "/dev/null"), "w") as fh:
+                with open(_pid_file + ".tmp", "w") as fh:
                     fh.write(str(os.getpid()))
+                os.replace(_pid_file + ".tmp", _pid_file)
                 while True:
                     pass
             os._exit(0)
+        while not os.path.exists(_pid_file):            # the candidate fails only once its grandchild is known
+            time.sleep(0.01)
     """, body="raise RuntimeError('leaving something behind')", failure="raised", words="leaving"),
 }
 
@@ -73,7 +77,7 @@ def test_the_engine_survives_a_fault_and_the_next_honest_candidate_measures_as_b
     failure, words, timeout = fault.pop("failure"), fault.pop("words"), fault.pop("timeout_s", None)
     pid_file = tmp_path / "orphan.pid"
     if name == "leaves_an_orphan":
-        fault["setup"] = fault["setup"].replace('os.environ.get("ORPHAN_PID_FILE", "/dev/null")', repr(str(pid_file)))
+        fault["setup"] = fault["setup"].replace('"ORPHAN_PID_FILE"', repr(str(pid_file)))
     with adversary.eng.client() as c:
         before = c.status()["engine"]
     res = adversary.run({"source": adversary.source(f"fault_{name}", **fault)},
