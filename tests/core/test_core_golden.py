@@ -100,11 +100,21 @@ def test_tampered_or_missing_golden_is_refused(llama_program, recorded, tmp_path
         golden.check(llama_program, root=tmp_path / "empty")
 
 
-def test_repository_golden_data_matches(llama_program):
-    """golden/llama-tiny/cpu-float32 in the repository: exact with the torch that recorded it, else tolerance."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_repository_golden_data_matches(llama_program, threads):
+    """golden/llama-tiny/cpu-float32 in the repository: exact with the torch that recorded it, else tolerance,
+    whatever thread count the process runs with (one thread sums a GEMM otherwise than several: the check runs
+    with the record's count, and gives the process its own back)."""
     g = golden.load("llama-tiny", "float32", "cpu")
     same = (g.meta["torch_version"] == torch.__version__
             and g.meta.get("max_cache_len") == llama_program.meta["max_cache_len"])
-    rep = golden.check(llama_program, mode="exact" if same else "tolerance", golden=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rep = golden.check(llama_program, mode="exact" if same else "tolerance", golden=g)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
     assert rep.ok, rep.summary()
     assert rep.token_agreement == 1.0
+    assert g.meta["cpu_threads"] == golden.CPU_THREADS and not rep.notes, rep.notes

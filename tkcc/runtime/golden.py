@@ -22,6 +22,7 @@ exactness is assumed to stay broken for every longer prefix).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -42,6 +43,9 @@ DEFAULT_SEEDS = (0, 1)
 DEFAULT_PROMPT_LENS = (8, 5)
 DEFAULT_STEPS = 6
 FORMAT_VERSION = 1
+# a CPU record is exact only against the same reduction order, which a GEMM's thread count changes (one thread
+# sums otherwise than several): records and checks run with this many, whatever the process was started with
+CPU_THREADS = 2
 
 
 # ---- where golden data lives -----------------------------------------------------------------
@@ -143,6 +147,20 @@ def _capture(model_name: str, dtype, device):
     return capture_model(model_name, dtype=_parse_dtype(dtype), device=device)
 
 
+@contextlib.contextmanager
+def _pinned_threads(device):
+    """Run a CPU record or check with ``CPU_THREADS`` intra-op threads (see there); other devices as they are."""
+    if torch.device(device).type != "cpu":
+        yield None
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)
+    try:
+        yield CPU_THREADS
+    finally:
+        torch.set_num_threads(before)
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -170,21 +188,8 @@ def record(model_name: str, dtype="float32", device="cpu", steps: int = DEFAULT_
                           f"this Program has {program.phases}")
     vocab = int(program.meta.get("vocab_size") or program.model.config.vocab_size)
     batch = int(program.meta.get("batch", 1))
-    forwards = _eager_forwards(program) if reference == "eager" else _graph_forwards(program)
-    prompts = _prompts(vocab, seeds, prompt_lens, batch, device)
-    data = {"version": FORMAT_VERSION, "prompts": [], "prefill_logits": [], "decode_logits": [], "tokens": []}
-    runs = []
-    for p in prompts:
-        pre, dec, toks = run_sequence(program, forwards, p, steps)
-        runs.append((pre.cpu(), dec.cpu(), toks.cpu()))
-        data["prompts"].append(p.cpu())
-        data["prefill_logits"].append(pre.cpu())
-        data["decode_logits"].append(dec.cpu())
-        data["tokens"].append(toks.cpu())
-    other = _graph_forwards(program) if reference == "eager" else _eager_forwards(program)
-    other_runs = [tuple(x.cpu() for x in run_sequence(program, other, p, steps, force=r[2]))
-                  for p, r in zip(prompts, runs)]
-    cve = _compare_lm(model_name, "exact", None, None, reference, runs, other_runs)
+    with _pinned_threads(program.meta.get("device", device)) as threads:
+        data, cve = _record_runs(program, model_name, reference, vocab, seeds, prompt_lens, batch, device, steps)
     dest = golden_path(model_name, dtype, device, root)
     meta = dict(
         model=model_name, dtype=_dtype_name(dtype), device=_device_name(device), steps=steps,
@@ -198,6 +203,8 @@ def record(model_name: str, dtype="float32", device="cpu", steps: int = DEFAULT_
         torch_version=torch.__version__, transformers_version=_version("transformers"),
         format_version=FORMAT_VERSION,
     )
+    if threads is not None:
+        meta["cpu_threads"] = threads
     if _unchanged(dest, meta, data):
         return dest  # the record already holds exactly these outputs: leave the (tracked) files alone
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -212,6 +219,25 @@ def record(model_name: str, dtype="float32", device="cpu", steps: int = DEFAULT_
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _record_runs(program, model_name, reference, vocab, seeds, prompt_lens, batch, device, steps):
+    """The recorded outputs, and how far the other reference (eager or the graphs) is from them."""
+    forwards = _eager_forwards(program) if reference == "eager" else _graph_forwards(program)
+    prompts = _prompts(vocab, seeds, prompt_lens, batch, device)
+    data = {"version": FORMAT_VERSION, "prompts": [], "prefill_logits": [], "decode_logits": [], "tokens": []}
+    runs = []
+    for p in prompts:
+        pre, dec, toks = run_sequence(program, forwards, p, steps)
+        runs.append((pre.cpu(), dec.cpu(), toks.cpu()))
+        data["prompts"].append(p.cpu())
+        data["prefill_logits"].append(pre.cpu())
+        data["decode_logits"].append(dec.cpu())
+        data["tokens"].append(toks.cpu())
+    other = _graph_forwards(program) if reference == "eager" else _eager_forwards(program)
+    other_runs = [tuple(x.cpu() for x in run_sequence(program, other, p, steps, force=r[2]))
+                  for p, r in zip(prompts, runs)]
+    return data, _compare_lm(model_name, "exact", None, None, reference, runs, other_runs)
 
 
 def _unchanged(dest: Path, meta: dict, data: dict) -> bool:
@@ -383,12 +409,16 @@ def check(name_or_program, forwards: dict | None = None, mode: str = "exact", rt
     forwards = forwards if forwards is not None else _graph_forwards(program)
     d = golden.data
     ref_runs, got_runs = [], []
-    for p, pre, dec, toks in zip(d["prompts"], d["prefill_logits"], d["decode_logits"], d["tokens"]):
-        dev = torch.device(program.meta.get("device", "cpu"))
-        got = run_sequence(program, forwards, p.to(dev), dec.shape[0], force=toks)
-        ref_runs.append((pre, dec, toks))
-        got_runs.append(tuple(x.cpu() for x in got))
+    dev = torch.device(program.meta.get("device", "cpu"))
+    with _pinned_threads(dev) as threads:
+        for p, pre, dec, toks in zip(d["prompts"], d["prefill_logits"], d["decode_logits"], d["tokens"]):
+            got = run_sequence(program, forwards, p.to(dev), dec.shape[0], force=toks)
+            ref_runs.append((pre, dec, toks))
+            got_runs.append(tuple(x.cpu() for x in got))
     notes = []
+    if golden.meta.get("cpu_threads") not in (None, threads):
+        notes.append(f"golden recorded with {golden.meta['cpu_threads']} CPU threads, checked with {threads} "
+                     "(the reduction order differs: bits may too)")
     if golden.meta.get("torch_version") and golden.meta["torch_version"] != torch.__version__:
         notes.append(f"golden recorded with torch {golden.meta['torch_version']}, checking with {torch.__version__}")
     if golden.meta.get("max_cache_len") not in (None, program.meta.get("max_cache_len")):
