@@ -196,10 +196,9 @@ def main(argv=None):
     ap.add_argument("--mode", default="tolerance")
     ap.add_argument("--measure-max-context", type=int, default=None,
                     help="clip the trace's requests to this many tokens for the compile's loop (default: the "
-                         "cache; MoE models: 128, since their captured prefill gathers every token's top-k expert "
-                         "weights, 63 MB a token for OLMoE, and the engine keeps a CUDA graph per bucket)")
+                         "cache, as tkcc.compile; the engine prefills long buckets in the chunks the model serves)")
     ap.add_argument("--max-buckets", type=int, default=None, help="buckets per phase in the compile's workload "
-                                                                  "(default: compile's; MoE models: 3)")
+                                                                  "(default: compile's)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf_eager", "torch_compile", "lab_best", "loaded"])
     ap.add_argument("--smoke", action="store_true", help="CPU: llama-tiny, contexts 8 16, budget 3 s")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontdoor.json"))
@@ -238,10 +237,8 @@ def main(argv=None):
                 rows.append(dict(model=name, context=r["context"], variant="hf_eager", ms_per_token=r["ms_per_token"]))
             save()
         t0 = time.perf_counter()
-        moe = "moe" in name
-        mmc = a.measure_max_context or (128 if moe else None)
         compiled = tkcc.compile(model, "azure-conv", mode=a.mode, budget=a.budget, max_cache_len=cap,
-                                measure_max_context=mmc, max_buckets=a.max_buckets or (3 if moe else None))
+                                measure_max_context=a.measure_max_context, max_buckets=a.max_buckets)
         wall = time.perf_counter() - t0
         rep = compiled.report(print_report=False)
         log(rep.text())

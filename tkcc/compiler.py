@@ -634,7 +634,7 @@ def _build_winner(program, spec: dict, mode, work: Path, check: bool, loop: dict
     its pass logs) even when a reference serves instead. The verdict is the engine's own validation of what
     serves, with the eager comparison beside it when ``check``."""
     from tkcc.codegen.artifact import Artifact
-    from tkcc.compiled import CompileReport, CompiledModel, load_settings, output_type_of
+    from tkcc.compiled import load_settings, output_type_of
 
     info = {k: program.meta.get(k) for k in ("name", "family", "dtype", "device", "max_cache_len", "batch",
                                                "num_layers", "num_params")}
@@ -704,7 +704,7 @@ def _compile_plan(model, program, plan, mode, work, codegen, check, measure, tra
                   measure_max_context, timings) -> CompiledModel:
     """Build ``plan`` (plain modules, and ``measure=False``): check it, time it beside the eager forward, and
     serve the faster of the two."""
-    from tkcc.compiled import CompileReport, CompiledModel, load_settings, output_type_of
+    from tkcc.compiled import load_settings, output_type_of
     from tkcc.pipeline import build
 
     t = time.perf_counter()
