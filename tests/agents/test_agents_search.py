@@ -56,3 +56,45 @@ def test_search_never_reproposes_and_penalises_failures():
     mean, _, _ = search.posterior(history)
     assert mean[search.index[("bad",)]] < -0.5
     assert math.isfinite(float(mean.sum()))
+
+
+def _steps(plan: PassPlan) -> dict:
+    return {s.name: dict(s.params) for s in plan.steps}
+
+
+def _one_step_apart(a: PassPlan, b: PassPlan) -> bool:
+    """One pass toggled, or one parameter of one pass changed (SearchSpace.mutate's moves)."""
+    x, y = _steps(a), _steps(b)
+    if set(x) ^ set(y):
+        return len(set(x) ^ set(y)) == 1 and all(x[k] == y[k] for k in set(x) & set(y))
+    return sum(sum(x[k].get(p) != y[k].get(p) for p in set(x[k]) | set(y[k])) for k in x) == 1
+
+
+def test_a_campaign_from_a_tuned_plan_alternates_its_neighbours_with_the_screening():
+    """A watcher's campaign starts from what serves: neighbours of the best plan the screening did not propose
+    (what serves, until a neighbour beats it) and the screening's single passes alternate, the first proposal a
+    neighbour; without such a plan the screening comes first, all of it."""
+    space = _space()
+    serving = PassPlan.from_json([{"name": "good", "params": {"block": 32}}, {"name": "neutral", "params": {"x": 1}}])
+    singles = {PassPlan.of(n).hash() for n in ("good", "bad", "neutral")}
+    for seed in range(5):
+        search = BayesianSearch(space, seed=seed)
+        history = [Outcome(serving, 2.0, "fast")]
+        kinds = []
+        for _ in range(5):
+            best = search.incumbent(history).plan
+            (c,) = search.propose(1, history)
+            assert c.plan.hash() not in {h.plan.hash() for h in history}
+            if c.plan.hash() in singles:
+                kinds.append("screen")
+            else:
+                assert _one_step_apart(c.plan, best), (c.plan, best)
+                kinds.append("neighbour")
+            history.append(Outcome(c.plan, _objective(c.plan), "fast"))
+        assert kinds == ["neighbour", "screen", "neighbour", "screen", "neighbour"], (seed, kinds)
+        # proposing ahead (a batch, or candidates still queued) keeps the same order
+        batch = BayesianSearch(space, seed=seed).propose(4, [Outcome(serving, 2.0, "fast")])
+        assert [c.plan.hash() in singles for c in batch] == [False, True, False, True]
+
+    fresh = BayesianSearch(space, seed=0).propose(5, [Outcome(PassPlan(), 1.0, "fast")])
+    assert {c.plan.hash() for c in fresh} == singles  # the screening, and nothing else, first

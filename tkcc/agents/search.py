@@ -12,6 +12,10 @@ where it is unsure instead of re-measuring what it already knows. Candidates
 are drawn from a pool of random plans and single-step mutations of the best
 measured ones, scored by one posterior sample each, and the best unseen ones
 are proposed. Failed candidates teach a strong penalty on their features.
+
+The first design points are each pass alone at its defaults (screening). A campaign that starts from a tuned plan
+(a server's watcher starts from what serves) alternates them with that plan's neighbours: a short budget spent
+only on single passes would never try what could beat a plan that already combines them.
 """
 from __future__ import annotations
 
@@ -149,27 +153,57 @@ class BayesianSearch:
         """Each pass alone, at its own defaults, not yet measured: the first design points, so that a short
         budget learns every pass's own effect before it combines them (one-factor-at-a-time screening)."""
         seen = {h.plan.hash() for h in history}
-        plans = [PassPlan((PassStep(p.name, {}),)) for p in self.space.passes]
-        return [p for p in plans if p.hash() not in seen]
+        return [p for p in self._screening_plans() if p.hash() not in seen]
+
+    def incumbent(self, history: list[Outcome]) -> Outcome | None:
+        """The best measured plan the screening did not propose (what serves, when a campaign starts from it), or
+        None: a campaign that starts from a tuned plan has its neighbours to try before the screening is done."""
+        points = {p.hash() for p in self._screening_plans()}
+        given = [h for h in history if h.objective and not h.start and not h.pending and len(h.plan)
+                 and h.plan.hash() not in points]
+        return max(given, key=lambda h: h.objective, default=None)
+
+    def _screening_plans(self) -> list[PassPlan]:
+        return [PassPlan((PassStep(p.name, {}),)) for p in self.space.passes]
 
     def propose(self, n: int, history: list[Outcome]) -> list[Candidate]:
-        first = self.screening(history)[:n]
-        if first:
-            return [Candidate(self.name, p, note="screening: one pass at its defaults") for p in first]
+        first = self.screening(history)
+        inc = self.incumbent(history) if first else None
+        if first and inc is None:
+            return [Candidate(self.name, p, note="screening: one pass at its defaults") for p in first[:n]]
         seen = {h.plan.hash() for h in history}
         mean, cov, _ = self.posterior(history)
-        ranked = sorted((h for h in history if h.objective and not h.start), key=lambda h: -h.objective)[:4]
-        pool = [PassPlan()] + [self.space.random_plan(self.rng) for _ in range(self.pool // 2)]
-        for h in ranked:
-            pool += [self.space.mutate(h.plan, self.rng) for _ in range(self.pool // (2 * max(1, len(ranked))))]
+        if inc is not None:  # screening not done: its points alternate with neighbours of the incumbent
+            pool = [self.space.mutate(inc.plan, self.rng) for _ in range(self.pool)]
+            points = {p.hash() for p in self._screening_plans()}
+            screened = sum(h.plan.hash() in points for h in history)
+            around = sum(1 for h in history if not h.start and len(h.plan) and h.plan.hash() not in points) - 1
+        else:
+            ranked = sorted((h for h in history if h.objective and not h.start), key=lambda h: -h.objective)[:4]
+            pool = [PassPlan()] + [self.space.random_plan(self.rng) for _ in range(self.pool // 2)]
+            for h in ranked:
+                pool += [self.space.mutate(h.plan, self.rng) for _ in range(self.pool // (2 * max(1, len(ranked))))]
         nrng = np.random.default_rng(self.rng.randrange(2**32))
         out, taken = [], set(seen)
-        for _ in range(n):
+        while len(out) < n:
+            if inc is not None and first and around > screened:
+                plan = first.pop(0)
+                taken.add(plan.hash())
+                screened += 1
+                out.append(Candidate(self.name, plan, note="screening: one pass at its defaults"))
+                continue
             w = nrng.multivariate_normal(mean, cov, method="cholesky")
             best = max((p for p in pool if p.hash() not in taken), key=lambda p: float(self.encode(p) @ w),
                        default=None)
             if best is None:
+                if inc is not None and first:  # no neighbour left: the screening goes on
+                    around = screened + 1
+                    continue
                 break
             taken.add(best.hash())
-            out.append(Candidate(self.name, best, note=f"predicted log-gain {float(self.encode(best) @ mean):+.3f}"))
+            first = [p for p in first if p.hash() != best.hash()]
+            around = around + 1 if inc is not None else 0
+            note = f"predicted log-gain {float(self.encode(best) @ mean):+.3f}"
+            out.append(Candidate(self.name, best, note=note + (f", a neighbour of {inc.plan.hash()[:8]}"
+                                                              if inc is not None else "")))
         return out
