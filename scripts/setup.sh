@@ -5,6 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# --dev: the report test renders `tkcc report` in a headless browser (Debian's chromium package), installed
+# beside pip's work (both wait on the network) and waited for at the end.
+browser=""
+if [ "${1:-}" = "--dev" ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    ( (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null 2>&1 \
+      || echo "setup.sh: could not install chromium; the headless report test will be skipped" >&2 ) &
+    browser=$!
+  else
+    echo "setup.sh: chromium not found (install Debian's chromium package); the headless report test will be skipped" >&2
+  fi
+fi
 extras="hf,cuda,serve"
 [ "${1:-}" = "--dev" ] && extras="hf,cuda,serve,science,dev,ray"
 if [ ! -x .venv/bin/python ]; then
@@ -23,12 +35,4 @@ fi
 # captured graphs match there; numpy<2.4 for Triton 3.6's interpreter.
 # the torch pin keeps a dependency from swapping the CPU build for a CUDA one.
 .venv/bin/python -m pip install -q -e ".[$extras]" "transformers==5.17.0" "triton==3.6.0" "numpy<2.4" "${pin[@]}"
-# --dev: the report test renders `tkcc report` in a headless browser (Debian's chromium package).
-if [ "${1:-}" = "--dev" ] && ! command -v chromium >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null \
-      || echo "setup.sh: could not install chromium; the headless report test will be skipped" >&2
-  else
-    echo "setup.sh: chromium not found (install Debian's chromium package); the headless report test will be skipped" >&2
-  fi
-fi
+[ -z "$browser" ] || wait "$browser"
