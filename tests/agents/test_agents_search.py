@@ -98,3 +98,15 @@ def test_a_campaign_from_a_tuned_plan_alternates_its_neighbours_with_the_screeni
 
     fresh = BayesianSearch(space, seed=0).propose(5, [Outcome(PassPlan(), 1.0, "fast")])
     assert {c.plan.hash() for c in fresh} == singles  # the screening, and nothing else, first
+
+
+def test_the_neighbours_of_a_plan_are_each_move_once():
+    """Each parameter change of a pass in the plan (to every other value, its default counted as its value), each
+    drop, and each other pass added at its defaults: a pass with a wide space is no likelier than one without."""
+    space = _space()
+    plan = PassPlan.from_json([{"name": "good", "params": {"block": 32}}])
+    got = {p.hash(): _steps(p) for p in space.neighbours(plan)}
+    want = [{"good": {"block": 16}}, {"good": {"block": 64}}, {}, {"good": {"block": 32}, "bad": {}},
+            {"good": {"block": 32}, "neutral": {}}]
+    assert sorted(map(str, got.values())) == sorted(map(str, want))
+    assert all(_one_step_apart(p, plan) for p in space.neighbours(plan))

@@ -90,6 +90,32 @@ class SearchSpace:
                 steps.append(PassStep(p.name, {k: rng.choice(v) for k, v in self.space_of(p).items()}))
         return PassPlan(tuple(steps))
 
+    def neighbours(self, plan: PassPlan) -> list[PassPlan]:
+        """Every plan one move from ``plan``: one parameter of one of its passes changed (to each other value
+        of its space), one of its passes dropped, or one pass added at its defaults. Each move counts once,
+        whatever the size of a pass's space (a random draw of mutations is mostly additions with random
+        parameters: the parameters of what the plan already runs would rarely come up)."""
+        present = {s.name: s for s in plan.steps}
+        order = [q.name for q in self.passes]
+
+        def of(steps: dict) -> PassPlan:
+            return PassPlan(tuple(steps[n] for n in order if n in steps))
+
+        out = []
+        for p in self.passes:
+            if p.name not in present:
+                out.append(of({**present, p.name: PassStep(p.name, {})}))
+                continue
+            step = present[p.name]
+            current = {**_defaults(p), **step.params}
+            for k, values in self.space_of(p).items():
+                for v in values:
+                    if k in current and current[k] == v and type(current[k]) is type(v):
+                        continue
+                    out.append(of({**present, p.name: PassStep(p.name, {**step.params, k: v})}))
+            out.append(of({n: st for n, st in present.items() if n != p.name}))
+        return out
+
     def mutate(self, plan: PassPlan, rng: random.Random) -> PassPlan:
         """Toggle one pass in or out, or change one parameter of one included pass."""
         present = {s.name: s for s in plan.steps}
@@ -106,6 +132,18 @@ class SearchSpace:
             present[p.name] = PassStep(p.name, {k: rng.choice(v) for k, v in space.items()})
         order = [q.name for q in self.passes]
         return PassPlan(tuple(present[n] for n in order if n in present))
+
+
+def _defaults(p: type[Pass]) -> dict:
+    """A pass's parameter defaults, as its ``rewrite`` (graph passes) or ``apply`` declares them."""
+    import inspect
+
+    fn = getattr(p, "rewrite", None) or p.apply
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}
+    return {k: v.default for k, v in sig.parameters.items() if v.default is not inspect.Parameter.empty}
 
 
 class BayesianSearch:
@@ -174,7 +212,7 @@ class BayesianSearch:
         seen = {h.plan.hash() for h in history}
         mean, cov, _ = self.posterior(history)
         if inc is not None:  # screening not done: its points alternate with neighbours of the incumbent
-            pool = [self.space.mutate(inc.plan, self.rng) for _ in range(self.pool)]
+            pool = self.space.neighbours(inc.plan)
             points = {p.hash() for p in self._screening_plans()}
             screened = sum(h.plan.hash() in points for h in history)
             around = sum(1 for h in history if not h.start and len(h.plan) and h.plan.hash() not in points) - 1
