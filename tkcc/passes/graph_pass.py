@@ -23,10 +23,11 @@ from tkcc.passes.base import Pass, RewriteInfo
 _CARRY = ("_in_spec", "_out_spec", "range_constraints", "shape_env", "validate_inputs")
 
 
-def clone_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Same tensors, same submodules, fresh graph: safe to edit in place."""
+def clone_graph_module(gm: torch.fx.GraphModule, cls=torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Same tensors, same submodules, fresh graph: safe to edit in place. ``cls``: the GraphModule class of the
+    copy (the PassManager's is lazy: no Python generated until it is run or read)."""
     graph = copy.deepcopy(gm.graph)
-    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new = cls(gm, graph, class_name=type(gm).__name__)
     for name in _CARRY:
         if name in gm.__dict__ and name not in new.__dict__:
             new.__dict__[name] = gm.__dict__[name]

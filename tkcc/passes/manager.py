@@ -45,7 +45,7 @@ import torch.fx
 
 from tkcc.errors import PassError, PlanError, TkccError
 from tkcc.passes.base import Pass, RewriteInfo, get_pass
-from tkcc.passes.graph_pass import _CARRY, clone_graph_module
+from tkcc.passes.graph_pass import clone_graph_module
 from tkcc.passes.lint import compare, lint_graph, placeholders, run_graph
 from tkcc.passes.log import PassLog, PhaseLog
 from tkcc.passes.plan import PassPlan, PassStep
@@ -93,19 +93,7 @@ except ImportError:  # pragma: no cover
 
 def _copy_for_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``clone_graph_module``, as a lazy GraphModule: no Python generated until the manager (or a reader) asks."""
-    if _Lazy is None:
-        return clone_graph_module(gm)
-    import copy
-
-    new = _Lazy(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
-    for name in _CARRY:
-        if name in gm.__dict__ and name not in new.__dict__:
-            new.__dict__[name] = gm.__dict__[name]
-    for name, child in gm.named_children():
-        if not hasattr(new, name):
-            new.add_module(name, child)
-    new.meta = dict(getattr(gm, "meta", {}))
-    return new
+    return clone_graph_module(gm, _Lazy) if _Lazy is not None else clone_graph_module(gm)
 
 
 def _generate(gm: torch.fx.GraphModule, where: str) -> None:
