@@ -175,3 +175,35 @@ def test_a_candidate_that_fails_revalidation_at_ship_time_is_refused_and_the_cam
     assert "failed re-validation" in refused[0]["reason"]
     assert not any(s["action"] == "ship" and s["plan"] for s in ships if s["plan"] and s["plan"][0]["name"] == "fuse_test")
     assert state.shipped[1] < 150  # the 2x candidate never became the shipped one
+
+
+class _CrashingEvaluator(SyntheticEvaluator):
+    """Every candidate with a pass crashes with ``reason``; the empty plan measures."""
+
+    def __init__(self, reason, **kw):
+        super().__init__(**kw)
+        self.reason = reason
+
+    def measure(self, ahash, tier):
+        if self.built[ahash].steps:
+            self.clock.t += self.cost_s
+            self.measured.append((ahash, tier))
+            return EvalResult("crashed", reason=self.reason)
+        return super().measure(ahash, tier)
+
+
+def test_a_device_out_of_memory_for_every_candidate_stops_the_loop(tmp_path):
+    oom = ("fast tier: during validate: OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 GiB ... "
+           "109.15 GiB is allocated by PyTorch in private pools")
+    state, store, ev = _run(tmp_path, ev=_CrashingEvaluator(oom), budget=100.0)
+    crashed = [e for e in store.experiments(state.campaign_id) if e.verdict == "crashed"]
+    assert len(crashed) == 3  # not a crash a step to the end of the budget
+    assert "out of device memory on 3 candidates in a row" in state.stopped and "Tried to allocate" in state.stopped
+    assert state.shipped is not None and not store.ships(state.campaign_id)[-1]["plan"]  # what serves stays
+
+
+def test_other_crashes_do_not_stop_the_loop_as_device_exhaustion(tmp_path):
+    state, store, ev = _run(tmp_path, ev=_CrashingEvaluator("fast tier: during measure: IndexError in kernel"),
+                            budget=0.5)
+    crashed = [e for e in store.experiments(state.campaign_id) if e.verdict == "crashed"]
+    assert len(crashed) > 3 and "out of device memory" not in state.stopped

@@ -159,6 +159,7 @@ class _Run:
     throughput: Throughput = field(default_factory=Throughput)
     prepared: dict = field(default_factory=dict)  # candidate key -> Candidate, compiling ahead, not measured yet
     served_before: list = field(default_factory=list)  # (shipped, serving_slow, serving_cand, serving_screen) per ship
+    out_of_memory: int = 0  # candidates in a row that crashed out of device memory (_device_exhausted)
 
     @property
     def screen(self) -> str:
@@ -379,8 +380,36 @@ def _evaluate(run: _Run, cand: Candidate, tier: str, *, reuse: bool = True, judg
                                 f"{max(0.0, run.budget.deadline - run.budget.clock()):.0f} s left")
     if not measured:
         run.say(f"[{tier}] {cand.key} {res.verdict}: {res.reason}")
+        _device_exhausted(run, res)
         return None, rid
+    _device_fits(run, cand)
     return res.objective, rid
+
+
+OUT_OF_MEMORY_STOP = 3  # candidates in a row out of device memory that stop the loop
+
+
+def _device_fits(run: _Run, cand: Candidate) -> None:
+    """A candidate measured: the streak of out-of-memory crashes ends, unless it is what serves (an A/A pair): its
+    graphs were resident before, so that it still runs says nothing of room for a new one."""
+    if run.serving_cand is None or cand.key != run.serving_cand.key:
+        run.out_of_memory = 0
+
+
+def _device_exhausted(run: _Run, res: EvalResult) -> None:
+    """Stop the loop when OUT_OF_MEMORY_STOP candidates in a row crashed out of device memory. The engine already
+    ran each once more after freeing its own graphs, so the device no longer fits a candidate beside what stays
+    resident (the weights, the KV cache, what serves): proposing more only crashes more (on an H200, 200
+    olmoe-16l candidates crashed in a row, one a second, to the end of the budget)."""
+    text = (res.reason or "").lower()
+    if res.verdict != "crashed" or not ("out of memory" in text or "outofmemory" in text):
+        run.out_of_memory = 0
+        return
+    run.out_of_memory += 1
+    if run.out_of_memory >= OUT_OF_MEMORY_STOP and not run.state.stopped:
+        last = (res.reason or "").splitlines()[0][:300]
+        run.state.stopped = (f"the engine ran out of device memory on {run.out_of_memory} candidates in a row, each "
+                             f"after freeing its own CUDA graphs (last: {last}); what serves stays")
 
 
 # ---- the serving candidate: first measurements, A/A pairs ------------------------------------------
@@ -572,7 +601,7 @@ def _search(run: _Run) -> None:
         if st.stopped:
             run.say(f"stopped: {st.stopped}")
         return
-    while True:
+    while not st.stopped:
         pairs = len(st.noise.aa_diffs)
         if pending and not st.noise.calibrated:
             if not _aa_step(run, why=f"needed before {pending[0][1].key} can be confirmed"):
@@ -911,8 +940,11 @@ def _record_pool_result(run: _Run, r: BatchResult, kind: str, can_ship: bool):
         run.bar.update(1)
     if not measured:
         run.say(f"[{tier}] {cand.key} on {r.engine} {res.verdict}: {reason}")
-    elif r.note:
-        run.say(f"[{tier}] {cand.key} on {r.engine}: {r.note}")
+        _device_exhausted(run, res)
+    else:
+        _device_fits(run, cand)
+        if r.note:
+            run.say(f"[{tier}] {cand.key} on {r.engine}: {r.note}")
     return (res.objective if measured else None), rid
 
 

@@ -23,6 +23,8 @@ where it differs.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import os
 import random
 import secrets
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tkcc.errors import EngineError
-from tkcc.kernels.graph_replay import CapturedCall, GraphCaptureError
+from tkcc.kernels.graph_replay import CapturedCall, GraphCaptureError, new_pool
 from tkcc.runtime import candidates as cands
 from tkcc.runtime import determinism, device_memory, prefetch
 from tkcc.runtime.measurement import Measurement, environment
@@ -85,6 +87,28 @@ class Slot:
     graphs_for: str | None = None                     # workload fingerprint the graphs were captured for
 
 
+def _freeing_graphs_on_oom(op):
+    """An engine operation that, out of device memory, runs once more after the engine dropped every CUDA graph
+    it keeps (``EngineCore.free_graphs``): what filled the device may be the engine's own graphs, not the
+    candidate. A second OutOfMemoryError is the candidate's, raised as it is. One rank only: a rank of a
+    tensor-parallel group retrying alone would leave the others' collectives unpaired."""
+    @functools.wraps(op)
+    def run(self, *args, **kwargs):
+        try:
+            return op(self, *args, **kwargs)
+        except torch.cuda.OutOfMemoryError as e:
+            if self.device.type != "cuda" or self.tp != 1 or not self.free_graphs():
+                raise
+            first = str(e).splitlines()[0] if str(e) else "out of memory"
+        out = op(self, *args, **kwargs)
+        if isinstance(out, dict):
+            out["graphs_freed"] = f"ran out of device memory ({first}); ran again after freeing the engine's graphs"
+        return out
+
+    run.frees_graphs_on_oom = True  # (kept by functools.wraps in the decorators above it)
+    return run
+
+
 class EngineCore:
     tp = 1  # ranks the served model is split over (TPEngineCore: > 1)
 
@@ -127,6 +151,7 @@ class EngineCore:
         self.refbank = ReferenceBank()  # the reference's results per tier and shape, reused (tkcc.runtime.refbank)
         self.replays: dict = {}  # (candidate or "reference", tier) -> {phase: Replays}: graphs kept per shape
         self.ref_graphs: dict = {}  # (tier, bucket key) -> the reference's own CapturedCall (False: not capturable)
+        self.graph_pool = new_pool() if self.device.type == "cuda" else None  # every graph's memory: see _graph
         baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
         self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
         if self.isolation == "process":
@@ -485,6 +510,7 @@ class EngineCore:
                 "exact": cand.exact, "info": cand.info.get(tier, {})}
 
     @prefetch.jit_counted
+    @_freeing_graphs_on_oom
     def op_validate(self, candidate: str, tier: str, workload=None, seed: int | None = None,
                     max_shapes: int = 4) -> dict:
         check_tier(tier)
@@ -527,6 +553,7 @@ class EngineCore:
         return res
 
     @prefetch.jit_counted
+    @_freeing_graphs_on_oom
     def op_swap(self, candidate: str, tier: str, workload=None, capture: bool = True, seed: int | None = None) -> dict:
         """Point the tier's forward at ``candidate`` (validated), keep the old one for revert, re-capture graphs."""
         check_tier(tier)
@@ -564,15 +591,26 @@ class EngineCore:
             return ref, ref
         return self._replays_of(cand.id, tier, fwd), ref
 
+    def _graph(self, fn, inputs: tuple, warmup: int) -> CapturedCall:
+        """Every CUDA graph the engine captures, in one memory pool (``self.graph_pool``).
+
+        Each graph in a pool of its own kept its peak of temporaries reserved for as long as it lived: on an H200,
+        olmoe-16l's prefill chunk (transformers' ``batched_mm`` experts, 64 MiB per token) reserves 16 GiB a graph,
+        and the reference's graph per tier and bucket plus each kept candidate's ran the device out of memory
+        ("109 GiB in private pools") after the first ship. In one pool the temporaries of all of them are the same
+        memory, so the engine reserves about the largest graph's, plus every graph's outputs.
+
+        That is sound because the engine replays one graph at a time on one stream, and every caller consumes or
+        clones a replay's outputs (``static_outputs``, valid until that graph's next replay) before another graph
+        replays: a graph captured earlier may use as temporaries the memory that later graphs' outputs live in."""
+        return CapturedCall(fn, inputs, warmup=warmup, device=self.device, pool=self.graph_pool)
+
     def _replays_of(self, cid: str, tier: str, fwd: dict) -> dict:
         from tkcc.runtime.replays import replays_of
 
         key = (cid, tier)
         if key not in self.replays:
-            def capture(fn, inputs, warmup):
-                return CapturedCall(fn, inputs, warmup=warmup, device=self.device)
-
-            self.replays[key] = replays_of(fwd, self.programs[tier].state, capture, CAPTURE_WARMUP)
+            self.replays[key] = replays_of(fwd, self.programs[tier].state, self._graph, CAPTURE_WARMUP)
         return self.replays[key]
 
     def _replay_status(self, cand: cands.Candidate, tier: str) -> dict | None:
@@ -607,7 +645,7 @@ class EngineCore:
         g = ref_graphs.get((tier, key)) if self.device.type == "cuda" else False
         if g is None:
             try:
-                g = CapturedCall(self._reference(tier)[b.phase], inputs, warmup=3, device=self.device)
+                g = self._graph(self._reference(tier)[b.phase], inputs, warmup=3)
             except GraphCaptureError:
                 g = False
             ref_graphs[(tier, key)] = g
@@ -662,7 +700,7 @@ class EngineCore:
         if policy.source != "auto" or self.device.type != "cuda":
             return False
         try:
-            g = CapturedCall(self._reference(tier)[b.phase], inputs, warmup=3, device=self.device)
+            g = self._graph(self._reference(tier)[b.phase], inputs, warmup=3)
         except GraphCaptureError:
             guard.restore()
             return False
@@ -677,6 +715,21 @@ class EngineCore:
         self._demote(tier, ab, nm, f"bucket {key}, two CUDA-graph captures of the reference")
         guard.restore()
         return True
+
+    def free_graphs(self) -> int:
+        """Drop every CUDA graph the engine keeps (the reference's, every candidate's, the slots': each is
+        captured again when next needed) and their memory pool, and return the cached memory to the device;
+        the number of graphs dropped."""
+        n = sum(g is not False for g in self.ref_graphs.values()) + sum(len(s.graphs) for s in self.slots.values())
+        n += sum(len(r.graphs) for rp in self.replays.values() for r in rp.values())
+        self.ref_graphs, self.replays = {}, {}
+        for slot in self.slots.values():
+            slot.graphs, slot.graph_notes, slot.graphs_for = {}, {}, None
+        self.graph_pool = new_pool() if self.device.type == "cuda" else None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return n
 
     def _drop_graphs(self, slot: Slot) -> None:
         slot.graphs, slot.graph_notes, slot.graphs_for = {}, {}, None
@@ -711,7 +764,7 @@ class EngineCore:
                 continue
             guard = StateGuard(prog.state)
             try:  # one warm-up call does a forward's lazy set-up (the replay is checked against the reference below)
-                g, why = CapturedCall(fwd[b.phase], inputs, warmup=CAPTURE_WARMUP, device=self.device), ""
+                g, why = self._graph(fwd[b.phase], inputs, warmup=CAPTURE_WARMUP), ""
             except GraphCaptureError as e:
                 g, why = None, f"CUDA graph capture failed ({e}); timed eagerly"
             if not self._all_ok(g is not None):
@@ -792,6 +845,7 @@ class EngineCore:
         return exact, scaled, note
 
     @prefetch.jit_counted
+    @_freeing_graphs_on_oom
     def op_measure(self, tier: str, workload=None, reps: int = 30, warmup: int = 5, rotations: int = 4,
                    seed: int | None = None, min_reps: int | None = MIN_REPS, ci_rel: float = CI_REL) -> dict:
         """Time the tier's current forward per bucket: ``warmup`` calls, then ``min_reps``..``reps`` recorded
