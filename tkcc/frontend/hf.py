@@ -115,7 +115,7 @@ def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
         if phase == "prefill":
             t = torch.export.Dim("T", min=1, max=prog.meta["max_cache_len"])
             dyn = ({1: t}, {0: t})
-        with torch.no_grad():
+        with torch.no_grad(), _experts_for(model, phase):
             gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, failure=functools.partial(
                 library_failure, model, f"the {phase} step of", where="tkcc.frontend.hf.capture_hf",
                 supported=SUPPORTED))
@@ -239,6 +239,50 @@ def _prefill_chunk(model) -> int | None:
     if getattr(cfg, "_experts_implementation", None) == "batched_mm":
         return 256
     return None
+
+
+GROUPED_PREFILL = "grouped_mm"  # the experts implementation a CUDA bf16 prefill graph is captured with
+
+
+@contextlib.contextmanager
+def _experts_for(model, phase: str):
+    """The MoE experts implementation a phase is captured with: the model's own, except a prefill on CUDA in
+    bf16 of a model set to ``batched_mm`` (the built-in MoE models are), which is captured with transformers'
+    ``grouped_mm`` experts (tokens sorted by expert, one grouped GEMM per projection; no host synchronisation).
+
+    Why: ``batched_mm`` gathers every token's k experts' weights before a bmm, 64 MiB per token for OLMoE: on an
+    H200 a 256-token prefill chunk of olmoe-16l took 223 ms and 16 GiB of temporaries, so that measuring one
+    candidate's prefill cost more than its decode, and the TTFT of a served prompt was seconds. For one token
+    (decode) the gather reads the same bytes as the experts themselves, so decode keeps ``batched_mm``, whose
+    graph the lowered step's patterns match. The two compute the same function with other roundings: the
+    captured prefill is the reference every candidate is held to, and the model's own eager forward (its
+    ``batched_mm``) is one candidate among them, validated within tolerance of it."""
+    cfg = model.config.get_text_config()
+    param = next(model.parameters(), None)
+    switch = (phase == "prefill" and getattr(cfg, "_experts_implementation", None) == "batched_mm"
+              and param is not None and param.device.type == "cuda" and param.dtype == torch.bfloat16
+              and _grouped_mm_available(param.device))
+    if not switch:
+        yield
+        return
+    configs = {id(c): c for c in (model.config, cfg, *(getattr(m, "config", None) for m in model.modules()))
+               if c is not None and hasattr(c, "_experts_implementation")}
+    saved = {k: c._experts_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._experts_implementation = GROUPED_PREFILL
+        yield
+    finally:
+        for k, c in configs.items():
+            c._experts_implementation = saved[k]
+
+
+def _grouped_mm_available(device: torch.device) -> bool:
+    """transformers' ``grouped_mm`` experts run torch's grouped GEMM (not its per-expert Python fallback, which
+    synchronises with the host): torch has one and the GPU is sm80 or newer."""
+    if not (hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _generator_for(device: torch.device, generator: torch.Generator | None) -> torch.Generator | None:
