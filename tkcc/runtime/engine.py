@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tkcc.errors import EngineError
-from tkcc.kernels.graph_replay import CapturedCall, GraphCaptureError, new_pool
+from tkcc.kernels.graph_replay import CapturedCall, GraphCaptureError
 from tkcc.runtime import candidates as cands
 from tkcc.runtime import determinism, device_memory, prefetch
 from tkcc.runtime.measurement import Measurement, environment
@@ -151,7 +151,6 @@ class EngineCore:
         self.refbank = ReferenceBank()  # the reference's results per tier and shape, reused (tkcc.runtime.refbank)
         self.replays: dict = {}  # (candidate or "reference", tier) -> {phase: Replays}: graphs kept per shape
         self.ref_graphs: dict = {}  # (tier, bucket key) -> the reference's own CapturedCall (False: not capturable)
-        self.graph_pool = new_pool() if self.device.type == "cuda" else None  # every graph's memory: see _graph
         baseline = cands.Candidate("baseline", "baseline", {"baseline": True})
         self.candidates: dict[str, cands.Candidate] = {"baseline": baseline}
         if self.isolation == "process":
@@ -592,18 +591,15 @@ class EngineCore:
         return self._replays_of(cand.id, tier, fwd), ref
 
     def _graph(self, fn, inputs: tuple, warmup: int) -> CapturedCall:
-        """Every CUDA graph the engine captures, in one memory pool (``self.graph_pool``).
+        """Every CUDA graph the engine captures, each in a memory pool of its own.
 
-        Each graph in a pool of its own kept its peak of temporaries reserved for as long as it lived: on an H200,
-        olmoe-16l's prefill chunk (transformers' ``batched_mm`` experts, 64 MiB per token) reserves 16 GiB a graph,
-        and the reference's graph per tier and bucket plus each kept candidate's ran the device out of memory
-        ("109 GiB in private pools") after the first ship. In one pool the temporaries of all of them are the same
-        memory, so the engine reserves about the largest graph's, plus every graph's outputs.
-
-        That is sound because the engine replays one graph at a time on one stream, and every caller consumes or
-        clones a replay's outputs (``static_outputs``, valid until that graph's next replay) before another graph
-        replays: a graph captured earlier may use as temporaries the memory that later graphs' outputs live in."""
-        return CapturedCall(fn, inputs, warmup=warmup, device=self.device, pool=self.graph_pool)
+        Not one pool shared by all (tried on an H200, commit 93c82d6): it kept olmoe-16l's 16 GiB prefill-chunk
+        graphs from filling the device, but an exact-mode ``tkcc compile`` of llama-1b-16l then found the empty
+        plan's decode graph 0.035 away from the reference's (both captures of the same forward), where private
+        pools had agreed bit for bit in the same command on the tree before. What keeps the pools small is the
+        prefill captured with grouped experts (``tkcc.frontend.hf._experts_for``); what frees them when the
+        device is full is ``free_graphs``."""
+        return CapturedCall(fn, inputs, warmup=warmup, device=self.device)
 
     def _replays_of(self, cid: str, tier: str, fwd: dict) -> dict:
         from tkcc.runtime.replays import replays_of
@@ -718,14 +714,13 @@ class EngineCore:
 
     def free_graphs(self) -> int:
         """Drop every CUDA graph the engine keeps (the reference's, every candidate's, the slots': each is
-        captured again when next needed) and their memory pool, and return the cached memory to the device;
+        captured again when next needed) with their memory pools, and return the cached memory to the device;
         the number of graphs dropped."""
         n = sum(g is not False for g in self.ref_graphs.values()) + sum(len(s.graphs) for s in self.slots.values())
         n += sum(len(r.graphs) for rp in self.replays.values() for r in rp.values())
         self.ref_graphs, self.replays = {}, {}
         for slot in self.slots.values():
             slot.graphs, slot.graph_notes, slot.graphs_for = {}, {}, None
-        self.graph_pool = new_pool() if self.device.type == "cuda" else None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
