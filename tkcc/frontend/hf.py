@@ -257,15 +257,11 @@ def _experts_for(model, phase: str):
     graph the lowered step's patterns match. The two compute the same function with other roundings: the
     captured prefill is the reference every candidate is held to, and the model's own eager forward (its
     ``batched_mm``) is one candidate among them, validated within tolerance of it."""
-    cfg = model.config.get_text_config()
-    param = next(model.parameters(), None)
-    switch = (phase == "prefill" and getattr(cfg, "_experts_implementation", None) == "batched_mm"
-              and param is not None and param.device.type == "cuda" and param.dtype == torch.bfloat16
-              and _grouped_mm_available(param.device))
-    if not switch:
+    if not _grouped_prefill(model, phase):
         yield
         return
-    configs = {id(c): c for c in (model.config, cfg, *(getattr(m, "config", None) for m in model.modules()))
+    configs = {id(c): c for c in (model.config, model.config.get_text_config(),
+                                  *(getattr(m, "config", None) for m in model.modules()))
                if c is not None and hasattr(c, "_experts_implementation")}
     saved = {k: c._experts_implementation for k, c in configs.items()}
     try:
@@ -275,6 +271,15 @@ def _experts_for(model, phase: str):
     finally:
         for k, c in configs.items():
             c._experts_implementation = saved[k]
+
+
+def _grouped_prefill(model, phase: str) -> bool:
+    """Is ``phase`` of ``model`` captured with ``grouped_mm`` experts (see ``_experts_for``)?"""
+    cfg = model.config.get_text_config()
+    param = next(model.parameters(), None)
+    return (phase == "prefill" and getattr(cfg, "_experts_implementation", None) == "batched_mm"
+            and param is not None and param.device.type == "cuda" and param.dtype == torch.bfloat16
+            and _grouped_mm_available(param.device))
 
 
 def _grouped_mm_available(device: torch.device) -> bool:
