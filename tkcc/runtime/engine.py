@@ -593,12 +593,14 @@ class EngineCore:
     def _graph(self, fn, inputs: tuple, warmup: int) -> CapturedCall:
         """Every CUDA graph the engine captures, each in a memory pool of its own.
 
-        Not one pool shared by all (tried on an H200, commit 93c82d6): it kept olmoe-16l's 16 GiB prefill-chunk
-        graphs from filling the device, but an exact-mode ``tkcc compile`` of llama-1b-16l then found the empty
-        plan's decode graph 0.035 away from the reference's (both captures of the same forward), where private
-        pools had agreed bit for bit in the same command on the tree before. What keeps the pools small is the
-        prefill captured with grouped experts (``tkcc.frontend.hf._experts_for``); what frees them when the
-        device is full is ``free_graphs``."""
+        One pool shared by all was tried on an H200 (commit 93c82d6): it kept olmoe-16l's 16 GiB prefill-chunk
+        graphs (then ``batched_mm`` experts) from filling the device, but an exact-mode ``tkcc compile`` of
+        llama-1b-16l with it stopped at A/A calibration, the serving candidate's decode replay 0.035 from the
+        reference's. The same command with private pools completed, though its log shows mismatches of the same
+        kind (0.016-0.068 at decode contexts) for other candidates: the pool is not shown to be the cause, and
+        private pools stay until that is settled. What keeps the pools small now is the prefill captured with
+        grouped experts (``tkcc.frontend.hf._experts_for``); what frees them when the device is full is
+        ``free_graphs``."""
         return CapturedCall(fn, inputs, warmup=warmup, device=self.device)
 
     def _replays_of(self, cid: str, tier: str, fwd: dict) -> dict:
