@@ -56,5 +56,7 @@ class Proposer(Protocol):
     name: str
 
     def propose(self, n: int, history: list[Outcome]) -> list[Candidate]:
-        """Up to n new candidates, given every outcome so far (any tier)."""
+        """About n new candidates, given every outcome so far (any tier): one round, whose best the campaign
+        promotes. n is what the batch asks; a proposer whose design is one round of another size may return that
+        (the built-in search's screening: every pass alone)."""
         ...

@@ -13,9 +13,13 @@ are drawn from a pool of random plans and single-step mutations of the best
 measured ones, scored by one posterior sample each, and the best unseen ones
 are proposed. Failed candidates teach a strong penalty on their features.
 
-The first design points are each pass alone at its defaults (screening). A campaign that starts from a tuned plan
-(a server's watcher starts from what serves) alternates them with that plan's neighbours: a short budget spent
-only on single passes would never try what could beat a plan that already combines them.
+The first design points are each pass alone at its defaults (screening), proposed as one round whatever the batch
+size: a campaign promotes (confirms on the slow tier, ships) the best of each round, so a screening cut into rounds
+shipped the best of the passes that come first in the registry before the others were measured (on an H200,
+olmoe-16l at the default 150 s budget shipped ``fuse_elementwise``, x1.34 eager, and never screened
+``lowered_decode``, x3.6, eighth in the order). A campaign that starts from a tuned plan (a server's watcher starts
+from what serves) alternates them with that plan's neighbours: a short budget spent only on single passes would
+never try what could beat a plan that already combines them.
 """
 from __future__ import annotations
 
@@ -207,8 +211,8 @@ class BayesianSearch:
     def propose(self, n: int, history: list[Outcome]) -> list[Candidate]:
         first = self.screening(history)
         inc = self.incumbent(history) if first else None
-        if first and inc is None:
-            return [Candidate(self.name, p, note="screening: one pass at its defaults") for p in first[:n]]
+        if first and inc is None:  # the whole screening is one round (module docstring), not the first n of it
+            return [Candidate(self.name, p, note="screening: one pass at its defaults") for p in first]
         seen = {h.plan.hash() for h in history}
         mean, cov, _ = self.posterior(history)
         if inc is not None:  # screening not done: its points alternate with neighbours of the incumbent
