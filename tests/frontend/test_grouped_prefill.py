@@ -1,15 +1,18 @@
-"""The prefill of a batched_mm MoE model captured with grouped_mm experts (``tkcc.frontend.hf._experts_for``).
+"""The experts implementation each phase of an MoE model is captured with (``tkcc.frontend.hf.experts_for_phase``).
 
-On a GPU in bf16 the switch is automatic (``benchmarks/prefill.py`` times it on an H200). Here it is forced on
-a CPU in fp32 (exported there, transformers groups the experts with its own fallback op): the captured prefill graph (grouped) is held to the
-model's own eager step (batched_mm) on fresh random prompts of several lengths, the decode graph keeps
-``batched_mm``, and the model's setting is the same afterwards.
+On a GPU in bf16 a model set to ``batched_mm`` (the registry's MoE models) has its prefill captured with
+``grouped_mm``, and one set to ``grouped_mm`` (transformers' default on a GPU) has its decode captured with
+``batched_mm`` (``benchmarks/prefill.py`` times the prefill on an H200). Here both are forced on a CPU in fp32
+(exported there, transformers groups the experts with its own fallback op): each captured graph is held to the
+model's own eager step, with its own setting, on fresh random inputs of several shapes, and the model's setting
+is the same afterwards.
 """
 import pytest
 import torch
 
 from tkcc.frontend import capture, hf
 from tkcc.frontend.models import build_model
+from tkcc.traffic.workload import Bucket
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.nn.functional, "grouped_mm") and not hasattr(torch, "_grouped_mm"),
                                 reason="this torch has no grouped GEMM")
@@ -19,16 +22,29 @@ def _ops(gm) -> set[str]:
     return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
 
 
+def _grouped(ops) -> bool:
+    return any("grouped_mm" in op for op in ops)
+
+
+def _set_experts(model, impl):
+    for c in {id(c): c for c in (model.config, model.config.get_text_config(),
+                                 *(getattr(m, "config", None) for m in model.modules())) if c is not None}.values():
+        if hasattr(c, "_experts_implementation"):
+            c._experts_implementation = impl
+
+
+def _close(got, want):
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["olmoe-tiny", "qwen3moe-tiny"])
 def test_forced_grouped_prefill_matches_the_eager_step(monkeypatch, name):
-    monkeypatch.setattr(hf, "_grouped_prefill", lambda model, phase: phase == "prefill")
+    monkeypatch.setattr(hf, "capture_experts", lambda model, phase: "grouped_mm" if phase == "prefill" else None)
     model = build_model(name)
     prog = capture(model, max_cache_len=64)
     pre, dec = _ops(prog.graphs["prefill"]), _ops(prog.graphs["decode"])
-    # on the GPU in bf16 the op is aten._grouped_mm (benchmarks/prefill.py lists it); exporting fp32, transformers
-    # takes its own per-expert fallback op: the same experts arithmetic, grouped by expert
-    assert any("grouped_mm" in op for op in pre) and "aten.bmm.default" not in pre
-    assert "aten.bmm.default" in dec and not any("grouped_mm" in op for op in dec)
+    assert _grouped(pre) and "aten.bmm.default" not in pre
+    assert "aten.bmm.default" in dec and not _grouped(dec)
     assert model.config.get_text_config()._experts_implementation == "batched_mm"  # put back
     gen = torch.Generator().manual_seed(1234)
     vocab = prog.meta["vocab_size"]
@@ -41,16 +57,50 @@ def test_forced_grouped_prefill_matches_the_eager_step(monkeypatch, name):
             want_state = [b.clone() for b in prog.state.buffers()]
             prog.reset_state()
             got = prog.graphs["prefill"](ids, pos)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        _close(got, want)
         for a, b in zip(prog.state.buffers(), want_state):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            _close(a, b)
 
 
-def test_the_switch_is_cuda_bf16_batched_mm_prefill_only():
-    model = build_model("olmoe-tiny")  # CPU, fp32
-    assert not hf._grouped_prefill(model, "prefill") and not hf._grouped_prefill(model, "decode")
-    llama = build_model("llama-tiny")
-    assert not hf._grouped_prefill(llama, "prefill")
+def test_forced_batched_decode_of_a_grouped_model_matches_the_eager_step(monkeypatch):
+    monkeypatch.setattr(hf, "capture_experts", lambda model, phase: "batched_mm" if phase == "decode" else None)
+    model = build_model("olmoe-tiny")
+    _set_experts(model, "grouped_mm")  # what transformers picks on a GPU by default
+    prog = capture(model, max_cache_len=64)
+    pre, dec = _ops(prog.graphs["prefill"]), _ops(prog.graphs["decode"])
+    assert "aten.bmm.default" in dec and not _grouped(dec)
+    assert _grouped(pre)
+    assert model.config.get_text_config()._experts_implementation == "grouped_mm"
+    gen = torch.Generator().manual_seed(4321)
+    for ctx in (3, 20, 60):
+        ids, pos = prog.make_inputs["decode"](Bucket("decode", batch=1, context=ctx), gen)
+        snap = [b.clone() for b in prog.state.buffers()]
+        with torch.no_grad():
+            want = prog.eager(ids, pos)
+            want_state = [b.clone() for b in prog.state.buffers()]
+            for b, s in zip(prog.state.buffers(), snap):
+                b.copy_(s)
+            got = prog.graphs["decode"](ids, pos)
+        _close(got, want)
+        for a, b in zip(prog.state.buffers(), want_state):
+            _close(a, b)
+
+
+def test_which_phase_switches(monkeypatch):
+    monkeypatch.setattr(hf, "_grouped_mm_available", lambda device: True)
+    bf16, cuda = torch.bfloat16, "cuda"
+    f = hf.experts_for_phase
+    assert f("batched_mm", "prefill", cuda, bf16) == "grouped_mm"
+    assert f("batched_mm", "decode", cuda, bf16) is None
+    assert f("grouped_mm", "decode", cuda, bf16) == "batched_mm"
+    assert f("grouped_mm", "prefill", cuda, bf16) is None
+    for impl, dev, dt in (("batched_mm", "cpu", bf16), ("batched_mm", cuda, torch.float32),
+                          ("grouped_mm", cuda, torch.float16), ("eager", cuda, bf16), (None, cuda, bf16)):
+        assert f(impl, "prefill", dev, dt) is None and f(impl, "decode", dev, dt) is None
+    monkeypatch.setattr(hf, "_grouped_mm_available", lambda device: False)
+    assert f("batched_mm", "prefill", cuda, bf16) is None  # no grouped GEMM: batched_mm stays
+    assert hf.capture_experts(build_model("olmoe-tiny"), "prefill") is None  # a CPU model keeps its own
+    assert hf.capture_experts(build_model("llama-tiny"), "prefill") is None
 
 
 @pytest.mark.gpu

@@ -241,23 +241,12 @@ def _prefill_chunk(model) -> int | None:
     return None
 
 
-GROUPED_PREFILL = "grouped_mm"  # the experts implementation a CUDA bf16 prefill graph is captured with
-
-
 @contextlib.contextmanager
 def _experts_for(model, phase: str):
-    """The MoE experts implementation a phase is captured with: the model's own, except a prefill on CUDA in
-    bf16 of a model set to ``batched_mm`` (the built-in MoE models are), which is captured with transformers'
-    ``grouped_mm`` experts (tokens sorted by expert, one grouped GEMM per projection; no host synchronisation).
-
-    Why: ``batched_mm`` gathers every token's k experts' weights before a bmm, 64 MiB per token for OLMoE: on an
-    H200 a 256-token prefill chunk of olmoe-16l took 223 ms and 16 GiB of temporaries, so that measuring one
-    candidate's prefill cost more than its decode, and the TTFT of a served prompt was seconds. For one token
-    (decode) the gather reads the same bytes as the experts themselves, so decode keeps ``batched_mm``, whose
-    graph the lowered step's patterns match. The two compute the same function with other roundings: the
-    captured prefill is the reference every candidate is held to, and the model's own eager forward (its
-    ``batched_mm``) is one candidate among them, validated within tolerance of it."""
-    if not _grouped_prefill(model, phase):
+    """The MoE experts implementation a phase is captured with (``capture_experts``), set on every config of the
+    model for the export of that phase only, then put back: the model's own eager forward keeps its setting."""
+    impl = capture_experts(model, phase)
+    if impl is None:
         yield
         return
     configs = {id(c): c for c in (model.config, model.config.get_text_config(),
@@ -266,20 +255,43 @@ def _experts_for(model, phase: str):
     saved = {k: c._experts_implementation for k, c in configs.items()}
     try:
         for c in configs.values():
-            c._experts_implementation = GROUPED_PREFILL
+            c._experts_implementation = impl
         yield
     finally:
         for k, c in configs.items():
             c._experts_implementation = saved[k]
 
 
-def _grouped_prefill(model, phase: str) -> bool:
-    """Is ``phase`` of ``model`` captured with ``grouped_mm`` experts (see ``_experts_for``)?"""
+def capture_experts(model, phase: str) -> str | None:
+    """The experts implementation ``phase`` of ``model`` is captured with, or None for the model's own."""
     cfg = model.config.get_text_config()
     param = next(model.parameters(), None)
-    return (phase == "prefill" and getattr(cfg, "_experts_implementation", None) == "batched_mm"
-            and param is not None and param.device.type == "cuda" and param.dtype == torch.bfloat16
-            and _grouped_mm_available(param.device))
+    if param is None:
+        return None
+    return experts_for_phase(getattr(cfg, "_experts_implementation", None), phase, param.device, param.dtype)
+
+
+def experts_for_phase(impl: str | None, phase: str, device, dtype: torch.dtype) -> str | None:
+    """On CUDA in bf16, a model set to transformers' ``batched_mm`` or ``grouped_mm`` experts has its prefill
+    captured with ``grouped_mm`` and its decode with ``batched_mm``; anywhere else, or another setting, None.
+
+    Why: ``batched_mm`` gathers every token's k experts' weights before a bmm, 64 MiB per token for OLMoE: on an
+    H200 a 256-token prefill chunk of olmoe-16l took 222.5 ms and 24 GiB that way, 8.3 ms and 25 MiB grouped
+    (``benchmarks/prefill.py``). For one token the gather reads the same bytes as the experts themselves, and the
+    lowered decode step's MoE patterns match ``batched_mm``'s ops: so decode takes it, also for a model loaded
+    with transformers' default on a GPU (``grouped_mm``). Both compute the same function with other roundings:
+    the captured graphs are the reference every candidate is held to, and the model's own eager forward (its
+    own setting) is one candidate among them, validated within tolerance of it. On a CPU, or in fp32 (where
+    transformers' grouped path falls back to a per-expert loop that synchronises with the host), the model's
+    own setting stays."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or dtype != torch.bfloat16 or impl not in ("batched_mm", "grouped_mm"):
+        return None
+    if phase == "prefill" and impl == "batched_mm" and _grouped_mm_available(dev):
+        return "grouped_mm"
+    if phase == "decode" and impl == "grouped_mm":
+        return "batched_mm"
+    return None
 
 
 def _grouped_mm_available(device: torch.device) -> bool:
