@@ -104,7 +104,7 @@ class CampaignConfig:
     model: str
     budget_s: float
     tiers: tuple[str, ...] = ("fast", "slow")  # ("slow",) for a slow-only campaign
-    batch: int = 4  # candidates proposed per round
+    batch: int = 4  # candidates proposed per round (the built-in search's screening is one round of its own size)
     promote: int = 1  # fast-tier winners confirmed on the slow tier per round
     aa_pairs: int = 3  # A/A pairs needed before anything can ship (more if the budget affords them)
     resume: bool = False
