@@ -24,8 +24,9 @@ def register(sub) -> None:
                    help="screen on the fast tier and confirm on the slow one (default), or the slow tier only")
     c.add_argument("--aa-pairs", type=int, default=3,
                    help="A/A pairs needed before anything ships (default 3; more if the budget affords them)")
-    c.add_argument("--batch", type=int, default=4, help="candidates proposed per round (default 4; the built-in search's "
-                   "first round is its whole screening, every pass alone)")
+    c.add_argument("--batch", type=int, default=4,
+                   help="candidates proposed per round (default 4; the built-in search's first round is its whole "
+                   "screening, every pass alone)")
     c.add_argument("--ahead", type=int, default=4,
                    help="candidates kept proposed, with their kernels compiling, ahead of the one measured "
                         "(default 4; 0: none): needs an engine with a compile pool (a GPU engine has one)")
