@@ -1,5 +1,5 @@
 """A prefill chunk of a built-in MoE model: the model's eager step (its ``batched_mm`` experts) against the
-captured prefill graph (``grouped_mm`` experts on CUDA in bf16, ``tkcc.frontend.hf._experts_for``), in one run.
+captured prefill graph (``grouped_mm`` experts on CUDA in bf16, ``tkcc.frontend.hf.experts_for_phase``), in one run.
 
     python benchmarks/prefill.py --model olmoe-16l --tokens 256 2048 --out benchmarks/results/prefill.json
 
@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,15 +22,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-
-
-def _peak_bytes(fn) -> int:
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
 
 
 def main(argv=None) -> int:
@@ -47,7 +37,7 @@ def main(argv=None) -> int:
     import decode as lab
     from tkcc.frontend import capture
     from tkcc.frontend.models import build_model
-    from tkcc.kernels.graph_replay import CapturedCall
+    from tkcc.kernels.graph_replay import replay_us
 
     model = build_model(a.model, torch.bfloat16, "cuda")
     prog = capture(model, max_cache_len=max(a.tokens) + 8)
@@ -62,15 +52,15 @@ def main(argv=None) -> int:
         for name, fn in (("eager", prog.eager), ("captured", prog.graphs["prefill"])):
             prog.reset_state()
             with torch.no_grad():
-                row[f"{name}_peak_gib"] = round(_peak_bytes(lambda: fn(ids, pos)) / 2**30, 3)
+                before = lab.peak_reset()
+                fn(ids, pos)
+                torch.cuda.synchronize()
+                row[f"{name}_peak_gib"] = round((lab.peak() - before) / 2**30, 3)
                 prog.reset_state()
                 out = fn(ids, pos)
                 outs[name] = (out if isinstance(out, torch.Tensor) else out[0]).float().clone()
             prog.reset_state()
-            g = CapturedCall(fn, (ids, pos), warmup=2)
-            times = g.replay_times_us(a.reps, warm=2)
-            row[f"{name}_ms"] = round(statistics.median(times) / 1e3, 3)
-            del g
+            row[f"{name}_ms"] = round(replay_us(lambda: fn(ids, pos), reps=a.reps, warmup=2, warm_replays=2) / 1e3, 3)
             torch.cuda.empty_cache()
         ref, got = outs["eager"], outs["captured"]
         scale = float(ref.abs().max())

@@ -27,10 +27,8 @@ def _grouped(ops) -> bool:
 
 
 def _set_experts(model, impl):
-    for c in {id(c): c for c in (model.config, model.config.get_text_config(),
-                                 *(getattr(m, "config", None) for m in model.modules())) if c is not None}.values():
-        if hasattr(c, "_experts_implementation"):
-            c._experts_implementation = impl
+    for c in hf.experts_configs(model):
+        c._experts_implementation = impl
 
 
 def _close(got, want):

@@ -249,17 +249,24 @@ def _experts_for(model, phase: str):
     if impl is None:
         yield
         return
-    configs = {id(c): c for c in (model.config, model.config.get_text_config(),
-                                  *(getattr(m, "config", None) for m in model.modules()))
-               if c is not None and hasattr(c, "_experts_implementation")}
-    saved = {k: c._experts_implementation for k, c in configs.items()}
+    configs = experts_configs(model)
+    saved = [c._experts_implementation for c in configs]
     try:
-        for c in configs.values():
+        for c in configs:
             c._experts_implementation = impl
         yield
     finally:
-        for k, c in configs.items():
-            c._experts_implementation = saved[k]
+        for c, was in zip(configs, saved):
+            c._experts_implementation = was
+
+
+def experts_configs(model) -> list:
+    """Every distinct config of ``model`` (its own, its text config, its modules') that names an experts
+    implementation: transformers' experts modules read theirs at each call."""
+    configs = {id(c): c for c in (model.config, model.config.get_text_config(),
+                                  *(getattr(m, "config", None) for m in model.modules()))
+               if c is not None and hasattr(c, "_experts_implementation")}
+    return list(configs.values())
 
 
 def capture_experts(model, phase: str) -> str | None:

@@ -599,7 +599,7 @@ class EngineCore:
         reference's. The same command with private pools completed, though its log shows mismatches of the same
         kind (0.016-0.068 at decode contexts) for other candidates: the pool is not shown to be the cause, and
         private pools stay until that is settled. What keeps the pools small now is the prefill captured with
-        grouped experts (``tkcc.frontend.hf._experts_for``); what frees them when the device is full is
+        grouped experts (``tkcc.frontend.hf.experts_for_phase``); what frees them when the device is full is
         ``free_graphs``."""
         return CapturedCall(fn, inputs, warmup=warmup, device=self.device)
 
