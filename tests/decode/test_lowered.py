@@ -450,6 +450,56 @@ def test_the_whole_step_picks_among_the_attention_layouts_fastest_alone(captured
     _same_decode(prog, new)
 
 
+def test_one_layout_for_every_context_is_the_one_least_behind_each_contexts_fastest(captured):
+    """Fake clocks: alone (at the middle context) 32x4 ranks first; in the whole step it is the fastest at the
+    middle context but twice the best at the short and long ones, where 16x4 is always within 10%. The layout
+    kept for every context is 16x4, written into every fused attention node; the timing leaves the cache as it
+    was, and the step still computes the captured graph's logits."""
+    from tkcc.passes.lower import space, tune
+    from tkcc.passes.manager import apply_plan
+
+    prog = captured["llama-tiny", "float32"]
+    new, _ = apply_plan(prog, [{"name": "lowered_decode", "params": {"tune": False}}], mode="tolerance",
+                        check_numerics=False)
+    gm = new.graphs["decode"]
+    fused = [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.attention_rope.default]
+    tiles = ["32x4", "16x4", "64x4", "32x2"]
+    in_step = {"32x4": {5: 2.0, 13: 1.0, 21: 2.0}, "16x4": {5: 1.1, 13: 1.1, 21: 1.1},
+               "64x4": {5: 1.0, 13: 3.0, 21: 3.0}, "32x2": {5: 9.0, 13: 9.0, 21: 9.0}}
+    alone, seen = iter(range(100)), []
+
+    def clock(fn):
+        fn()
+        context = getattr(fn, "context", None)
+        if context is None:  # an attention timed alone: ranked in the order of ``tiles``
+            return 1.0 + next(alone)
+        tile = next(t for t in tiles if space.parse_tile(t) == tuple(fused[0].args[13:15]))
+        seen.append((tile, context))
+        return in_step[tile][context]
+
+    before = [b.clone() for b in prog.state.buffers()]
+    got = tune.tune_layout_across(gm, clock, [20, 4, 12], tiles)
+    S = tune.cache_length(gm)
+    assert got["layout"] == (S, "16x4") and got["us"] == {5: 1.1, 13: 1.1, 21: 1.1}
+    assert abs(got["ratio"] - (1.1 / 1.0 + 1.1 / 1.0 + 1.1 / 1.1) / 3) < 1e-9  # the fastest: 1.0, 1.0, 1.1
+    # the shortlist (the three fastest alone) each timed at every context; 32x2, ranked last alone, never
+    assert sorted(seen) == sorted((t, c) for t in ("32x4", "16x4", "64x4") for c in (5, 13, 21))
+    bs, nw = space.parse_tile("16x4")
+    assert all(tuple(n.args[12:15]) == (S, bs, nw) for n in fused)
+    assert all(torch.equal(a, b) for a, b in zip(before, prog.state.buffers()))
+    gm.recompile()
+    _same_decode(prog, new)
+
+
+def test_a_layout_for_every_context_is_judged_where_the_cache_reaches():
+    from tkcc.passes.lower.decode import span_contexts
+
+    assert span_contexts(32768) == [128, 2048, 8192]
+    assert span_contexts(4096) == [128, 2048]
+    assert span_contexts(100) == [99]
+    assert span_contexts(None) == [] and span_contexts(0) == []
+
+
 def test_the_step_times_the_fastest_layouts_and_every_other_chunks_fastest_tile():
     from tkcc.passes.lower.tune import layout_candidates
 

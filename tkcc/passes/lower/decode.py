@@ -24,8 +24,10 @@ Parameters (derived from the ops' own configs, see ``space.py``): ``attn_chunk``
 fused attention's layout), ``gemv_config`` (one config for every GEMV, or ``auto``), ``pdl``
 (programmatic dependent launch on Hopper+), ``tune`` (on a GPU, time each GEMV group's and the MoE
 kernels' configs over all layers' weights and keep the fastest, ``tune.py``), ``tune_context`` (also time
-the attention layouts at this many positions of context: their best moves with the context). Whatever is
-tuned is written into the graph's nodes, so the artifact's source holds it.
+the attention layouts at this many positions of context: their best moves with the context; 0, with
+``attn_chunk`` 0 and ``tune``: one layout judged at short, middle and long contexts of the step's cache,
+``tune.tune_layout_across``, over every tile the device runs, or only ``attn_tile`` when the plan names one
+other than the default). Whatever is tuned is written into the graph's nodes, so the artifact's source holds it.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ from tkcc.passes.lower.pattern import Context, apply as apply_rewrite, canonical
 VIEWS = {"aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.unsqueeze.default",
          "aten.squeeze.dim", "aten.expand.default", "aten.slice.Tensor", "aten.select.int", "aten.split_with_sizes.default",
          "<built-in function getitem>", "aten.permute.default", "aten._unsafe_view.default"}
+
+DEFAULT_TILE = "64x4"  # the fused attention's tile when a plan names none
 
 
 def stages():
@@ -110,7 +114,7 @@ class LoweredDecode(Pass):
         a ``program`` its own head shapes decide; without, the reference models' (``space.DEVICE_SHAPES``)."""
         return tile_pruned_space(cls.params, device, program)
 
-    def apply(self, program, pdl=True, attn_chunk=0, attn_tile="64x4", gemv_config="auto", tune=True,
+    def apply(self, program, pdl=True, attn_chunk=0, attn_tile=DEFAULT_TILE, gemv_config="auto", tune=True,
               tune_context=0):
         info = RewriteInfo()
         if "decode" not in program.graphs:
@@ -148,9 +152,15 @@ class LoweredDecode(Pass):
             with torch.no_grad():
                 tuned = tuning.tune_gemvs(gm, graph_time, log=info.notes.append) if pinned is None else {}
                 tuning.tune_moes(gm, graph_time, log=info.notes.append)
-                layouts = tuning.tune_attention(gm, graph_time, tune_context, [t for t in space.ATTN_TILES
-                                                                               if t not in bad],
-                                                log=info.notes.append) if tune_context else {}
+                tiles = [t for t in space.ATTN_TILES if t not in bad]
+                if tune_context:
+                    layouts = tuning.tune_attention(gm, graph_time, tune_context, tiles, log=info.notes.append)
+                else:  # no context named: one layout judged at short, middle and long contexts of this cache
+                    layouts = {}
+                    if attn_chunk == 0:
+                        tiles = tiles if attn_tile == DEFAULT_TILE else [attn_tile]
+                        tuning.tune_layout_across(gm, graph_time, span_contexts(tuning.cache_length(gm)), tiles,
+                                                  log=info.notes.append)
                 tuning.refine_in_step(gm, graph_time, tuned, tune_context or 128, log=info.notes.append,
                                       attention=layouts)
         gm.recompile()
@@ -161,6 +171,17 @@ class LoweredDecode(Pass):
                           f"left in aten {aten or 'nothing but views'}; pdl={use_pdl}, attn_chunk={attn_chunk or 'auto'}, "
                           f"attn_tile={attn_tile}, gemv_config={gemv_config} ({time.perf_counter() - t0:.1f}s)")
         return program.with_graphs({"decode": gm}), info
+
+
+SPAN_CONTEXTS = (128, 2048, 8192)  # short, middle and long: where a layout for every context is judged
+
+
+def span_contexts(cache_len: int | None) -> list[int]:
+    """The contexts (``SPAN_CONTEXTS``) a step with ``cache_len`` positions of cache can reach; its last
+    position where the cache is shorter than all of them; none without a cache."""
+    if not cache_len:
+        return []
+    return [c for c in SPAN_CONTEXTS if c < cache_len] or [cache_len - 1]
 
 
 def lower(gm, dtype: torch.dtype, options: dict, info: RewriteInfo | None = None, phase: str = "decode"):

@@ -12,6 +12,10 @@
   each other chunk, then each GEMV group's three fastest configs: PDL overlap with the neighbouring kernels
   and the L2 state are the step's, which a kernel timed alone misses (llama-1b-16l at 8k on an H200: the
   layout fastest alone, chunk 512, left the lowered step 3% behind the fused step it replaced, which tuned in the step).
+- With no context to tune at, one layout for every context the step will serve (``tune_layout_across``): the
+  shortlist ranked alone at a middle context, each timed in the whole step at short, middle and long
+  contexts, the one least behind each context's fastest kept. One CUDA graph serves every context, so its
+  layout is a compromise; the default chunk left olmoe-16l's front door 8% behind a layout tuned at 128.
 
 What is picked lives in the graph (so in the artifact's source), never in a process-global table.
 ``timer(fn) -> µs`` is ``tkcc.kernels.graph_replay.replay_us`` on a GPU; tests give a fake one.
@@ -19,6 +23,8 @@ What is picked lives in the graph (so in the artifact's source), never in a proc
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 
 import torch
 
@@ -162,25 +168,19 @@ def refine_in_step(gm, timer, tuned: dict, context: int, top: int = 3, log=None,
             for n in nodes:
                 _set(n, index, "config", cand)
         groups.append((f"GEMV {key}", cfg, ranked[:top], set_config))
-    attn = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.attention_rope.default]
-    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not groups or not attn or [p.target for p in ph] != ["input_ids", "cache_position"]:
-        return {}
-    S = attn[0].args[1].meta["val"].shape[2]
-    pos = max(0, min(int(context), S - 1))
-    ins = _Inputs(gm, position=pos)
-    inputs = [ins.value(p) for p in ph]
-    caches = [ins.value(a) for n in attn for a in (n.args[1], n.args[2])]
-    saved = [c[:, :, pos].clone() for c in caches]
     out = {}
-    try:
+    if not groups:
+        return out
+    with _step_at(gm, context) as step:
+        if step is None:
+            return out
         for name, current, candidates, set_to in groups:
             best = None
             for cand in [current] + [c for c in candidates if c != current]:
                 set_to(cand)
                 gm.recompile()
                 try:
-                    t = timer(lambda: gm(*inputs))
+                    t = timer(step)
                 except Exception:  # noqa: BLE001 - not a candidate here
                     continue
                 if best is None or t < best[1]:
@@ -193,11 +193,89 @@ def refine_in_step(gm, timer, tuned: dict, context: int, top: int = 3, log=None,
             if log and best[0] != current:
                 what = "x".join(map(str, best[0])) if name.startswith("GEMV") else f"chunk {best[0][0]}, tile {best[0][1]}"
                 log(f"decode: in the whole step {name} runs fastest with {what} ({best[1]:.1f} us per step)")
+    return out
+
+
+def _cached(gm) -> list:
+    """The step's cache-reading attention nodes: each holds (k, v) caches at arguments 1 and 2."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.attention_rope.default]
+
+
+def cache_length(gm) -> int | None:
+    """Positions of the step's KV cache (its attention nodes' cache), or None with no fused attention."""
+    attn = _cached(gm)
+    return int(attn[0].args[1].meta["val"].shape[2]) if attn else None
+
+
+@contextlib.contextmanager
+def _step_at(gm, context: int):
+    """The whole decode step as a callable at ``context`` positions of cache (random activations, the graph's
+    own weights and caches), or None where the step is not a (input_ids, cache_position) step with a fused
+    attention. The step writes one cache position; it is put back on leaving. The callable carries
+    ``.context`` (what a log or a fake clock may read)."""
+    attn = _cached(gm)
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not attn or [p.target for p in ph] != ["input_ids", "cache_position"]:
+        yield None
+        return
+    S = attn[0].args[1].meta["val"].shape[2]
+    pos = max(0, min(int(context), S - 1))
+    ins = _Inputs(gm, position=pos)
+    inputs = [ins.value(p) for p in ph]
+    caches = [ins.value(a) for n in attn for a in (n.args[1], n.args[2])]
+    saved = [c[:, :, pos].clone() for c in caches]
+    step = functools.partial(lambda *a: gm(*a), *inputs)
+    step.context = pos + 1
+    try:
+        yield step
     finally:
         with torch.no_grad():
             for c, v in zip(caches, saved):
                 c[:, :, pos].copy_(v)
-    return out
+
+
+def tune_layout_across(gm, timer, contexts, tiles, log=None) -> dict:
+    """One fused-attention layout for every context in ``contexts``: the layouts ranked alone at the middle
+    context (``tune_attention``), their ``layout_candidates`` each timed in the whole step at every context,
+    and the one whose mean ratio to each context's fastest is lowest written into every attention node.
+    Returns {"layout": (chunk, tile), "ratio": mean ratio, "us": {context: µs per step}}, or {} when the
+    step has no fused attention or nothing ran."""
+    contexts = sorted(set(int(c) for c in contexts))
+    if not contexts or not _cached(gm):
+        return {}
+    alone = tune_attention(gm, timer, contexts[len(contexts) // 2], tiles, log=log)
+    ranked = alone.get("ranked")
+    if not ranked:
+        return {}
+    nodes, where = alone["nodes"], alone["layout_args"]
+    cands = layout_candidates(ranked)
+    times = {c: {} for c in cands}
+    for ctx in contexts:
+        with _step_at(gm, ctx) as step:
+            if step is None:
+                return {}
+            for cand in cands:
+                _set_layout(nodes, where, cand)
+                gm.recompile()
+                try:
+                    times[cand][step.context] = timer(step)
+                except Exception:  # noqa: BLE001 - a layout that does not run at this context is out
+                    times[cand][step.context] = None
+    ran = {c: t for c, t in times.items() if t and all(v is not None for v in t.values())}
+    if not ran:
+        _set_layout(nodes, where, (alone["attn_chunk"], alone["attn_tile"]))
+        gm.recompile()
+        return {}
+    fastest = {ctx: min(t[ctx] for t in ran.values()) for ctx in next(iter(ran.values()))}
+    ratio = {c: sum(t[ctx] / fastest[ctx] for ctx in t) / len(t) for c, t in ran.items()}
+    pick = min(ran, key=lambda c: (ratio[c], cands.index(c)))
+    _set_layout(nodes, where, pick)
+    gm.recompile()
+    if log:
+        per = ", ".join(f"{ctx}: {us:.1f}" for ctx, us in ran[pick].items())
+        log(f"decode: one attention layout for contexts {sorted(fastest)}: chunk {pick[0]}, tile {pick[1]} "
+            f"(mean {ratio[pick]:.3f}x each context's fastest of {len(ran)}; us per step {per})")
+    return {"layout": pick, "ratio": ratio[pick], "us": ran[pick]}
 
 
 def tune_moes(gm, timer, log=None) -> dict:
