@@ -491,6 +491,43 @@ def test_one_layout_for_every_context_is_the_one_least_behind_each_contexts_fast
     _same_decode(prog, new)
 
 
+def test_splits_sized_to_the_context_are_a_layout_the_tuner_times_and_writes():
+    """A chunk of -N: N splits the kernel sizes to each step's context (as many as the cache holds chunks of 16,
+    one split when not two). With a cache that holds them, the tuner times -4 and -8 after the fixed chunks, with
+    the two tiles that ranked fastest there (a fake clock that favours -8), writes the pick into every fused
+    attention node, and the step still computes the captured graph's logits."""
+    from tkcc.frontend.capture import capture_model
+    from tkcc.kernels.lowered import attention_layout
+    from tkcc.passes.lower import space, tune
+    from tkcc.passes.manager import apply_plan
+
+    assert attention_layout(4096, -8) == (-8, 8) and attention_layout(40, -8) == (-2, 2)
+    assert attention_layout(20, -8) == (20, 1) and attention_layout(4096, 256) == (256, 16)
+    prog = capture_model("llama-tiny", "float32", "cpu", max_cache_len=128, phases=["decode"])
+    new, _ = apply_plan(prog, [{"name": "lowered_decode", "params": {"tune": False}}], mode="tolerance",
+                        check_numerics=False)
+    gm = new.graphs["decode"]
+    fused = [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.attention_rope.default]
+    # the tuner's order: chunk 64, then the cache (128), each with the three tiles; then -4 and -8 (-16 needs 256
+    # positions) with the two tiles fastest so far (16x4, 64x4) only
+    order = [(64, "32x4"), (64, "16x4"), (64, "64x4"), (128, "32x4"), (128, "16x4"), (128, "64x4"),
+             (-4, "16x4"), (-4, "64x4"), (-8, "16x4"), (-8, "64x4")]
+    us = [3.0, 1.0, 2.0, 3.1, 1.1, 2.1, 1.5, 1.6, 0.5, 0.6]
+    calls = iter(range(100))
+
+    def clock(fn):
+        fn()
+        return us[next(calls)]
+
+    picked = tune.tune_attention(gm, clock, 100, ["32x4", "16x4", "64x4"])
+    assert next(calls) == len(order)  # nothing else was timed
+    assert picked["ranked"] == [order[i] for i in sorted(range(len(us)), key=us.__getitem__)]
+    assert picked["attn_chunk"] == -8 and all(tuple(n.args[12:15]) == (-8, *space.parse_tile("16x4")) for n in fused)
+    gm.recompile()
+    assert ", -8, 16, 4, " in gm.code and tune.chunk_name(-8) == "8 splits sized to the context"
+    _same_decode(prog, new)
+
+
 def test_a_layout_for_every_context_is_judged_where_the_cache_reaches():
     from tkcc.passes.lower.decode import span_contexts
 

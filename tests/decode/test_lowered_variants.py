@@ -218,6 +218,16 @@ def test_sink_kernel_gpu_bf16():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dynamic_split_kernel_gpu_bf16():
+    sys.path.insert(0, str(HERE))
+    from interp_variants_check import check_dynamic_splits  # noqa: E402 (the same cases, on the device)
+
+    rows = check_dynamic_splits(torch.bfloat16, torch.Generator().manual_seed(0), device="cuda")
+    assert rows and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["minimax-tiny", "mixtral-tiny", "qwen3moe-tiny", "qwen2moe-tiny"])
 def test_family_greedy_on_gpu_bf16(name, tmp_path):
     """Through the front door: the lowered step (PDL, replayed from the decode CUDA graph) keeps the captured
@@ -245,7 +255,7 @@ def test_kernels_match_their_references_under_the_interpreter(interpreter_run):
     res = interpreter_run.lines()[0]
     rows = res["rows"]
     kinds = {r["case"].split("[")[0] for r in rows}
-    assert kinds == {"linear_attention", "attention", "sinks"}, kinds
+    assert kinds == {"linear_attention", "attention", "sinks", "dynamic"}, kinds
     assert any("interleaved" in r["case"] for r in rows) and any("partial" in r["case"] for r in rows)
     assert {r["dtype"].replace("torch.", "") for r in rows} == {"float32", "float16"}
     bad = [r for r in rows if not r["ok"]]

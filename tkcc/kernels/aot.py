@@ -109,7 +109,7 @@ def _routed_variants(pdl):
            "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "S_MAX": "i32", "SPLITS": "i32",
            "HQ": "i32", "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr", "HALF": "constexpr",
            "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr", "SINGLE": "constexpr",
-           "BLOCK_SP": "constexpr", "MERGE": "constexpr"}
+           "BLOCK_SP": "constexpr", "MERGE": "constexpr", "DYN": "constexpr"}
     # olmoe-16l (G=1, D=128, q/k norm), llama-1b-16l (G=4, D=64)
     # (and the attention tiles tune_step picks at the ends of its range: 32 positions for olmoe, 256 for llama)
     for G, D, qk, single, merge, bs in ((1, 128, True, True, True, 64), (1, 128, True, False, True, 64),
@@ -118,7 +118,7 @@ def _routed_variants(pdl):
                                         (4, 64, False, True, True, 256)):
         v.append(("attention_rope.py.jinja", dict(pdl=pdl), "attn_rope_kernel", sig,
                   dict(G=G, G_PAD=16, D=D, HALF=D // 2, BLOCK_S=bs, BLOCK_Q=2048, QK_NORM=qk, SINGLE=single,
-                       BLOCK_SP=16, MERGE=merge)))
+                       BLOCK_SP=16, MERGE=merge, DYN=False)))
     return v
 
 

@@ -100,7 +100,7 @@ class AttentionRope:
 
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
-           head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None):
+           head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None, dynamic=False):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
@@ -110,13 +110,20 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     elements of each head rotate (partial rotary; 0: all), ``interleaved``: pairs (2i, 2i + 1) rotate (GPT-J,
     GLM) instead of the halves. ``sinks``: [hq] learned logits in each head's softmax denominator (gpt-oss).
     ``norm_offset`` (with ``head_norm``): the q/k norms are Gemma's, ``norm(x) * (norm_offset + w)`` in fp32 rounded
-    once (Gemma 3: offset 1), None for the Llama form (normed x rounded, then times w)."""
+    once (Gemma 3: offset 1), None for the Llama form (normed x rounded, then times w). ``dynamic``: the
+    ``splits`` chunks are sized on the device to each step's context (``chunk`` unused), at most
+    ``MERGE_MAX_SPLITS`` of them so that the kernel merges them itself."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
     G = hq // hkv
     qk_norm = q_norm is not None
     merge = splits <= MERGE_MAX_SPLITS
+    dynamic = bool(dynamic) and splits > 1
+    if dynamic and not merge:
+        raise TkccError(f"attention: {splits} splits sized at run time; at most {MERGE_MAX_SPLITS} (merged in the kernel)")
+    if dynamic:
+        chunk = block_s  # not read: the kernel sizes its chunks from the position
     pairs = bool(interleaved) or bool(rotary_dim and rotary_dim != D)
     mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
                window=bool(window), pairs=pairs, sinks=sinks is not None,
@@ -126,7 +133,7 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
         k_cache.stride(0), k_cache.stride(1), S_max, splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
         HALF=D // 2, BLOCK_S=block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
-        SINGLE=splits == 1, BLOCK_SP=min(16, max(2, next_pow2(splits))), MERGE=merge,
+        SINGLE=splits == 1, BLOCK_SP=min(16, max(2, next_pow2(splits))), MERGE=merge, DYN=dynamic,
         num_warps=num_warps, **({"rope_scale": float(rope_scale)} if rope_scale is not None else {}),
         **({"window": int(window)} if window else {}),
         **({"ROT_DIM": int(rotary_dim or D), "INTERLEAVED": bool(interleaved)} if pairs else {}),
@@ -174,11 +181,11 @@ def _compiled_smem(key: tuple) -> int:
            "qk_scale": "fp32", "chunk": "i32", "stride_kh": "i32", "stride_ks": "i32", "S_MAX": "i32",
            "SPLITS": "i32", "HQ": "i32", "HKV": "i32", "G": "constexpr", "G_PAD": "constexpr", "D": "constexpr",
            "HALF": "constexpr", "BLOCK_S": "constexpr", "BLOCK_Q": "constexpr", "QK_NORM": "constexpr",
-           "SINGLE": "constexpr", "BLOCK_SP": "constexpr", "MERGE": "constexpr"}
+           "SINGLE": "constexpr", "BLOCK_SP": "constexpr", "MERGE": "constexpr", "DYN": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
              if sig[n].startswith("*") or n in ("stride_kh", "stride_ks", "chunk")}
     consts = dict(G=G, G_PAD=max(16, next_pow2(G)), D=D, HALF=D // 2, BLOCK_S=block_s, BLOCK_Q=2048,
-                  QK_NORM=qk_norm, SINGLE=False, BLOCK_SP=16, MERGE=True)
+                  QK_NORM=qk_norm, SINGLE=False, BLOCK_SP=16, MERGE=True, DYN=False)
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     return int(k.metadata.shared)

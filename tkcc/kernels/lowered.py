@@ -423,8 +423,12 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
         return f"sinks {tuple(sinks.shape)} for {num_heads} heads"
     if count.numel() < hkv or count.dtype != torch.int32:
         return f"arrival counters {tuple(count.shape)} {count.dtype} for {hkv} kv heads"
-    if chunk < 16 or block_s < 16 or block_s & (block_s - 1) or num_warps not in (1, 2, 4, 8, 16):
-        return f"layout chunk={chunk} tile={block_s}x{num_warps}"
+    from tkcc.kernels.attention_rope import MERGE_MAX_SPLITS
+
+    dynamic = chunk < 0 and -chunk <= MERGE_MAX_SPLITS
+    if (chunk < 16 and not dynamic) or block_s < 16 or block_s & (block_s - 1) or num_warps not in (1, 2, 4, 8, 16):
+        return (f"layout chunk={chunk} tile={block_s}x{num_warps} (a chunk is at least 16 positions, or -N: N <= "
+                f"{MERGE_MAX_SPLITS} splits sized to each step's context)")
     return None
 
 
@@ -439,7 +443,12 @@ def _check_context(cache_position: Tensor, S: int) -> None:
 
 
 def attention_layout(S: int, chunk: int) -> tuple[int, int]:
-    """(chunk, splits) covering a cache of S positions: one split over the whole cache when it fits."""
+    """(chunk, splits) covering a cache of S positions: one split over the whole cache when it fits. A negative
+    ``chunk``, -N: N splits whose chunks the kernel sizes to each step's context (``dynamic_layout``); returned
+    as (-N, N), or one split where the cache holds no two chunks of 16."""
+    if chunk < 0:
+        splits = min(-chunk, max(1, S // 16))
+        return (S, 1) if splits == 1 else (-splits, splits)
     chunk = min(chunk, S)
     splits = -(-S // chunk)
     return (S, 1) if splits == 1 else (chunk, splits)
@@ -453,7 +462,8 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                    sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
-    splits. ``chunk``: positions per split; ``block_s`` x ``num_warps``: the kernel's tile. The position is
+    splits. ``chunk``: positions per split, or -N: N splits sized on the device to each step's context (one
+    CUDA graph then spreads every context's work evenly); ``block_s`` x ``num_warps``: the kernel's tile. The position is
     read on the device (no host synchronisation; a replayed graph advances with its input). A position at
     or past the cache writes and reads nothing there: the greedy loop refuses such a context first."""
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
@@ -474,7 +484,8 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                   hkv=hkv, chunk=ch, splits=splits, q_norm=q_norm, k_norm=k_norm, eps=eps, scale=scale,
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
                   rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window,
-                  rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks, norm_offset=norm_offset)
+                  rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks, norm_offset=norm_offset,
+                  dynamic=ch < 0)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     _check_context(cache_position, k_cache.shape[2])

@@ -6,7 +6,8 @@
   architecture at the model's head shapes (Triton ahead of time, specialised as the JIT specialises it:
   software pipelining of the cache loads is what makes large tiles large), e.g. the 256x8 tile at head
   dim 128 needs 274,432 B where an H200 gives 232,448.
-- ``attn_chunk``: positions per split-KV program (``ATTN_CHUNKS``; 0 picks by the kv head count).
+- ``attn_chunk``: positions per split-KV program (``ATTN_CHUNKS``; 0 picks by the kv head count). Tuning also
+  times ``ATTN_DYN_SPLITS``: N splits sized on the device to each step's context (a node's chunk -N).
 - ``gemv_config``: one GEMV config (BLOCK_N x BLOCK_K x warps, ``tkcc.kernels.gemv.CONFIGS``) for every
   GEMV, or ``"auto"``: each GEMV's own, timed on the device when the pass tunes (``tune``), else the
   kernel's default. Tuned configs are written into the lowered graph (and so the artifact's source).
@@ -21,6 +22,9 @@ log = logging.getLogger("tkcc.passes.lower")
 # TILES and CHUNKS; 0 picks the chunk by the kv head count)
 ATTN_TILES = ["64x4", "32x4", "16x4", "128x4", "128x8", "256x8", "32x2"]
 ATTN_CHUNKS = [0, 64, 128, 256, 512, 1024, 2048]
+# splits whose chunks the fused attention sizes to each step's context (written into a node as chunk -N): timed
+# beside the fixed chunks when the step tunes its attention; at most attention_rope.MERGE_MAX_SPLITS
+ATTN_DYN_SPLITS = [4, 8, 16]
 # MLA's split kernel tiles (positions per loop step x warps; tkcc.kernels.mla_attention caps the positions by
 # the latent width): timed with the chunks above when the lowered step tunes its attention
 MLA_TILES = ["16x4", "32x4", "64x4", "32x8", "64x8"]

@@ -191,7 +191,8 @@ def refine_in_step(gm, timer, tuned: dict, context: int, top: int = 3, log=None,
             gm.recompile()
             out[name.removeprefix("GEMV ")] = best
             if log and best[0] != current:
-                what = "x".join(map(str, best[0])) if name.startswith("GEMV") else f"chunk {best[0][0]}, tile {best[0][1]}"
+                what = "x".join(map(str, best[0])) if name.startswith("GEMV") else \
+                    f"chunk {chunk_name(best[0][0])}, tile {best[0][1]}"
                 log(f"decode: in the whole step {name} runs fastest with {what} ({best[1]:.1f} us per step)")
     return out
 
@@ -273,7 +274,7 @@ def tune_layout_across(gm, timer, contexts, tiles, log=None) -> dict:
     gm.recompile()
     if log:
         per = ", ".join(f"{ctx}: {us:.1f}" for ctx, us in ran[pick].items())
-        log(f"decode: one attention layout for contexts {sorted(fastest)}: chunk {pick[0]}, tile {pick[1]} "
+        log(f"decode: one attention layout for contexts {sorted(fastest)}: chunk {chunk_name(pick[0])}, tile {pick[1]} "
             f"(mean {ratio[pick]:.3f}x each context's fastest of {len(ran)}; us per step {per})")
     return {"layout": pick, "ratio": ratio[pick], "us": ran[pick]}
 
@@ -303,39 +304,48 @@ def tune_moes(gm, timer, log=None) -> dict:
 
 def _attention_ops() -> dict:
     """Each attention kernel op: (its cache arguments, its (chunk, block_s, num_warps) arguments, the tiles to
-    time when the caller names none). The same layout search serves both."""
-    return {torch.ops.tkcc.attention_rope.default: ((1, 2), (12, 13, 14), None),
-            torch.ops.tkcc.mla_attention.default: ((4, 5), (13, 14, 15), space.MLA_TILES)}
+    time when the caller names none, the chunks it takes beside fixed ones: -N, N splits sized to each step's
+    context). The same layout search serves both."""
+    return {torch.ops.tkcc.attention_rope.default: ((1, 2), (12, 13, 14), None,
+                                                    [-n for n in space.ATTN_DYN_SPLITS]),
+            torch.ops.tkcc.mla_attention.default: ((4, 5), (13, 14, 15), space.MLA_TILES, [])}
+
+
+def chunk_name(chunk: int) -> str:
+    """A layout's chunk as a log says it: positions per split, or the splits sized to the context."""
+    return f"{-chunk} splits sized to the context" if chunk < 0 else str(chunk)
 
 
 def tune_attention(gm, timer, context: int, tiles, log=None) -> dict:
     """Pick each attention op's (chunk, tile) at ``context`` positions over every layer's cache: the fused
     attention's (``tiles``: those the device runs) and MLA's (``space.MLA_TILES``)."""
     out = {}
-    for op, (cache_args, layout_args, own_tiles) in _attention_ops().items():
+    for op, (cache_args, layout_args, own_tiles, dynamic) in _attention_ops().items():
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
         if nodes:
-            got = _tune_layout(nodes, gm, timer, context, own_tiles or tiles, cache_args, layout_args)
+            got = _tune_layout(nodes, gm, timer, context, own_tiles or tiles, cache_args, layout_args, dynamic)
             if got and log:
                 log(f"decode: tuned {op.name().split('::')[-1]} at context {got['context']}: chunk "
-                    f"{got['attn_chunk']}, tile {got['attn_tile']} ({got['us_per_layer']:.2f} us/layer)")
+                    f"{chunk_name(got['attn_chunk'])}, tile {got['attn_tile']} ({got['us_per_layer']:.2f} us/layer)")
             out.update({k if op is torch.ops.tkcc.attention_rope.default else f"mla_{k}": v for k, v in got.items()})
     return out
 
 
-def _tune_layout(nodes, gm, timer, context, tiles, cache_args, layout_args) -> dict:
+def _tune_layout(nodes, gm, timer, context, tiles, cache_args, layout_args, dynamic=(), dynamic_tiles: int = 2) -> dict:
+    """Every fixed chunk below the cache (and the cache whole) with every tile, then the ``dynamic`` chunks (-N:
+    N splits sized to the context, where the cache holds N chunks of 16) with the ``dynamic_tiles`` tiles that
+    ranked fastest among the fixed layouts (a dynamic layout compiles kernels of its own: not every tile's)."""
     S = nodes[0].args[cache_args[0]].meta["val"].shape[2]
     pos = max(0, min(int(context), S - 1))
     ins = _Inputs(gm, position=pos)
     caches = [ins.value(n.args[i]) for n in nodes for i in cache_args]
     saved = [c[:, :, pos].clone() for c in caches]
     chunks = [c for c in space.ATTN_CHUNKS if c and c < S] + ([S] if S <= 8192 else [])
-    layouts = [(c, t) for c in chunks for t in tiles]
     calls = [(n, *ins.args(n)) for n in nodes]
     ci, bi, wi = layout_args
-    best = None
     times = []
-    try:
+
+    def time_all(layouts):
         for chunk, tile in layouts:
             bs, nw = space.parse_tile(tile)
 
@@ -349,17 +359,19 @@ def _tune_layout(nodes, gm, timer, context, tiles, cache_args, layout_args) -> d
             except Exception:  # noqa: BLE001 - a layout that does not compile or launch here is not a candidate
                 continue
             times.append((t, len(times), (chunk, tile)))
-            if best is None or t < best[1]:
-                best = ((chunk, tile), t)
+    try:
+        time_all([(c, t) for c in chunks for t in tiles])
+        best_tiles = list(dict.fromkeys(lay[1] for _t, _i, lay in sorted(times)))[:dynamic_tiles]
+        time_all([(c, t) for c in dynamic if -c * 16 <= S for t in best_tiles])
     finally:
         with torch.no_grad():
             for c, s in zip(caches, saved):
                 c[:, :, pos].copy_(s)
-    if best is None:
+    if not times:
         return {}
-    (chunk, tile), t = best
-    _set_layout(nodes, layout_args, (chunk, tile))
     ranked = [lay for _t, _i, lay in sorted(times)]
+    t, _i, (chunk, tile) = min(times)
+    _set_layout(nodes, layout_args, (chunk, tile))
     return {"attn_chunk": chunk, "attn_tile": tile, "us_per_layer": round(t / len(nodes), 2), "context": pos + 1,
             "ranked": ranked, "nodes": nodes, "layout_args": layout_args}
 
