@@ -1,7 +1,7 @@
 """Run under TRITON_INTERPRET=1 (by test_lowered_variants.py): the linear-attention, rotary-variant and sink
-kernels, and the fused attention with its splits sized to the context, against their references on fresh random inputs and several shapes, fp32 and fp16. One JSON line:
-{rows, fallbacks}; then, in the same process (its imports and pattern traces paid once), interp_lowered_greedy.py's
-line per model. Arguments: the seed, then the models."""
+kernels, and the fused attention with its splits sized to the context, against their references on fresh random
+inputs and several shapes, fp32 and fp16. One JSON line: {rows, fallbacks}; then, in the same process (its imports
+and pattern traces paid once), interp_lowered_greedy.py's line per model. Arguments: the seed, then the models."""
 import json
 import sys
 

@@ -121,7 +121,8 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     merge = splits <= MERGE_MAX_SPLITS
     dynamic = bool(dynamic) and splits > 1
     if dynamic and not merge:
-        raise TkccError(f"attention: {splits} splits sized at run time; at most {MERGE_MAX_SPLITS} (merged in the kernel)")
+        raise TkccError(f"attention: {splits} splits sized at run time; at most {MERGE_MAX_SPLITS} (the kernel "
+                        "merges them itself)")
     if dynamic:
         chunk = block_s  # not read: the kernel sizes its chunks from the position
     pairs = bool(interleaved) or bool(rotary_dim and rotary_dim != D)

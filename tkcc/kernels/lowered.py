@@ -444,8 +444,8 @@ def _check_context(cache_position: Tensor, S: int) -> None:
 
 def attention_layout(S: int, chunk: int) -> tuple[int, int]:
     """(chunk, splits) covering a cache of S positions: one split over the whole cache when it fits. A negative
-    ``chunk``, -N: N splits whose chunks the kernel sizes to each step's context (``dynamic_layout``); returned
-    as (-N, N), or one split where the cache holds no two chunks of 16."""
+    ``chunk``, -N: N splits whose chunks the kernel sizes to each step's context (its ``DYN``); returned as
+    (-N, N), or one split where the cache holds no two chunks of 16."""
     if chunk < 0:
         splits = min(-chunk, max(1, S // 16))
         return (S, 1) if splits == 1 else (-splits, splits)
@@ -463,9 +463,9 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split, or -N: N splits sized on the device to each step's context (one
-    CUDA graph then spreads every context's work evenly); ``block_s`` x ``num_warps``: the kernel's tile. The position is
-    read on the device (no host synchronisation; a replayed graph advances with its input). A position at
-    or past the cache writes and reads nothing there: the greedy loop refuses such a context first."""
+    CUDA graph then spreads every context's work evenly); ``block_s`` x ``num_warps``: the kernel's tile. The
+    position is read on the device (no host synchronisation; a replayed graph advances with its input). A
+    position at or past the cache writes and reads nothing there: the greedy loop refuses such a context first."""
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                               block_s, num_warps, count, window, head_norm, rotary_dim, interleaved, sinks,
                               norm_offset)
