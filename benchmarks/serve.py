@@ -981,6 +981,10 @@ def compile_first(a) -> tuple[str, dict]:
             "timings_s": {k: round(v, 1) for k, v in (rep.get("timings_s") or {}).items()}}
     log(f"  compiled in {info['compile_s']} s (tkcc.compile's own: {info['timings_s']}, the rest the process "
         f"and the model's build): {info['loop'].get('serving')} ({info['loop'].get('why')})")
+    if os.environ.get("OUT"):  # on the device machine: the saved model comes back, for a later --artifact run
+        kept = Path(os.environ["OUT"]) / f"compiled_{a.model}"
+        shutil.copytree(out / "model", kept, dirs_exist_ok=True)
+        log(f"  the saved model is also in {kept} (serve it later with --artifact, no compile)")
     return str(out / "model"), info
 
 
