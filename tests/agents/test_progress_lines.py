@@ -4,7 +4,8 @@ import io
 
 from campaign_helpers import FakeClock, Fuse, Slow, TimedEvaluator
 
-from tkcc.agents.campaign import CampaignConfig, LineProgress, _progress, run_campaign
+from tkcc.agents.campaign import CampaignConfig, run_campaign
+from tkcc.agents.progress import LineProgress, progress_writer
 from tkcc.agents.search import BayesianSearch, SearchSpace
 from tkcc.agents.store import ExperimentStore
 
@@ -15,13 +16,12 @@ class _Tty(io.StringIO):
 
 
 def test_a_pipe_gets_the_line_writer_and_a_terminal_the_bar():
-    cfg = CampaignConfig(name="c", model="m", budget_s=10.0)
-    _say, bar = _progress(cfg, True, stream=io.StringIO())
+    _say, bar = progress_writer("campaign c", True, stream=io.StringIO())
     assert isinstance(bar, LineProgress)
-    _say, bar = _progress(cfg, True, stream=_Tty())
+    _say, bar = progress_writer("campaign c", True, stream=_Tty())
     assert not isinstance(bar, LineProgress) and bar is not None
     bar.close()
-    assert _progress(cfg, False) == (None, None)
+    assert progress_writer("campaign c", False) == (None, None)
 
 
 def test_the_line_progress_writes_the_count_at_most_every_interval_and_at_the_end():

@@ -26,13 +26,13 @@ at any moment resumes with ``resume=True`` and loses no finished experiment.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tkcc.agents.budget import Budget, step_kind
 from tkcc.agents.noise import NoiseModel
+from tkcc.agents.progress import progress_writer
 from tkcc.agents.proposer import Candidate, Outcome, Proposer
 from tkcc.agents.store import ExperimentStore
 from tkcc.agents.throughput import Throughput, describe
@@ -205,7 +205,7 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
                               resume=cfg.resume)
     state = _restore(store, cid, conditions, cfg.aa_pairs)
     state.validation = validation
-    out, bar = _progress(cfg, progress)
+    out, bar = progress_writer(f"campaign {cfg.name}", progress)
     run = _Run(cfg, store, proposer, evaluator, state, budget, wfp, conditions, out, bar)
     session = _open_session(run)
     try:
@@ -1085,55 +1085,6 @@ def _no_room(run: _Run, *kinds: str, what: str | None = None) -> str:
 def _last_reason(run: _Run) -> str:
     rows = run.store.experiments(run.state.campaign_id)
     return f"{rows[-1].verdict}: {rows[-1].reason}" if rows else "no result"
-
-
-def _progress(cfg: CampaignConfig, progress, stream=None):
-    """(line writer, bar): lines and the bar go to stderr, so stdout stays one JSON object under --json. A
-    stderr that is not a terminal (a pipe, a log file) gets the bar's state as a line now and then
-    (``LineProgress``), not a redrawn bar's carriage-return frames."""
-    if callable(progress):
-        return progress, None
-    if not progress:
-        return None, None
-    stream = stream or sys.stderr
-    if not (hasattr(stream, "isatty") and stream.isatty()):
-        bar = LineProgress(f"campaign {cfg.name}", stream)
-        return bar.write, bar
-    from tqdm import tqdm
-
-    bar = tqdm(desc=f"campaign {cfg.name}", unit="exp", dynamic_ncols=True, file=stream)
-    return (lambda msg: bar.write(msg, file=stream)), bar
-
-
-class LineProgress:
-    """The progress bar's interface (``update``, ``set_postfix_str``, ``write``, ``close``) written as whole
-    lines: the count and the latest state at most every ``every_s`` seconds, and once at the end."""
-
-    def __init__(self, desc: str, stream, every_s: float = 15.0, clock=time.monotonic):
-        self.desc, self.stream, self.every_s, self.clock = desc, stream, every_s, clock
-        self.n, self.postfix, self.last = 0, "", clock()
-
-    def write(self, msg: str) -> None:
-        print(msg, file=self.stream, flush=True)
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        self._maybe()
-
-    def set_postfix_str(self, s: str) -> None:
-        self.postfix = s
-        self._maybe()
-
-    def _maybe(self) -> None:
-        if self.clock() - self.last >= self.every_s:
-            self._line()
-
-    def _line(self) -> None:
-        self.last = self.clock()
-        self.write(f"{self.desc}: {self.n} experiments" + (f"; last: {self.postfix}" if self.postfix else ""))
-
-    def close(self) -> None:
-        self._line()
 
 
 __all__ = ["BatchResult", "CampaignConfig", "Job", "CampaignState", "EvalResult", "Evaluator", "run_campaign", "validation_modes",

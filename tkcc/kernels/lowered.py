@@ -423,12 +423,14 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
         return f"sinks {tuple(sinks.shape)} for {num_heads} heads"
     if count.numel() < hkv or count.dtype != torch.int32:
         return f"arrival counters {tuple(count.shape)} {count.dtype} for {hkv} kv heads"
-    from tkcc.kernels.attention_rope import MERGE_MAX_SPLITS
+    dynamic = False
+    if chunk < 0:  # -N splits sized to the context: no more than the kernel merges itself
+        from tkcc.kernels.attention_rope import MERGE_MAX_SPLITS
 
-    dynamic = chunk < 0 and -chunk <= MERGE_MAX_SPLITS
+        dynamic = -chunk <= MERGE_MAX_SPLITS
     if (chunk < 16 and not dynamic) or block_s < 16 or block_s & (block_s - 1) or num_warps not in (1, 2, 4, 8, 16):
-        return (f"layout chunk={chunk} tile={block_s}x{num_warps} (a chunk is at least 16 positions, or -N: N <= "
-                f"{MERGE_MAX_SPLITS} splits sized to each step's context)")
+        return (f"layout chunk={chunk} tile={block_s}x{num_warps} (a chunk is at least 16 positions, or -N: N "
+                "splits sized to each step's context, no more than the kernel merges itself)")
     return None
 
 
