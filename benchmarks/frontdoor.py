@@ -11,8 +11,8 @@ Per model (bf16, batch 1, greedy, on the GPU):
   and its attention layout tuned at each context, built on a cache sized to the context and judged against
   the captured graph run in fp32), driven directly;
 - ``frontdoor``: ``tkcc.compile(model, "azure-conv", mode="tolerance")`` at its default budget, then
-  ``compiled.generate``: ms/token = (time of 1 + N new tokens - time of 1) / N, after a warm-up, at each
-  context (a prompt of that length);
+  ``compiled.stream``: ms/token = the time from the first new token to the (N+1)-th, / N (the decode alone,
+  no prefill in it), median of 3, after a warm-up, at each context (a prompt of that length);
 - ``loaded``: ``compiled.save`` then ``tkcc.load`` in a fresh process: time to first token (load included)
   and ms/token the same way, in rounds alternating with the front door's at each context (``--rounds``), so that
   both are timed under the same device state and each one's spread shows what difference is noise;
@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,31 +52,30 @@ def sync():
         torch.cuda.synchronize()
 
 
-def _timed(gen, ids, k: int) -> float:
+def decode_ms(stream, ids, n: int) -> float:
+    """ms per token of ``n`` decode steps: from the first new token (the prompt's prefill done) to the last.
+
+    Timing ``generate`` of 1 + n tokens against 1 put two prefills in the difference; at 2k context their
+    variance (tens of ms) moved a round by as much as the decode itself (olmoe-16l: rounds of 0.75 to 2.19)."""
+    steps = stream(ids, n + 1)
+    next(steps)
     sync()
     t0 = time.perf_counter()
-    gen(ids, k)
+    for _ in steps:
+        pass
     sync()
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) / n * 1e3
 
 
-def ms_per_token(gen, ids, n: int, reps: int) -> float:
-    """(time for 1 + n new tokens - time for 1) / n, median over ``reps``, after one warm-up of each."""
-    _timed(gen, ids, 1), _timed(gen, ids, n + 1)
-    ones = sorted(_timed(gen, ids, 1) for _ in range(reps))
-    fulls = sorted(_timed(gen, ids, n + 1) for _ in range(reps))
-    return (fulls[reps // 2] - ones[reps // 2]) / n * 1e3
+def ms_per_token(stream, ids, n: int, reps: int) -> float:
+    """``decode_ms``, median over ``reps``, after one warm-up."""
+    decode_ms(stream, ids, n)
+    return statistics.median(decode_ms(stream, ids, n) for _ in range(reps))
 
 
-def one_round(gen, ids, n: int, pairs: int = 3) -> float:
-    """One round's ms/token: the median over ``pairs`` of (time for 1 + n new tokens - time for 1) / n, each
-    pair timed back to back. One pair alone let a stall in either call's prefill (tens of ms at 2k context)
-    move the round by as much as the decode itself (olmoe-16l, 2048: rounds of 0.32 and 1.71 ms/token)."""
-    diffs = []
-    for _ in range(pairs):
-        one = _timed(gen, ids, 1)
-        diffs.append((_timed(gen, ids, n + 1) - one) / n * 1e3)
-    return statistics.median(diffs)
+def one_round(stream, ids, n: int, pairs: int = 3) -> float:
+    """One round's ms/token: the median of ``pairs`` back-to-back ``decode_ms``."""
+    return statistics.median(decode_ms(stream, ids, n) for _ in range(pairs))
 
 
 def prompt(context: int, vocab: int, device) -> torch.Tensor:
@@ -105,8 +105,8 @@ for line in sys.stdin:  # one round per request, at the context asked: the paren
     ctx = json.loads(line)["ctx"]
     ids = prompt(ctx, model.config.vocab_size, dev)
     if ctx not in warm:
-        one_round(c.generate, ids, n); warm.add(ctx)
-    print(json.dumps({"ms": one_round(c.generate, ids, n)}), flush=True)
+        one_round(c.stream, ids, n); warm.add(ctx)
+    print(json.dumps({"ms": one_round(c.stream, ids, n)}), flush=True)
 """
 
 
@@ -128,10 +128,10 @@ def side_by_side(compiled, name, path, contexts, n, rounds, dtype, vocab, dev) -
         rows = []
         for c in contexts:
             ids = prompt(c, vocab, dev)
-            one_round(compiled.generate, ids, n)  # warm-up (the child warms up on its first request)
+            one_round(compiled.stream, ids, n)  # warm-up (the child warms up on its first request)
             mine, theirs = [], []
             for _ in range(rounds):
-                mine.append(one_round(compiled.generate, ids, n))
+                mine.append(one_round(compiled.stream, ids, n))
                 child.stdin.write(json.dumps({"ctx": c}) + "\n")
                 child.stdin.flush()
                 got = child.stdout.readline()
@@ -207,6 +207,8 @@ def main(argv=None):
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf_eager", "torch_compile", "lab_best", "loaded"])
     ap.add_argument("--smoke", action="store_true", help="CPU: llama-tiny, contexts 8 16, budget 3 s")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "frontdoor.json"))
+    ap.add_argument("--keep-artifact", default=None, metavar="DIR",
+                    help="also copy each model's saved artifact to DIR/compiled_<model> (to serve it later)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.models, a.contexts, a.tokens, a.reps = ["llama-tiny"], [8, 16], 4, 1
@@ -254,6 +256,9 @@ def main(argv=None):
         if "loaded" not in a.skip:
             with tempfile.TemporaryDirectory() as tmp:
                 compiled.save(Path(tmp) / "saved")
+                if a.keep_artifact:
+                    shutil.copytree(Path(tmp) / "saved", Path(a.keep_artifact) / f"compiled_{name}",
+                                    dirs_exist_ok=True)
                 for src in sorted((Path(tmp) / "saved").rglob("forward_decode*.py")):  # what shipped, configs and all
                     for p in out_paths:
                         (p.parent / f"{p.stem}_{name}_{src.name}").write_text(src.read_text())
@@ -269,7 +274,7 @@ def main(argv=None):
         for c in a.contexts:  # alone: --skip loaded, or what the side-by-side did not reach
             if c in timed:
                 continue
-            ms = ms_per_token(compiled.generate, prompt(c, vocab, dev), a.tokens, a.reps)
+            ms = ms_per_token(compiled.stream, prompt(c, vocab, dev), a.tokens, a.reps)
             rows.append(dict(model=name, context=c, variant="frontdoor", ms_per_token=ms, **fd))
             log(f"{name} frontdoor ctx={c}: {ms:.3f} ms/token (compile {wall:.0f} s, serves {compiled.serves})")
         save()
