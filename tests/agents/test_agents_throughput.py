@@ -166,6 +166,11 @@ def test_phases_of_an_engine_record():
     assert c["measure"] == pytest.approx(1.2)
     assert c["other"] == pytest.approx(3.1 - (0.8 + 0.41 + 1.2 + 0.2))
     assert t["parallel"]["compile"] == 12.0
+    checked = phases_of({**rec, "seconds": 4.0, "measurement": {"supervisor_wall_s": 3.0, "capture_s": 0.5,
+                                                                 "checks": {"seconds": {"a": 1.0, "b": 0.25}}}})
+    assert checked["critical"]["check"] == pytest.approx(1.25)  # the sampled checks, apart from the timing
+    assert checked["critical"]["capture"] == pytest.approx(0.41 + 0.5)  # the graphs the measurement captured first
+    assert checked["critical"]["measure"] == pytest.approx(3.0 - 0.5 - 1.25)
     alone = phases_of({**rec, "seconds": 5.0, "kernels": {"wait_s": 0.5, "compile_s": 2.0}})  # built inside it
     assert alone["critical"]["render"] == pytest.approx(0.9) and alone["critical"]["compile"] == pytest.approx(0.7)
     assert alone["critical"]["other"] == pytest.approx(5.0 - (0.9 + 0.5 + 0.8 + 0.41 + 1.2 + 0.2))

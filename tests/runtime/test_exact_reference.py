@@ -168,6 +168,38 @@ def test_the_engine_asks_the_same_second_opinion_of_a_timed_call(llama):
     assert eng._exact_opinion("fast", "decode", inputs, guard, [ref], [exact.bfloat16()], scaled) is None
 
 
+def test_a_timed_call_s_outputs_and_cache_share_the_fp32_run(llama):
+    """One sampled check asks the fp32 reference of a call's outputs and then of the cache it wrote: the second
+    opinion reuses the first's fp32 run on the same inputs (``memo``), where each used to run it again."""
+    from tkcc.runtime.determinism import ScaledTolerance
+    from tkcc.runtime.engine import EngineCore
+    from tkcc.runtime.validation import StateGuard
+
+    prog, _ = llama
+    eng = EngineCore.__new__(EngineCore)
+    eng.trials, eng.tp, eng.dtype, eng._upcast, eng.programs = None, 1, torch.bfloat16, {}, {"fast": prog}
+    fp32 = eng._exact_reference(prog)["decode"]
+    runs = []
+    eng._upcast[id(prog)] = {"decode": lambda *a: runs.append(1) or fp32(*a)}
+    scaled = ScaledTolerance(bound=0.015, measured=0.0, measured_abs=0.0, safety=4.0, floor=0.015, dtype="bfloat16")
+    prog.state.fill_random(20, torch.Generator().manual_seed(4))
+    guard = StateGuard(prog.state)
+    inputs = (torch.tensor([[7]]), torch.tensor([20]))
+    with torch.no_grad():
+        exact = _logits(fp32(*inputs))
+        state = guard.current()
+        guard.restore()
+    ref = (exact * 1.03).bfloat16()  # a bf16 reference 3% off: past the bound, so the fp32 run is asked
+    memo = {}
+    assert eng._exact_opinion("fast", "decode", inputs, guard, [ref], [exact.bfloat16()], scaled, memo=memo)
+    assert len(runs) == 1
+    ref_state = [(s.float() * 1.03).to(s.dtype) if s.is_floating_point() else s for s in state]
+    said = eng._exact_opinion("fast", "decode", inputs, guard, ref_state, state, scaled, of_state=True, memo=memo)
+    assert said is not None and len(runs) == 1  # the cache judged on the same fp32 run
+    eng._exact_opinion("fast", "decode", inputs, guard, ref_state, state, scaled, of_state=True)
+    assert len(runs) == 2  # without the memo it runs again
+
+
 
 @pytest.mark.parametrize("shape,k,dim,largest", [((5, 8), 2, -1, True), ((7, 16, 3), 4, 1, True),
                                                  ((6, 9), 3, 0, False), ((3, 64), 8, -1, True)])

@@ -7,8 +7,10 @@ An engine experiment spends time in phases:
 * ``compile``: on the critical path, the wait for the candidate's own kernel compiles (compiled ahead by
   the pool) plus any compile the engine's JIT still ran itself; in parallel, the pool's worker-seconds on
   the candidate's kernels (they overlap with the engine's work on other candidates);
-* ``validate``, ``capture`` (swap and CUDA-graph capture), ``measure``: the engine's, minus the JIT
-  compiles inside them (counted under compile);
+* ``validate``, ``capture`` (swap and CUDA-graph capture, also where a measurement captured first),
+  ``measure``: the engine's, minus the JIT compiles inside them (counted under compile);
+* ``check``: inside a measurement, the sampled checks of timed calls against the reference (and the fp32
+  reference's opinion where a candidate is past the scaled bound), counted apart from the timing itself;
 * ``other``: the rest of the experiment's wall time (RPC, revert, journal).
 
 ``phases_of`` reads them from the engine's record of one tier; ``Throughput`` adds up a campaign's, and
@@ -16,7 +18,7 @@ says experiments per hour over the whole wall time, start-up included.
 """
 from __future__ import annotations
 
-PHASES = ("render", "compile", "validate", "capture", "measure", "other")
+PHASES = ("render", "compile", "validate", "capture", "measure", "check", "other")
 
 
 def _f(x) -> float:
@@ -46,10 +48,14 @@ def phases_of(rec: dict, build: dict | None = None, prepared: dict | None = None
     crit["compile"] = sum(waited) + sum(jits)
     par["compile"] = sum(_f((k or {}).get("compile_s")) for k in ((build or {}).get("kernels"), rec.get("kernels")))
     crit["validate"] = max(0.0, _f(val.get("seconds")) - _jit(val))
-    crit["capture"] = max(0.0, _f(swap.get("swap_s")) + _f(swap.get("capture_s")) - _jit(swap))
-    crit["measure"] = max(0.0, _f(meas.get("supervisor_wall_s")) - _jit(meas))
+    crit["capture"] = max(0.0, _f(swap.get("swap_s")) + _f(swap.get("capture_s")) - _jit(swap)) \
+        + _f(meas.get("capture_s"))
+    crit["check"] = sum(_f(v) for v in ((meas.get("checks") or {}).get("seconds") or {}).values())
+    crit["measure"] = max(0.0, _f(meas.get("supervisor_wall_s")) - _jit(meas) - _f(meas.get("capture_s"))
+                          - crit["check"])
     # what of that ran inside the experiment's own wall time (a separate build and prepare ran before it)
-    inside = (crit["validate"] + crit["capture"] + crit["measure"] + waited[1] + _jit(load) + sum(jits[:3])
+    inside = (crit["validate"] + crit["capture"] + crit["measure"] + crit["check"] + waited[1] + _jit(load)
+              + sum(jits[:3])
               + (0.0 if build else max(0.0, _f(load.get("compile_s")) - _jit(load))))
     crit["other"] = max(0.0, _f(rec.get("seconds")) - inside)
     return {"critical": {k: round(v, 4) for k, v in crit.items()}, "parallel": {k: round(v, 4) for k, v in par.items()}}

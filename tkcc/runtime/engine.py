@@ -310,7 +310,7 @@ class EngineCore:
                         exact_reference=self._exact_reference(prog) if policy is not None else None)
 
     def _exact_opinion(self, tier: str, phase: str, inputs, guard, ref: list, got: list, scaled,
-                       of_state: bool = False) -> str | None:
+                       of_state: bool = False, memo: dict | None = None) -> str | None:
         """What the reference computing in fp32 says of outputs (or, ``of_state``, a cache) past the scaled bound
         (``tkcc.runtime.exact_reference``): the finding where the candidate passes on its word, else None (the
         failure stands). The same second opinion validation asks."""
@@ -319,7 +319,7 @@ class EngineCore:
         fn = (self._exact_reference(self.programs[tier]) or {}).get(phase)
         if fn is None or scaled is None:
             return None
-        said = exact_opinion(fn, inputs, guard, ref, got, scaled.bound, of_state)
+        said = exact_opinion(fn, inputs, guard, ref, got, scaled.bound, of_state, memo)
         return said[1] if said is not None and said[0] else None
 
     def _exact_reference(self, prog) -> dict | None:
@@ -794,9 +794,10 @@ class EngineCore:
 
     def _check_replay(self, tier: str, cand: cands.Candidate, b, key: str, inputs, guard, ref: list, outs: list,
                       exact: bool, scaled, atol: float, rtol: float,
-                      what: str | None = None) -> tuple[bool, object, str | None]:
+                      what: str | None = None, memo: dict | None = None) -> tuple[bool, object, str | None]:
         """Hold a candidate's graph replay (or a timed call's outputs) to the reference's; (exact, scaled, note)
-        as they stand afterwards (the tier may have switched mode on the way), or ValidationFailure."""
+        as they stand afterwards (the tier may have switched mode on the way), or ValidationFailure. ``memo``:
+        the fp32 reference's runs on these inputs, shared with the check of the cache they wrote."""
         what = what or f"CUDA graph of bucket {key}"
         try:
             compare(ref, outs, exact, atol, rtol, what, scaled)
@@ -829,7 +830,8 @@ class EngineCore:
             if jump is not None:  # the reference itself jumps here (tkcc.runtime.stability): not judged
                 return exact, scaled, (f"{what} not judged: the reference moved by {jump:.3g} of its scale under "
                                        "a one-rounding-step perturbation of its cache")
-            said = self._exact_opinion(tier, b.phase, inputs, guard, ref, outs, scaled) if e.mismatch else None
+            said = (self._exact_opinion(tier, b.phase, inputs, guard, ref, outs, scaled, memo=memo)
+                    if e.mismatch else None)
             if said is not None:
                 return exact, scaled, f"{what}: {said}"
             if not (e.mismatch and self._own_forward(cand, tier)):
@@ -861,8 +863,9 @@ class EngineCore:
                     "stop earlier)")
             reps = MIN_GPU_REPS
         slot = self.slots[tier]
+        capture_s = 0.0
         if self.device.type == "cuda" and slot.graphs_for != w.fingerprint():
-            self._capture(tier, w, seed)
+            capture_s = self._capture(tier, w, seed)["capture_s"]
         prog = self.programs[tier]
         cand = self._cand(slot.current)
         fwd = self._forwards(cand, tier)
@@ -870,7 +873,7 @@ class EngineCore:
         seed = secrets.randbits(62) if seed is None else int(seed)
         gen = torch.Generator().manual_seed(seed)
         picks = random.Random(seed ^ 0x5A5A)  # which timed calls are checked: drawn here, never told to the forward
-        timings, seen, checked = [], {}, {}
+        timings, seen, checked, check_s, fp32_runs = [], {}, {}, {}, {}
         for b in w.buckets:
             key = b.key()
             if key in seen:
@@ -878,9 +881,9 @@ class EngineCore:
             seen[key] = True
             sets = bucket_inputs(prog, b, gen, rotations)
             guard = StateGuard(prog.state)  # the context every timed call of this bucket runs on
-            check, outputs, sample = None, None, ()
+            check, outputs, sample, cost = None, None, (), {}
             if self.tp == 1:  # --tp: ranks would have to agree on every check; they validate, not sample
-                check, outputs = self._sampler(tier, cand, b, fwd[b.phase], sets[0], guard)
+                check, outputs, cost = self._sampler(tier, cand, b, fwd[b.phase], sets[0], guard)
                 first = min(reps, min_reps or reps) if ci_rel > 0 else reps  # calls every run makes
                 sample = picks.sample(range(first), min(SAMPLED_CALLS, first))
             try:
@@ -902,6 +905,8 @@ class EngineCore:
                 self.validated.discard((cand.id, tier))
                 raise CheckFailed(f"candidate {cand.id} on the {tier} tier: bucket {key}, a timed call: {e}") from None
             checked[key] = bt.checked
+            if cost:
+                check_s[key], fp32_runs[key] = round(cost["seconds"], 4), cost["fp32_runs"]
             timings.append(bt)
         if prog.state is not None and hasattr(prog.state, "reset"):
             prog.state.reset()  # timing filled the cache with random context; leave it as a fresh request finds it
@@ -918,13 +923,16 @@ class EngineCore:
                                     "policy": self.policies[tier].summary()},
                         env=env, wall_s=time.perf_counter() - t0, note=note,
                         checks={"fresh_inputs": True, "calls_checked": checked, "ok": True,
-                                "per_bucket": SAMPLED_CALLS + 1 if self.tp == 1 else 0})
-        return m.to_json()
+                                "per_bucket": SAMPLED_CALLS + 1 if self.tp == 1 else 0,
+                                "seconds": check_s, "fp32_runs": fp32_runs})
+        return dict(m.to_json(), capture_s=capture_s)
 
     def _sampler(self, tier: str, cand: cands.Candidate, b, fn, first: tuple, guard: StateGuard):
-        """(check, outputs) for one bucket's timed calls: ``check(args, outs)`` holds a timed call's outputs and
-        the cache it wrote to the reference's on the same (fresh) inputs; ``outputs`` are the reference's
-        outputs on ``first``, whose shapes size a trial's output slots."""
+        """(check, outputs, cost) for one bucket's timed calls: ``check(args, outs)`` holds a timed call's outputs
+        and the cache it wrote to the reference's on the same (fresh) inputs; ``outputs`` are the reference's
+        outputs on ``first``, whose shapes size a trial's output slots; ``cost`` adds up the checks' seconds and
+        the fp32 reference runs they asked for (a candidate past the scaled bound at router near ties asks for
+        many: they can take longer than the timing itself)."""
         key = b.key()
         exact, _ = self._mode(cand, tier)
         atol, rtol = self._tolerance(cand)
@@ -934,8 +942,17 @@ class EngineCore:
         outputs = self._reference_replay(tier, b, key, first, guard)
         guard.restore()
         state = {"exact": exact, "scaled": scaled}
+        cost = {"seconds": 0.0, "fp32_runs": 0}
 
         def check(args, outs):
+            t0, memo = time.perf_counter(), {}  # the fp32 runs on these inputs, for the outputs and the cache
+            try:
+                judge(args, outs, memo)
+            finally:
+                cost["seconds"] += time.perf_counter() - t0
+                cost["fp32_runs"] += len(memo)
+
+        def judge(args, outs, memo):
             if remote is not None:
                 remote.host.state_out(remote)  # what the candidate's call wrote to its cache
             cand_state = guard.current()
@@ -946,7 +963,8 @@ class EngineCore:
                 ref_state = guard.current()
                 what = f"bucket {key}, a timed call on fresh inputs"
                 state["exact"], state["scaled"], note = self._check_replay(
-                    tier, cand, b, key, args, guard, ref, outs, state["exact"], state["scaled"], atol, rtol, what)
+                    tier, cand, b, key, args, guard, ref, outs, state["exact"], state["scaled"], atol, rtol, what,
+                    memo)
                 if note and note.startswith(f"{what} not judged"):
                     return  # the reference itself jumps at these inputs: its cache says nothing of the candidate
                 try:
@@ -960,12 +978,12 @@ class EngineCore:
                     if (unstable_error(self._reference(tier)[b.phase], args, guard, ref, state["scaled"],
                                        zlib.crc32(key.encode()), ref_state=ref_state) is None
                             and self._exact_opinion(tier, b.phase, args, guard, ref_state, cand_state,
-                                                    state["scaled"], of_state=True) is None):
+                                                    state["scaled"], of_state=True, memo=memo) is None):
                         raise
             finally:
                 guard.restore()
 
-        return check, outputs
+        return check, outputs, cost
 
     def _refresher(self, prog, phase: str, gen: torch.Generator):
         """Fresh values for an input set before each timed call (outside the timed region): new token ids in
