@@ -172,6 +172,8 @@ def experiment_timeline(loop: dict | None) -> list[dict]:
              "passes": [(st.get("name"), st.get("params") or {}) for st in e.plan],
              "objective": e.objective, "critical": (e.timing or {}).get("critical"), "reason": e.reason,
              "validation": _validation_brief((e.measurement or {}).get("validation")),
+             "checks": {k: ((e.measurement or {}).get("checks") or {}).get(k) for k in ("seconds", "fp32_runs")},
+             "measure_capture_s": (e.measurement or {}).get("capture_s"),
              "pass_notes": [n for p in (e.measurement or {}).get("passes") or [] if isinstance(p, dict)
                             for n in (p.get("notes") or [])][-8:]}
             for e in exps]
