@@ -106,6 +106,32 @@ def test_perturbation_is_one_rounding_step_and_restores_nothing_else(rel):
     assert torch.allclose(r, torch.full_like(r, rel), rtol=1e-3)
 
 
+def _antithetic(device):
+    from tkcc.runtime.stability import perturb_state
+
+    b = torch.rand(2, 4096, device=device) + 1.0  # away from zero: each sign readable
+    up, down, again, other = b.clone(), b.clone(), b.clone(), b.clone()
+    perturb_state([up], seed=3)
+    perturb_state([down], seed=3, flip=True)
+    perturb_state([again], seed=3)
+    perturb_state([other], seed=4)
+    s_up, s_down = torch.sign(up / b - 1), torch.sign(down / b - 1)
+    assert torch.equal(s_up, -s_down) and bool((s_up != 0).all())  # the flip is the same signs negated
+    assert 0.45 < float((s_up > 0).float().mean()) < 0.55
+    assert torch.equal(again, up) and not torch.equal(other, up)  # a seed draws the same signs again
+
+
+def test_the_flipped_perturbation_is_the_first_negated():
+    _antithetic("cpu")
+
+
+@pytest.mark.gpu
+def test_the_flipped_perturbation_is_the_first_negated_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _antithetic("cuda")
+
+
 class JumpyCache(Jumpy):
     """Its output is smooth; what jumps is the cache it writes (``written``), as a token routed to another
     expert in one layer moves the K/V every later layer writes while the logits may stay within the bound."""
