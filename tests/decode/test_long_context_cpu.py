@@ -99,6 +99,52 @@ def test_where_the_bf16_graph_jumps_under_one_rounding_step_a_step_within_the_ju
     assert not judge_first_step(step, ref, ref32, jump=0.9 * VARIANT_TOL)[0]  # a stable graph: the plain bound
 
 
+def test_a_step_refused_on_distance_is_judged_by_the_engine_s_near_tie_rule():
+    """``decode.engine_opinion``, asked where ``judge_first_step`` refuses: a step that computes exactly but routes
+    a near-tied token the other way passes on the fp32 graph with that choice flipped; a wrong step does not; the
+    cache is left as it was."""
+    from decode import engine_opinion
+    from tkcc.frontend.capture import capture
+    from tkcc.frontend.models import build_model
+    from tkcc.runtime.exact_reference import decisions_of, upcast
+    from tkcc.runtime.validation import StateGuard, exact_run, scaled_error
+
+    m = build_model("olmoe-tiny", torch.bfloat16, "cpu")
+    prog = capture(m, phases=["decode"], max_cache_len=48)
+    up = upcast(prog.graphs["decode"])
+    d = decisions_of(up)
+    for seed in range(60):  # a draw with a near tie whose flip moves the logits
+        g = torch.Generator().manual_seed(seed)
+        prog.state.fill_random(30, g)
+        tok, pos = torch.randint(0, m.config.vocab_size, (1, 1), generator=g), torch.tensor([30])
+        guard = StateGuard(prog.state)
+        exact, _, near = exact_run(up, (tok, pos), guard, {})
+        if not near:
+            continue
+        d.flip = frozenset({min(near)[1:]})
+        try:
+            with torch.no_grad():
+                flipped = up(tok, pos)
+        finally:
+            d.flip = frozenset()
+        guard.restore()
+        flipped = (flipped[0] if isinstance(flipped, (tuple, list)) else flipped).to(torch.bfloat16).float()
+        moved = scaled_error(exact[0], flipped)[2]
+        if moved / 2 > 1.25 * 2.0 ** -9:  # half of it is still past bf16's rounding of the logits
+            break
+    else:
+        pytest.fail("no draw in 60 with a near tie whose flip moves the logits past bf16's rounding")
+    ref = exact[0].to(torch.bfloat16).float()  # the bf16 graph agreeing with fp32 on every choice
+    bound = moved / 2
+    left = [b.clone() for b in prog.state.buffers()]
+    ok, found = engine_opinion(prog, tok, pos, ref, flipped, torch.bfloat16, bound=bound)
+    assert ok and "decided the other way" in found, found
+    wrong = exact[0] * (1 + 4 * bound)
+    ok, found = engine_opinion(prog, tok, pos, ref, wrong, torch.bfloat16, bound=bound)
+    assert not ok and "fp32" in found
+    assert all(torch.equal(a, b) for a, b in zip(prog.state.buffers(), left))
+
+
 def test_front_door_check_takes_the_fp32_run_and_leaves_the_cache():
     """frontdoor_rows on a bf16 model (CPU: the steps take their reference arithmetic): the captured graph's fp32
     run judges the lowered step, the notes give its distance from it, the bf16 graph's own, and the
