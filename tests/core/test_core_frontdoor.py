@@ -293,3 +293,30 @@ def test_settling_the_heap_frees_what_an_earlier_settle_froze():
         assert alive() is None
     finally:
         gc.unfreeze()
+
+
+def test_not_below_eager_reads_the_objectives_and_the_interval():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from registry import not_below
+
+    assert not_below(500.0, 400.0, None) is True
+    assert not_below(390.0, 400.0, {"low": 0.95, "high": 1.02, "within_noise": True}) is True  # within noise
+    assert not_below(300.0, 400.0, {"low": 0.70, "high": 0.80, "within_noise": False}) is False
+    assert not_below(300.0, 400.0, None) is False
+    assert not_below(None, 400.0, None) is None  # nothing measured: no verdict
+
+
+def test_registry_benchmark_smoke_gives_each_model_the_same_run_s_eager_and_winner(tmp_path):
+    """``benchmarks/registry.py --smoke``: one tiny model compiled in its own process; its row holds the compile's
+    own side by side (eager, the captured graphs, the winner) and the verdict drawn from them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import registry
+
+    rows = registry.main(["--smoke", "--out", str(tmp_path / "registry.json")])
+    assert len(rows) == 1 and "error" not in rows[0], rows
+    r = rows[0]
+    assert r["model"] == "llama-tiny" and r["eager_objective"] > 0 and r["winner_objective"] > 0
+    assert r["winner_objective"] == max(r["winner_objective"], r["captured_objective"], r["eager_objective"])
+    assert r["ok"] is registry.not_below(r["winner_objective"], r["eager_objective"], r["interval"])
+    assert r["frontdoor_ms"] > 0 and r["hf_eager_ms"] > 0
+    assert json.loads((tmp_path / "registry.json").read_text())[0]["model"] == "llama-tiny"
