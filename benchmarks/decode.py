@@ -150,8 +150,16 @@ def hf_decode_timer(model, context: int, tokens: int, fwd):
         layer.keys.normal_()
         layer.values.normal_()
     positions = [torch.tensor([context + i], device=dev) for i in range(tokens)]
+    # transformers 5's StaticLayer writes where its own running count says, not at ``cache_position``: put the
+    # count back at the context before each run, or the runs write past the cache (IndexError after
+    # max_cache_len calls) and time a context other than the row's
+    counts = [layer.cumulative_length for layer in cache.layers if hasattr(layer, "cumulative_length")]
 
     def run(n):
+        if n > tokens:
+            raise ValueError(f"run({n}): the cache holds {tokens} steps past the context")
+        for c in counts:
+            c.fill_(context)
         with torch.no_grad():
             for i in range(n):
                 fwd(input_ids=tok, past_key_values=cache, cache_position=positions[i % tokens], use_cache=True)

@@ -199,3 +199,28 @@ def test_real_routing_is_refused_by_name_where_the_router_is_grouped():
                              {"router": "sigmoid_grouped"}))
     forced, why = bench.forced_routing(torch.fx.GraphModule(torch.nn.Module(), g))
     assert forced is None and "grouped" in why
+
+
+def test_the_hf_timer_writes_at_the_row_s_context_however_often_it_runs():
+    """HF's own decode step on its StaticCache (the ``hf_eager`` and ``torch_compile`` rows): transformers 5's cache
+    writes where its running count says, so without the timer putting the count back, its repeated runs wrote
+    past the context and, after max_cache_len calls, past the cache (IndexError). Each run writes at context ..
+    context + n - 1 and nowhere else."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode as bench
+    from tkcc.frontend.models import build_model
+
+    model = build_model("llama-tiny", torch.float32, "cpu", max_position_embeddings=64)
+    context, tokens = 20, 6
+    run, cache = bench.hf_decode_timer(model, context, tokens, model.forward)
+    keys = cache.layers[0].keys
+    for _ in range(8):  # far more calls in all than the cache has positions past the context
+        keys.normal_()  # what a run writes then differs from what was there
+        before = keys.clone()
+        run(tokens)
+        moved = (keys != before).any(dim=-1).any(dim=1)[0].nonzero().flatten().tolist()
+        assert moved == list(range(context, context + tokens)), moved
+    with pytest.raises(ValueError):
+        run(tokens + 1)
