@@ -150,16 +150,21 @@ def hf_decode_timer(model, context: int, tokens: int, fwd):
         layer.keys.normal_()
         layer.values.normal_()
     positions = [torch.tensor([context + i], device=dev) for i in range(tokens)]
-    # transformers 5's StaticLayer writes where its own running count says, not at ``cache_position``: put the
+    # transformers 5's cache layers write where their own running count says, not at ``cache_position``: put the
     # count back at the context before each run, or the runs write past the cache (IndexError after
-    # max_cache_len calls) and time a context other than the row's
-    counts = [layer.cumulative_length for layer in cache.layers if hasattr(layer, "cumulative_length")]
+    # max_cache_len calls) and time a context other than the row's. A sliding-window layer's count past its
+    # window makes it roll, as it does serving a context that long.
+    def at_context():
+        for layer in cache.layers:
+            if hasattr(layer, "cumulative_length_int"):
+                layer.cumulative_length_int = context
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length.fill_(min(context, int(getattr(layer, "max_cache_len", context))))
 
     def run(n):
         if n > tokens:
             raise ValueError(f"run({n}): the cache holds {tokens} steps past the context")
-        for c in counts:
-            c.fill_(context)
+        at_context()
         with torch.no_grad():
             for i in range(n):
                 fwd(input_ids=tok, past_key_values=cache, cache_position=positions[i % tokens], use_cache=True)

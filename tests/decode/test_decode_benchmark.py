@@ -224,3 +224,7 @@ def test_the_hf_timer_writes_at_the_row_s_context_however_often_it_runs():
         assert moved == list(range(context, context + tokens)), moved
     with pytest.raises(ValueError):
         run(tokens + 1)
+    # a sliding-window layer (gpt-oss: window 8) past its window rolls, as it would serving that context
+    oss = build_model("gptoss-tiny", torch.float32, "cpu", max_position_embeddings=64)
+    rows = bench.hf_rows(oss, "gptoss-tiny", [24], 8, 3, "hf_eager", oss.forward)
+    assert rows[0]["context"] == 24 and rows[0]["ms_per_token"] > 0
