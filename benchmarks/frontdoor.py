@@ -156,6 +156,23 @@ def side_by_side(compiled, name, path, contexts, n, rounds, dtype, vocab, dev) -
                 child.kill()
 
 
+def same_contexts(lab, curve: list[dict], model: str) -> dict:
+    """Each variant's P90 against the front door's over the contexts both measured: a curve over fewer contexts
+    (a row the time limit cut, or refused) interpolates a different stretch of the trace, so its P90 is not the
+    front door's to compare with. {variant: {"contexts", "frontdoor", variant}}."""
+    mine = {r["context"] for r in curve if r["model"] == model and r["variant"] == "frontdoor"}
+    out = {}
+    for v in sorted({r["variant"] for r in curve if r["model"] == model} - {"frontdoor"}):
+        common = sorted(mine & {r["context"] for r in curve if r["model"] == model and r["variant"] == v})
+        if not common:
+            continue
+        sub = [r for r in curve if r["model"] == model and r["variant"] in ("frontdoor", v) and r["context"] in common]
+        got = {o["variant"]: o["p90_decode_tokens_per_s"] for o in lab.objective_rows(sub, [model])
+               if o["trace"] == "azure-conv"}
+        out[v] = {"contexts": common, "frontdoor": got.get("frontdoor"), v: got.get(v)}
+    return out
+
+
 def experiment_timeline(loop: dict | None) -> list[dict]:
     """Each experiment of the compile's loop, from its store: when it started (s after the first), its tier,
     passes, verdict, seconds, and where they went on the engine's critical path (what a compile wall past its
@@ -316,7 +333,7 @@ def main(argv=None):
               and r["model"] == m}
         rows.append(dict(model=m, variant="objective", trace="azure-conv", frontdoor_p90=by.get("frontdoor"),
                          torch_compile_p90=by.get("torch_compile"), hf_eager_p90=by.get("hf_eager"),
-                         lab_best_p90=by.get("lab_best")))
+                         lab_best_p90=by.get("lab_best"), same_contexts=same_contexts(lab, curve, m)))
     save()
     print("\nmodel          ctx     variant          ms/token")
     for r in rows:

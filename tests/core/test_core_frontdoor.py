@@ -320,3 +320,27 @@ def test_registry_benchmark_smoke_gives_each_model_the_same_run_s_eager_and_winn
     assert r["ok"] is registry.not_below(r["winner_objective"], r["eager_objective"], r["interval"])
     assert r["frontdoor_ms"] > 0 and r["hf_eager_ms"] > 0
     assert json.loads((tmp_path / "registry.json").read_text())[0]["model"] == "llama-tiny"
+
+
+def test_frontdoor_compares_p90s_over_the_contexts_both_measured():
+    """A variant measured at fewer contexts (a row cut or refused) gets its P90 compared with the front door's over
+    those contexts only; over all of them the comparison is the plain one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import decode as lab
+    from frontdoor import same_contexts
+
+    def rows(variant, pts):
+        return [dict(model="m", context=c, variant=variant, routing="router", ms_per_token=ms) for c, ms in pts]
+
+    fd = [(128, 1.0), (2048, 1.1), (8192, 1.6)]
+    curve = rows("frontdoor", fd) + rows("lab_best", [(128, 1.0), (2048, 1.1)]) + rows("torch_compile",
+                                                                                      [(c, 2 * ms) for c, ms in fd])
+    got = same_contexts(lab, curve, "m")
+    assert got["lab_best"]["contexts"] == [128, 2048]
+    assert got["lab_best"]["frontdoor"] == pytest.approx(got["lab_best"]["lab_best"])  # the same curve there
+    full = {o["variant"]: o["p90_decode_tokens_per_s"] for o in lab.objective_rows(curve, ["m"])
+            if o["trace"] == "azure-conv"}
+    assert full["frontdoor"] != pytest.approx(full["lab_best"])  # over its own contexts the lab looks faster
+    assert got["torch_compile"]["contexts"] == [128, 2048, 8192]
+    assert got["torch_compile"]["frontdoor"] == pytest.approx(full["frontdoor"])
+    assert got["torch_compile"]["frontdoor"] == pytest.approx(2 * got["torch_compile"]["torch_compile"], rel=0.02)
