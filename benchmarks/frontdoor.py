@@ -47,6 +47,11 @@ def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
 
 
+def out_paths_for(out: str) -> list[Path]:
+    """Where a benchmark's raw JSON goes: ``out``, and on the device machine the same name under ``$OUT``."""
+    return [Path(out)] + ([Path(os.environ["OUT"]) / Path(out).name] if os.environ.get("OUT") else [])
+
+
 def sync():
     if CUDA:
         torch.cuda.synchronize()
@@ -244,7 +249,7 @@ def main(argv=None):
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 dtype=str(dtype).replace("torch.", ""), batch=1, tokens=a.tokens, reps=a.reps, mode=a.mode)
     rows, notes = [], {}
-    out_paths = [Path(a.out)] + ([Path(os.environ["OUT"]) / Path(a.out).name] if os.environ.get("OUT") else [])
+    out_paths = out_paths_for(a.out)
 
     def save():  # the rows (the issue's format: a list), and beside them what they ran on and the loop's notes
         for p in out_paths:

@@ -32,11 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CUDA = torch.cuda.is_available()
-
-
-def log(*a):
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, file=sys.stderr, flush=True)
+from frontdoor import CUDA, log, ms_per_token, out_paths_for, prompt  # noqa: E402 - after the path to it
 
 
 def default_models() -> list[str]:
@@ -60,7 +56,6 @@ def one(name: str, budget: str | None, context: int, tokens: int, reps: int) -> 
     """One model's row (runs in its own process)."""
     import decode as lab
     import tkcc
-    from frontdoor import ms_per_token, prompt
     from tkcc.frontend.models import build_model, get_spec
 
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -113,7 +108,7 @@ def main(argv=None):
                 commit=lab.commit(), command=" ".join([os.path.basename(sys.executable), *sys.argv]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     rows = []
-    out_paths = [Path(a.out)] + ([Path(os.environ["OUT"]) / Path(a.out).name] if os.environ.get("OUT") else [])
+    out_paths = out_paths_for(a.out)
     for name in models:
         cmd = [sys.executable, __file__, "--one", name, "--context", str(a.context), "--tokens", str(a.tokens),
                "--reps", str(a.reps)] + (["--budget", a.budget] if a.budget else [])
