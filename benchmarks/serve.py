@@ -441,7 +441,7 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
         def reship():
             try:
                 ships = [r for r in srv.admin.status().get("ships", []) if "spec" in r]
-                first = {"artifact": str(args.artifact)} if args.artifact else {"plan": _default_plan_json()}
+                first = {"artifact": str(args.artifact)} if args.artifact else {"plan": _default_plan_json(args.mode)}
                 spec = ships[-1]["spec"] if ships else first  # what serves, built again
                 forced.append(_safe_ship(srv, spec))
             finally:
@@ -589,10 +589,10 @@ def by_measuring(res, windows) -> dict:
     return {"while_measuring": _stats(busy), "idle": _stats(idle)}
 
 
-def _default_plan_json():
+def _default_plan_json(mode: str | None = None):
     from tkcc.compiler import default_plan
 
-    return default_plan().to_json()
+    return default_plan(mode or "exact").to_json()
 
 
 def _pick(m: dict) -> dict:
@@ -912,6 +912,10 @@ def main(argv=None):
     ap.add_argument("--compile-budget", default=None,
                     help="first compile the model for the Azure conv trace with this budget (tkcc compile, "
                          "tolerance mode, e.g. 150s) and serve what it ships: the front door's winner")
+    ap.add_argument("--mode", default=None, choices=["exact", "tolerance"],
+                    help="the server's --mode: the mode its plans are built and its watcher searches in (default: "
+                         "the artifact's own, else exact); tolerance lets a watcher over the default plan find "
+                         "the inexact passes, such as the lowered decode step")
     g.add_argument("--batches", default="1,8", help="batch sizes to serve at, comma-separated (default 1,8)")
     g.add_argument("--in-process", action="store_true",
                    help="drive the server's scheduler in this process (no HTTP: needs no serve wheels)")
@@ -947,6 +951,8 @@ def main(argv=None):
         a.artifact, a.compile_report = compile_first(a)
     if a.artifact is not None:
         a.server_args += ["--artifact", str(a.artifact)]
+    if a.mode is not None:
+        a.server_args += ["--mode", a.mode]
     run = run_model(a)
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
