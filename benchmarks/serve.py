@@ -441,7 +441,8 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
         def reship():
             try:
                 ships = [r for r in srv.admin.status().get("ships", []) if "spec" in r]
-                first = {"artifact": str(args.artifact)} if args.artifact else {"plan": _default_plan_json(args.mode)}
+                first = ({"artifact": str(args.artifact)} if args.artifact else
+                         {"plan": json.loads(args.plan) if args.plan else _default_plan_json(args.mode)})
                 spec = ships[-1]["spec"] if ships else first  # what serves, built again
                 forced.append(_safe_ship(srv, spec))
             finally:
@@ -499,7 +500,8 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
                                                                      "error", "note", "tried", "decisions")}
                                 for e in watch.get("events") or [] if e.get("kind") != "waiting"][-12:],
                "measuring_windows_s": [[round(a - origin, 1), round(b - origin, 1)] for a, b in windows],
-               "ships": ships[-12:], "decode_graph": status.get("decode_graph"), "server_metrics": m,
+               "ships": ships[-12:], "watch_experiments": watch_experiments(srv.dir / "tkcc-campaigns.db"),
+               "decode_graph": status.get("decode_graph"), "server_metrics": m,
                "moe_counts": args.moe_counts, "moe_counted_requests": m.get("tkcc_moe_count_seconds_count"),
                "moe_count_s_per_request": (m["tkcc_moe_count_seconds_sum"] / m["tkcc_moe_count_seconds_count"])
                if m.get("tkcc_moe_count_seconds_count") else None}
@@ -509,6 +511,24 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
         return out
     finally:
         srv.stop()
+
+
+def watch_experiments(db: Path) -> list[dict]:
+    """What the watcher's campaigns tried, from the server's experiment store: per experiment its campaign, tier,
+    plan (pass names), verdict, objective and reason (why one was invalid or not promoted)."""
+    if not db.exists():
+        return []
+    from tkcc.agents.store import ExperimentStore
+
+    store = ExperimentStore(db)
+    try:
+        names = {c["id"]: c["name"] for c in store.campaigns()}
+        return [{"campaign": names.get(e.campaign_id, e.campaign_id), "tier": e.tier, "proposer": e.proposer,
+                 "candidate": e.candidate[:16], "plan": [s.get("name") for s in e.plan or []], "verdict": e.verdict,
+                 "objective": e.objective, "reason": (e.reason or "")[:300],
+                 "seconds": round(e.finished - e.started, 1)} for e in store.experiments()]
+    finally:
+        store.close()
 
 
 def _wait_watching(srv, timeout_s: float) -> float | None:
@@ -916,6 +936,10 @@ def main(argv=None):
                     help="the server's --mode: the mode its plans are built and its watcher searches in (default: "
                          "the artifact's own, else exact); tolerance lets a watcher over the default plan find "
                          "the inexact passes, such as the lowered decode step")
+    ap.add_argument("--plan", default=None,
+                    help="the server's --plan (JSON text): what it serves from the start (default: the default "
+                         "plan of --mode); e.g. the exact default with --mode tolerance, so that the watcher, not "
+                         "the start, brings in the inexact passes")
     g.add_argument("--batches", default="1,8", help="batch sizes to serve at, comma-separated (default 1,8)")
     g.add_argument("--in-process", action="store_true",
                    help="drive the server's scheduler in this process (no HTTP: needs no serve wheels)")
@@ -953,6 +977,9 @@ def main(argv=None):
         a.server_args += ["--artifact", str(a.artifact)]
     if a.mode is not None:
         a.server_args += ["--mode", a.mode]
+    if a.plan is not None:
+        json.loads(a.plan)  # a bad --plan fails here, not after minutes of serving
+        a.server_args += ["--plan", a.plan]
     run = run_model(a)
     path = Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -118,3 +118,45 @@ def test_repository_golden_data_matches(llama_program, threads):
     assert rep.ok, rep.summary()
     assert rep.token_agreement == 1.0
     assert g.meta["cpu_threads"] == golden.CPU_THREADS and not rep.notes, rep.notes
+
+
+def _runs(seed: int, steps: int = 3, vocab: int = 50, tie_at: int | None = None, flip_at: int | None = None):
+    """One reference run (prefill logits [1, 4, V], decode logits [steps, 1, V], tokens [1, steps+1]) and a
+    candidate within 1e-3 of it, teacher-forced, whose chosen token is swapped for the runner-up at
+    ``flip_at``; ``tie_at`` gives the reference a top-2 gap of 1e-4 there (a near tie)."""
+    g = torch.Generator().manual_seed(seed)
+    pre = torch.randn(1, 4, vocab, generator=g, dtype=torch.float64) * 3
+    dec = torch.randn(steps, 1, vocab, generator=g, dtype=torch.float64) * 3
+    chosen = [pre[:, -1]] + [dec[s] for s in range(steps)]
+    for j, lg in enumerate(chosen):
+        top = lg[0].topk(2).indices
+        lg[0, top[1]] = lg[0, top[0]] - (1e-4 if j == tie_at else 1.0)
+    got_pre, got_dec = pre.clone(), dec.clone()
+    got_pre += 1e-3 * torch.rand(pre.shape, generator=g, dtype=torch.float64)
+    got_dec += 1e-3 * torch.rand(dec.shape, generator=g, dtype=torch.float64)
+    toks = torch.stack([lg[0].argmax() for lg in chosen])[None]
+    got_toks = toks.clone()
+    if flip_at is not None:
+        got_toks[0, flip_at] = chosen[flip_at][0].topk(2).indices[1]
+    return (pre, dec, toks), (got_pre, got_dec, got_toks)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tolerance_holds_greedy_tokens_only_where_the_reference_is_decisive(seed):
+    """In tolerance mode a candidate within the bound that flips a near tie (top-2 gap inside 2 x the bound x the
+    scale) passes, with a note, as the engine's validation judges it; the same flip where the reference's choice
+    is clear fails; exact mode and a zero bound hold every token."""
+    steps = 3
+    for j in range(steps + 1):
+        ref, got = _runs(seed, steps, tie_at=j, flip_at=j)
+        rep = golden._compare_lm("m", "tolerance", 1e-2, 1e-2, "ref", [ref], [got])
+        assert rep.ok and rep.token_agreement < 1.0 and rep.first_token_mismatch is None
+        assert any("near tie" in n for n in rep.notes)
+        assert not golden._compare_lm("m", "tolerance", 0.0, 1e-2, "ref", [ref], [got]).ok
+        assert not golden._compare_lm("m", "exact", None, None, "ref", [ref], [got]).ok
+        ref, got = _runs(seed, steps, tie_at=(j + 1) % (steps + 1), flip_at=j)  # the flip where the choice is clear
+        rep = golden._compare_lm("m", "tolerance", 1e-2, 1e-2, "ref", [ref], [got])
+        assert not rep.ok and rep.first_token_mismatch.startswith(f"prompt 0, token {j}:")
+    ref, got = _runs(seed, steps, tie_at=1)  # no flip: every token agrees
+    rep = golden._compare_lm("m", "tolerance", 1e-2, 1e-2, "ref", [ref], [got])
+    assert rep.ok and rep.token_agreement == 1.0 and not rep.notes

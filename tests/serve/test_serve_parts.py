@@ -381,3 +381,39 @@ def test_ids_are_read_one_step_late_in_order():
     s.close()
     assert log[-1] == "closed" and "step 3" not in log  # a stop at id 1 spent one step more (step 2), no more
     assert list(one_step_late(steps(0), start_copy)) == []
+
+
+def test_a_tolerance_plan_is_golden_checked_before_it_serves(tmp_path):
+    """`tkcc serve --http --mode tolerance --plan P`: the first forward is checked as every later ship is (the
+    pass manager's numerics, then the golden check); a plan past the tolerance is refused at start-up with the
+    pass and its numbers, not served unchecked."""
+    import torch
+
+    from tkcc.cli import build_parser
+    from tkcc.commands.http_cmd import _build_server
+    from tkcc.passes import register
+    from tkcc.passes.graph_pass import GraphPass
+
+    @register
+    class _ScaleLogits(GraphPass):
+        """Multiplies the first graph output by 1.5: far past any tolerance, on purpose."""
+
+        name = "test-serve-scale-output"
+        exact = False
+        params = {}
+
+        def rewrite(self, gm, info, phase):
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            first = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+            with gm.graph.inserting_before(out):
+                bumped = gm.graph.call_function(torch.ops.aten.mul.Tensor, (first, 1.5))
+            out.args = ((bumped, *out.args[0][1:]),) if isinstance(out.args[0], (tuple, list)) else (bumped,)
+            info.matched += 1
+
+    def args(*extra):
+        return build_parser().parse_args(["serve", "--http", "127.0.0.1:0", "--model", "llama-tiny", "--device",
+                                          "cpu", "--no-record", "--max-cache-len", "64", "--admin-token-file",
+                                          str(tmp_path / "admin.token"), *extra])
+
+    with pytest.raises(TkccError, match="pass 'test-serve-scale-output' .* changed the outputs .* beyond tolerance"):
+        _build_server(args("--mode", "tolerance", "--plan", '[{"name": "test-serve-scale-output"}]'))

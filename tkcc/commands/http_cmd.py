@@ -154,7 +154,8 @@ def _build_server(args):
         from tkcc.passes.default_plan import resolve_plan
 
         plan = resolve_plan(args.plan, args.mode or "exact")
-    compiled, tag = builder.first(plan=plan, artifact=args.artifact)
+    # an inexact plan is golden-checked before it serves, as every later ship of one is
+    compiled, tag = builder.first(plan=plan, artifact=args.artifact, check=args.mode == "tolerance")
     args.mode = builder.mode = _serving_mode(args, compiled)
     vocab = int(compiled.program.meta["vocab_size"])
     tokenizer = load_tokenizer(args.tokenizer or tok_dir, vocab)
