@@ -42,6 +42,11 @@ def default_models() -> list[str]:
     return [n for n in REGISTRY if n.endswith("-tiny") != CUDA]
 
 
+def num(x, digits: int = 1) -> str:
+    """A number for the log; a measurement a row lacks (None) prints as n/a."""
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
 def not_below(winner: float | None, eager: float | None, interval: dict | None) -> bool | None:
     """Whether what ``tkcc.compile`` returned is not below the model's eager forward: its objective at least
     eager's, or the speedup's interval spanning 1 (within the measured noise). None where nothing was measured."""
@@ -122,14 +127,14 @@ def main(argv=None):
             row = dict(model=name, error=f"killed after {a.timeout_s:.0f} s")
         row.update(process_s=round(time.perf_counter() - t0, 1), **meta)
         rows.append(row)
-        log(f"{name}: " + (row["error"][-300:] if "error" in row else
-                           f"serves {row['serves']} {row['plan']}; objective winner {row['winner_objective']:.1f} "
-                           f"vs eager {row['eager_objective']:.1f}; {row['frontdoor_ms']:.3f} vs HF eager "
-                           f"{row['hf_eager_ms'] or float('nan'):.3f} ms/token at {row['context']}; "
-                           f"not below eager: {row['ok']}"))
-        for p_ in out_paths:
+        for p_ in out_paths:  # written before the line below, which must not lose a row it cannot print
             p_.parent.mkdir(parents=True, exist_ok=True)
             p_.write_text(json.dumps(rows, indent=1, default=str))
+        log(f"{name}: " + (row["error"][-300:] if "error" in row else
+                           f"serves {row['serves']} {row['plan']}; objective winner {num(row.get('winner_objective'))} "
+                           f"vs eager {num(row.get('eager_objective'))}; {num(row.get('frontdoor_ms'), 3)} vs HF eager "
+                           f"{num(row.get('hf_eager_ms'), 3)} ms/token at {row['context']}; "
+                           f"not below eager: {row['ok']}"))
     bad = [r["model"] for r in rows if r.get("ok") is False]
     log(f"{len(rows)} models; below eager: {bad or 'none'}; failed: {[r['model'] for r in rows if 'error' in r]}")
     return rows

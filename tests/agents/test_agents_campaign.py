@@ -143,6 +143,28 @@ def test_revert_when_new_traffic_makes_shipped_slower(tmp_path):
     assert not again.reverted
 
 
+@pytest.mark.parametrize("serving", [False, True])
+def test_a_recheck_loads_what_a_live_server_serves_as_serving(tmp_path, serving):
+    """In a server's watcher the shipped candidate is rebuilt as the server's own forward (no isolation
+    account in the engine); its predecessor and the empty plan are fresh candidates; outside a server, all are."""
+    from tkcc.agents.ship import recheck_and_revert, shipped_chain
+
+    state, store, _ = _run(tmp_path, budget=0.5)
+    current = shipped_chain(store, state.campaign_id)[-1]
+    assert current["plan"]
+
+    class Recording(SyntheticEvaluator):
+        def build(self, cand, tier):
+            self.flags = getattr(self, "flags", []) + [(cand.proposer, cand.plan.hash(), cand.serving)]
+            return super().build(cand, tier)
+
+    ev = Recording()
+    recheck_and_revert(store, state.campaign_id, ev, state.noise, serving=serving)
+    checked = [(h, s) for who, h, s in ev.flags if who == "recheck"]
+    assert len(checked) >= 2 and checked[0][0] == current["candidate"]
+    assert [s for _, s in checked] == [serving] + [False] * (len(checked) - 1)
+
+
 def test_report_html(tmp_path):
     from tkcc.agents.report import write_report
 

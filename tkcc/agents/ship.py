@@ -37,8 +37,14 @@ def shipped_chain(store: ExperimentStore, campaign_id: int) -> list[dict]:
 
 
 def recheck_and_revert(store: ExperimentStore, campaign_id: int, evaluator: Evaluator, noise: NoiseModel,
-                       tier: str = "slow") -> RecheckResult:
-    """Re-measure the shipped candidate, its predecessor and the baseline on the evaluator's (new) workload."""
+                       tier: str = "slow", serving: bool = False) -> RecheckResult:
+    """Re-measure the shipped candidate, its predecessor and the baseline on the evaluator's (new) workload.
+
+    ``serving``: the shipped candidate is what a live server serves now. It is loaded as the server's own
+    forward (``Candidate.serving``: the engine opens no isolation account for it), as a campaign's start is.
+    Charged as a fresh candidate, the memory its first measurement on the new shapes warms failed the
+    engine's host-memory audit (+206 MiB against 195 allowed) on the H200, and the recheck reverted a
+    forward that served correctly to the slower empty plan."""
     chain = shipped_chain(store, campaign_id)
     if not chain:
         return RecheckResult(False, "nothing shipped yet", {}, "")
@@ -50,7 +56,7 @@ def recheck_and_revert(store: ExperimentStore, campaign_id: int, evaluator: Eval
     wfp = evaluator.workload_fingerprint()
     objs: dict[str, float | None] = {}
     for r in rivals:
-        cand = Candidate("recheck", PassPlan.from_json(r["plan"]))
+        cand = Candidate("recheck", PassPlan.from_json(r["plan"]), serving=serving and r is current)
         ahash = evaluator.build(cand, tier)
         res = evaluator.measure(ahash, tier)
         objs[r["candidate"]] = res.objective if res.verdict == "measured" else None

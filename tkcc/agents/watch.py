@@ -101,7 +101,7 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
                 emit("drift", detail)
                 try:
                     ev = make_evaluator(rolling.workload(**wk))
-                    rc = recheck_and_revert(store, campaign_id, ev, noise)
+                    rc = recheck_and_revert(store, campaign_id, ev, noise, serving=serving is not None)
                     emit("recheck", {"reverted": rc.reverted, "reason": rc.reason, "objectives": rc.objectives})
                 except TkccError as e:
                     _failed(emit, "recheck", "", e)
