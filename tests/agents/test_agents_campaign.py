@@ -271,3 +271,29 @@ def test_the_whole_screening_is_one_round_so_the_best_single_pass_is_promoted_fi
     first_slow = next(i for i, (h, t) in enumerate(ev.measured) if t == "slow" and ev.built[h].steps)
     screened = {ev.built[h].steps[0].name for h, t in ev.measured[:first_slow] if t == "fast" and ev.built[h].steps}
     assert len(screened) == 10  # every pass alone was measured before anything was confirmed
+
+
+@pytest.mark.parametrize("after", [1, 3, 6])
+def test_a_caller_stop_ends_the_loop_before_its_next_step(tmp_path, after):
+    """A server shutting down sets ``stop``: the campaign starts no further step (each one after would fail on
+    the engine going away and be recorded as a failed build) and says why it stopped."""
+    import threading
+
+    stop = threading.Event()
+
+    class Stopping(SyntheticEvaluator):
+        def measure(self, ahash, tier):
+            res = super().measure(ahash, tier)
+            if len(self.measured) == after:
+                stop.set()
+            return res
+
+    ev = Stopping()
+    store = ExperimentStore(tmp_path / "s.db")
+    cfg = CampaignConfig(name="c", model="m", budget_s=1.0, tiers=("fast", "slow"), started=ev.clock())
+    state = run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse, Slow]), seed=0), ev, progress=False,
+                         clock=ev.clock, stop=stop)
+    assert len(ev.measured) == after
+    assert state.stopped == "stopped by its caller (a server shutting down)"
+    full, _, _ = _run(tmp_path / "full")  # the same campaign unstopped measures more
+    assert len(full.history) > len(state.history)

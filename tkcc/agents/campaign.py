@@ -160,6 +160,15 @@ class _Run:
     prepared: dict = field(default_factory=dict)  # candidate key -> Candidate, compiling ahead, not measured yet
     served_before: list = field(default_factory=list)  # (shipped, serving_slow, serving_cand, serving_screen) per ship
     out_of_memory: int = 0  # candidates in a row that crashed out of device memory (_device_exhausted)
+    stop_event: object = None  # threading.Event: the caller ends the loop (run_campaign's ``stop``)
+
+    def stopped_by_caller(self) -> bool:
+        """The caller asked the loop to end: say so once, as why it stopped."""
+        if self.stop_event is None or not self.stop_event.is_set():
+            return False
+        if not self.state.stopped:
+            self.state.stopped = "stopped by its caller (a server shutting down)"
+        return True
 
     @property
     def screen(self) -> str:
@@ -183,7 +192,7 @@ def conditions_of(evaluator) -> dict:
 
 def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer, evaluator: Evaluator,
                  progress=True, *, clock=time.monotonic, costs: dict | None = None, costs_source: str = "",
-                 starts: list[Candidate] | None = None) -> CampaignState:
+                 starts: list[Candidate] | None = None, stop=None) -> CampaignState:
     """Run until the wall-clock budget is spent; returns the final state (also in the store).
 
     progress: True (a bar and lines on stderr), False, or a callable taking each line.
@@ -192,6 +201,8 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
               up-front check; learnt as it runs otherwise.
     starts:   candidates that may serve first (default: the empty plan); with several, each is measured
               on the slow tier and the best ships first.
+    stop:     a ``threading.Event``; once set, no further step starts (a server's watcher shutting down: its
+              engine goes with it, and the steps after would be recorded as failed builds).
     """
     _check_config(cfg)
     wfp = evaluator.workload_fingerprint()
@@ -206,7 +217,7 @@ def run_campaign(cfg: CampaignConfig, store: ExperimentStore, proposer: Proposer
     state = _restore(store, cid, conditions, cfg.aa_pairs)
     state.validation = validation
     out, bar = progress_writer(f"campaign {cfg.name}", progress)
-    run = _Run(cfg, store, proposer, evaluator, state, budget, wfp, conditions, out, bar)
+    run = _Run(cfg, store, proposer, evaluator, state, budget, wfp, conditions, out, bar, stop_event=stop)
     session = _open_session(run)
     try:
         for tier, v in validation.items():
@@ -601,7 +612,7 @@ def _search(run: _Run) -> None:
         if st.stopped:
             run.say(f"stopped: {st.stopped}")
         return
-    while not st.stopped:
+    while not st.stopped and not run.stopped_by_caller():
         pairs = len(st.noise.aa_diffs)
         if pending and not st.noise.calibrated:
             if not _aa_step(run, why=f"needed before {pending[0][1].key} can be confirmed"):
@@ -747,7 +758,7 @@ def _search_pool(run: _Run, target: int, can_ship: bool) -> None:
         if pool.ship_to is not None and decides and (pool.ship_to == engine or pool.ship_to not in ev.engines()):
             pool.ship_to = None  # a ship decided is carried out even when the budget stops the search: it fitted
             return pool.ship[0]
-        if st.stopped:
+        if st.stopped or run.stopped_by_caller():
             return None
         if pool.revert is not None:
             return None  # what serves is being put back: nothing is measured against the one that failed

@@ -91,7 +91,7 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
             rolling.set_reference(cur)
             emit("reference", {"requests": len(cur)})
             campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
-                                           model, budget_s, wk, tiers, progress, emit, campaign_id, noise, serving)
+                                           model, budget_s, wk, tiers, progress, emit, campaign_id, noise, serving, stop)
             rounds += 1
         else:
             verdict = rolling.check()
@@ -108,7 +108,7 @@ def watch(rolling, make_evaluator, make_proposer, store: ExperimentStore, *, nam
                 rolling.set_reference(cur)
                 campaign_id, noise = _optimise(rolling, make_evaluator, make_proposer, store, f"{name}-{rounds}",
                                                model, budget_s, wk, tiers, progress, emit, campaign_id, noise,
-                                               serving)
+                                               serving, stop)
                 rounds += 1
             else:
                 note = quiet_note(verdict, rolling.params)
@@ -168,7 +168,7 @@ def _failed(emit, stage: str, name: str, e: Exception) -> None:
 
 
 def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget_s, wk, tiers, progress, emit,
-              previous=None, noise=None, serving=None):
+              previous=None, noise=None, serving=None, stop=None):
     """One re-optimisation campaign; (its id, its noise). One that fails is an event, and the loop goes on
     from the last campaign that ran (a watcher in a server must outlive a failed campaign)."""
     workload = rolling.workload(**wk)
@@ -176,7 +176,7 @@ def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget
                          extra={"buckets": [b.__dict__ for b in workload.buckets], "objective": workload.objective})
     try:
         state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress,
-                             starts=serving_starts(store, previous, serving))
+                             starts=serving_starts(store, previous, serving), stop=stop)
     except TkccError as e:
         _failed(emit, "campaign", name, e)
         return previous, noise
