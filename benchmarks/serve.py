@@ -876,6 +876,12 @@ def _commit() -> str:
     return commit()
 
 
+def given_dests(ap, argv) -> set[str]:
+    """The options named on the command line in full (``--flag``, ``--no-flag`` or ``--flag=value``)."""
+    words = {w.split("=", 1)[0] for w in argv if w.startswith("--")}
+    return {act.dest for act in ap._actions if words & set(act.option_strings)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-1b-16l")
@@ -960,8 +966,9 @@ def main(argv=None):
                      campaign_warm_s=120.0, drift_requests=120, drift_max_output=8, drift_limit_s=30.0, swap_every=40,
                      watch=False, watch_budget_s=20.0, watch_min_requests=40, service_requests=2,
                      out=str(ROOT / "benchmarks/results/serve_cpu_smoke.json"))
+        given = given_dests(ap, sys.argv[1:] if argv is None else argv)
         for k, v in small.items():
-            if getattr(a, k) == ap.get_default(k):
+            if k not in given:  # a flag given on the command line wins, also when it equals the default (--watch)
                 setattr(a, k, v)
     a.phases = {x.strip() for x in str(a.phases).split(",") if x.strip()} | {"single"}
     unknown = a.phases - {"single", "load", "cost", "drift"}

@@ -76,3 +76,18 @@ def test_tpot_by_stretch_between_swaps(bench):
     assert [w["after_swap"] for w in out] == [0, 1, 2]
     assert [w["n"] for w in out] == [1, 2, 1]
     assert out[1]["median"] == pytest.approx(23.0) and out[1]["since"] == 10.0 and out[2]["forward"] == ["b"]
+
+
+def test_a_flag_given_on_the_command_line_wins_over_the_smoke_settings(bench):
+    """--smoke sets small values for the options not given; one given keeps its value even when it equals the
+    default (`--smoke --watch` watches: the smoke's own setting is off), and a prefix of another flag is not it."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--watch", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--watch-budget-s", type=float, default=40.0)
+    ap.add_argument("--drift-util", type=float, default=0.5)
+    assert bench.given_dests(ap, ["--smoke", "--watch"]) == {"watch"}
+    assert bench.given_dests(ap, ["--no-watch", "--drift-util=0.1"]) == {"watch", "drift_util"}
+    assert bench.given_dests(ap, ["--watch-budget-s", "60"]) == {"watch_budget_s"}
+    assert bench.given_dests(ap, []) == set()
