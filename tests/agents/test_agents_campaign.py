@@ -297,3 +297,28 @@ def test_a_caller_stop_ends_the_loop_before_its_next_step(tmp_path, after):
     assert state.stopped == "stopped by its caller (a server shutting down)"
     full, _, _ = _run(tmp_path / "full")  # the same campaign unstopped measures more
     assert len(full.history) > len(state.history)
+
+
+@pytest.mark.parametrize("budget", [0.016, 0.02, 0.025])
+def test_a_budget_that_cannot_ship_screens_only_when_allowed(tmp_path, budget):
+    """With step costs known up front and no room for the A/A pairs and a confirmation, a campaign screens
+    candidates (the default) or, ``screen_only=False`` (a server's watcher, beside live traffic), measures
+    nothing more than its start and says why."""
+    costs = {"reference:fast": 0.002, "candidate:fast": 0.002, "reference:slow": 0.01, "candidate:slow": 0.01,
+             "ship": 0.001}
+
+    def run(screen_only, where):
+        ev = SyntheticEvaluator()
+        store = ExperimentStore(where / "s.db")
+        cfg = CampaignConfig(name="c", model="m", budget_s=budget, tiers=("fast", "slow"), started=ev.clock())
+        st = run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse, Slow]), seed=0), ev, progress=False,
+                          clock=ev.clock, costs=costs, screen_only=screen_only)
+        return st, ev
+
+    screened, ev1 = run(True, tmp_path / "a")
+    assert screened.tried >= 2 and any("screened only" in line for line in screened.log)
+    held, ev2 = run(False, tmp_path / "b")
+    assert held.tried == 0 and "nothing measured now could ship, so nothing is screened" in held.stopped
+    assert len(ev2.measured) < len(ev1.measured) and len(store_ships := ExperimentStore(tmp_path / "b" / "s.db")
+                                                          .ships(held.campaign_id)) == 1
+    assert store_ships[0]["reason"] == "baseline"  # what served stays

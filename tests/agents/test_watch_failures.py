@@ -59,3 +59,37 @@ def test_a_failed_campaign_is_an_event_and_the_next_drift_reoptimises(tmp_path):
     # the loop went on: the drift to long prompts was seen, re-checked and re-optimised
     assert "drift" in kinds and kinds[-1] == "campaign", kinds
     assert events[-1].detail["shipped"] is not None
+
+
+def test_a_servers_watcher_neither_screens_what_cannot_ship_nor_outlives_its_stop(tmp_path, monkeypatch):
+    """Each campaign of a server's watcher (``serving`` given) gets the server's stop and ``screen_only=False``;
+    a `tkcc watch` apart from a server screens as a campaign does."""
+    import threading
+    from types import SimpleNamespace
+
+    from campaign_helpers import FakeClock, TimedEvaluator
+    from tkcc.agents import watch as watch_mod
+    from tkcc.passes.plan import PassPlan, PassStep
+    from tkcc.traffic.follow import RollingWorkload
+
+    seen = []
+
+    def spy(cfg, store, proposer, evaluator, **kw):
+        seen.append(kw)
+        return SimpleNamespace(campaign_id=1, noise=None, shipped=None, evaluated={}, tried=0, stopped="",
+                               decisions=[])
+
+    monkeypatch.setattr(watch_mod, "run_campaign", spy)
+    rng = random.Random(0)
+    log = tmp_path / "requests.csv"
+    log.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    _append(log, [(i, rng.randint(100, 200), rng.randint(20, 60)) for i in range(60)], 1_700_000_000.0)
+    stop = threading.Event()
+    serving = [None, lambda: PassPlan((PassStep("dce", {}),))]
+    for s in serving:
+        watch_mod.watch(RollingWorkload(log, horizon="60s"), lambda wl: TimedEvaluator(FakeClock()), lambda: None,
+                        None, name="w", model="m", budget_s=30.0, min_requests=50, poll_s=0, max_polls=1,
+                        workload_kwargs={"max_context": 2047, "batch_sizes": (1,)}, sleep=lambda _: None,
+                        stop=stop, serving=s)
+    assert [k["screen_only"] for k in seen] == [True, False]
+    assert all(k["stop"] is stop for k in seen)

@@ -176,7 +176,8 @@ def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget
                          extra={"buckets": [b.__dict__ for b in workload.buckets], "objective": workload.objective})
     try:
         state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress,
-                             starts=serving_starts(store, previous, serving), stop=stop)
+                             starts=serving_starts(store, previous, serving), stop=stop,
+                             screen_only=serving is None)  # beside a server's live traffic: only what can ship
     except TkccError as e:
         _failed(emit, "campaign", name, e)
         return previous, noise
