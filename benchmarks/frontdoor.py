@@ -72,15 +72,15 @@ def decode_ms(stream, ids, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
-def ms_per_token(stream, ids, n: int, reps: int) -> float:
-    """``decode_ms``, median over ``reps``, after one warm-up."""
-    decode_ms(stream, ids, n)
+def one_round(stream, ids, n: int, reps: int = 3) -> float:
+    """One round's ms/token: the median of ``reps`` back-to-back ``decode_ms``."""
     return statistics.median(decode_ms(stream, ids, n) for _ in range(reps))
 
 
-def one_round(stream, ids, n: int, pairs: int = 3) -> float:
-    """One round's ms/token: the median of ``pairs`` back-to-back ``decode_ms``."""
-    return statistics.median(decode_ms(stream, ids, n) for _ in range(pairs))
+def ms_per_token(stream, ids, n: int, reps: int) -> float:
+    """``one_round`` of ``reps``, after one warm-up."""
+    decode_ms(stream, ids, n)
+    return one_round(stream, ids, n, reps)
 
 
 def prompt(context: int, vocab: int, device) -> torch.Tensor:

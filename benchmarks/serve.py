@@ -441,8 +441,7 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
         def reship():
             try:
                 ships = [r for r in srv.admin.status().get("ships", []) if "spec" in r]
-                first = ({"artifact": str(args.artifact)} if args.artifact else
-                         {"plan": json.loads(args.plan) if args.plan else _default_plan_json(args.mode)})
+                first = {"artifact": str(args.artifact)} if args.artifact else {"plan": _start_plan_json(args)}
                 spec = ships[-1]["spec"] if ships else first  # what serves, built again
                 forced.append(_safe_ship(srv, spec))
             finally:
@@ -609,10 +608,12 @@ def by_measuring(res, windows) -> dict:
     return {"while_measuring": _stats(busy), "idle": _stats(idle)}
 
 
-def _default_plan_json(mode: str | None = None):
-    from tkcc.compiler import default_plan
+def _start_plan_json(args) -> list:
+    """The plan the server started on (no artifact): its ``--plan``, else the default plan of its ``--mode``, read
+    as the server reads them (``resolve_plan``); ``--plan`` text that is not a plan raises a PlanError."""
+    from tkcc.passes.default_plan import resolve_plan
 
-    return default_plan(mode or "exact").to_json()
+    return resolve_plan(args.plan, args.mode or "exact").to_json()
 
 
 def _pick(m: dict) -> dict:
@@ -985,7 +986,7 @@ def main(argv=None):
     if a.mode is not None:
         a.server_args += ["--mode", a.mode]
     if a.plan is not None:
-        json.loads(a.plan)  # a bad --plan fails here, not after minutes of serving
+        _start_plan_json(a)  # a bad --plan fails here, not after minutes of serving
         a.server_args += ["--plan", a.plan]
     run = run_model(a)
     path = Path(a.out)
