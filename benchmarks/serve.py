@@ -96,6 +96,9 @@ class ServerProcess:
             self.stop()
             raise RuntimeError(f"server did not start: {(self.dir / 'server.stderr').read_text()[-3000:]}")
         self.ready = json.loads(got["line"])
+        if "url" not in self.ready:  # the server refused to start (a bad plan, model, flag): its own words
+            self.stop()
+            raise RuntimeError(f"server did not start: {self.ready.get('type', '')}: {self.ready.get('error')}")
         self.url = self.ready["url"]
         self.admin = AdminClient(self.url, token_file=self.ready["admin_token_file"])
 

@@ -16,6 +16,14 @@ from tkcc.errors import PlanError
 
 REGISTRY: dict[str, type["Pass"]] = {}
 
+# Where a pass runs in a plan the search composes (``plan_order``): first the rewrites that lower regions by
+# the ops of the captured graph (LOWER: their patterns are what capture writes), then the cleanups (CLEANUP and
+# after: host syncs, no-op casts, duplicates, dead code, in that order), then fusion of what no rewrite took
+# (FUSE), then wrappers of the whole forward (WRAP). Why: in name order a composed plan ran ``cse`` and
+# ``fuse_elementwise_exact`` before ``lowered_decode``; ``cse`` merged each layer's ``cos.unsqueeze(1)`` into
+# one node every layer read, the fusion merged the ops the patterns match, and no attention lowered.
+LOWER, CLEANUP, FUSE, WRAP = 10, 20, 30, 40
+
 
 @dataclass
 class RewriteInfo:
@@ -45,6 +53,8 @@ class Pass:
     # pass needs from the layers above it (a workload's MoE routing), which it may not import. Not plan
     # parameters: not JSON, not in the plan's hash; ``tkcc.pipeline.pass_context()`` has the defaults.
     context_keys: ClassVar[tuple[str, ...]] = ()
+    # where the pass goes in a composed plan (see LOWER above); a user's pass runs with the lowering rewrites
+    stage: ClassVar[int] = LOWER
 
     def apply(self, program, **params):  # -> (Program, RewriteInfo)
         raise NotImplementedError
@@ -101,6 +111,11 @@ def get_pass(name: str) -> type[Pass]:
 def all_passes() -> dict[str, type[Pass]]:
     _load_builtin_passes()
     return dict(sorted(REGISTRY.items()))
+
+
+def plan_order(passes) -> list:
+    """Passes (classes) in the order a composed plan runs them: by ``stage``, then by name."""
+    return sorted(passes, key=lambda p: (p.stage, p.name))
 
 
 def _load_builtin_passes() -> None:

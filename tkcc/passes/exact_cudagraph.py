@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tkcc.passes.base import Pass, RewriteInfo, register
+from tkcc.passes.base import WRAP, Pass, RewriteInfo, register
 from tkcc.kernels.graph_replay import GraphCache, new_pool
 
 
@@ -92,6 +92,7 @@ class ExactCudaGraph(Pass):
     name = "exact_cudagraph"
     version = "1"
     exact = True
+    stage = WRAP  # wraps the whole forward: after every rewrite
     emits_source = False  # holds CUDA graphs / region runners: in-process only
     description = ("Replay each phase graph from CUDA graphs captured per input signature (launch elimination, "
                    "static buffers, one shared memory pool); eager where the graph synchronises with the host.")

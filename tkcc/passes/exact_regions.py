@@ -39,7 +39,7 @@ import collections
 import torch
 import torch.fx
 
-from tkcc.passes.base import Pass, RewriteInfo, register
+from tkcc.passes.base import WRAP, Pass, RewriteInfo, register
 from tkcc.passes.exact_cudagraph import weight_pointers, wrap_graph
 from tkcc.kernels.graph_replay import GraphCache, new_pool
 
@@ -129,6 +129,7 @@ class ExactRegions(Pass):
     name = "exact_regions"
     version = "1"
     exact = True
+    stage = WRAP  # wraps the whole forward: after every rewrite
     emits_source = False  # holds CUDA graphs / region runners: in-process only
     description = ("Cut each phase at its graph breaks (host reads, data-dependent sizes) with TorchDynamo and "
                    "replay every piece from CUDA graphs per input signature; host reads run as in eager.")

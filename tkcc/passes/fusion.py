@@ -36,7 +36,7 @@ from collections import Counter
 import torch
 import torch.fx
 
-from tkcc.passes.base import RewriteInfo, register
+from tkcc.passes.base import FUSE, RewriteInfo, register
 from tkcc.passes.graph_pass import GraphPass, origin
 
 log = logging.getLogger("tkcc.passes.fusion")
@@ -150,6 +150,7 @@ def find_groups(graph: torch.fx.Graph, *, exact: bool, include_norms: bool, max_
 
 class _FuseBase(GraphPass):
     exact_variant = False
+    stage = FUSE  # after the lowering rewrites: it would merge the ops their patterns match
 
     def rewrite(self, gm: torch.fx.GraphModule, info: RewriteInfo, phase: str, **params) -> None:
         from tkcc.kernels.rowwise import build_kernel

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tkcc.passes.base import register
+from tkcc.passes.base import CLEANUP, register
 from tkcc.passes.graph_pass import GraphPass
 from tkcc.passes.lint import _fetch_attr, _mutated_arg_positions, _root
 
@@ -135,6 +135,7 @@ class DeadCodeElimination(GraphPass):
     """Remove pure nodes whose results nobody uses (exact: unused values change nothing)."""
 
     name = "dce"
+    stage = CLEANUP + 3
     version = "1"
     exact = True
     description = "remove pure nodes whose results are unused (side effects, random ops and mutations stay)"
@@ -183,6 +184,7 @@ class CommonSubexpressionElimination(GraphPass):
     """
 
     name = "cse"
+    stage = CLEANUP + 2
     version = "1"
     exact = True
     description = "merge identical pure computations on identical inputs (mutation- and randomness-aware)"
@@ -252,6 +254,7 @@ class NoopElimination(GraphPass):
     """
 
     name = "noop-elim"
+    stage = CLEANUP + 1
     version = "1"
     exact = True
     description = "drop no-op casts (.to same dtype) and views/reshapes to the same shape"
@@ -383,6 +386,7 @@ class HostSyncRemoval(GraphPass):
     """
 
     name = "host-sync-removal"
+    stage = CLEANUP
     version = "1"
     exact = True
     description = "remove proven-true asserts and unused device->host reads that block CUDA-graph capture"

@@ -1,0 +1,75 @@
+"""lowered_decode inside the plans the search composes: it runs on the graph capture wrote, before the cleanups
+and the fusion, and lowers there exactly what it lowers alone.
+
+Why: a composed plan ran its passes in name order. A server's watcher starts from the default plan (cleanups,
+then ``fuse_elementwise_exact``) and its search adds ``lowered_decode`` as a neighbour, so ``cse`` (which merged
+each layer's ``cos.unsqueeze(1)`` into one node every layer read) and the fusion (which merged the ops the
+patterns match) ran first, and no attention lowered. CPU, in-process: the ops take their references, so the
+lowered step must be bit-exact with the captured one.
+"""
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lowered_families import same_decode  # noqa: E402
+
+CLEANUPS = ["host-sync-removal", "noop-elim", "cse", "dce"]
+
+
+def _kernels(gm) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+                   and str(n.target).startswith("tkcc."))
+
+
+def test_the_search_composes_lowering_then_cleanups_then_fusion():
+    """The search's order, and the plan its neighbour move makes from the default plan: lowered_decode first."""
+    from tkcc.agents.search import SearchSpace
+    from tkcc.passes.default_plan import default_plan
+
+    space = SearchSpace.from_registry(exact_only=False)
+    names = [p.name for p in space.passes]
+    lower, fuse = names.index("lowered_decode"), names.index("fuse_elementwise_exact")
+    assert lower < min(names.index(c) for c in CLEANUPS) and max(names.index(c) for c in CLEANUPS) < fuse
+    assert [n for n in names if n in CLEANUPS] == CLEANUPS  # host syncs, no-op casts, duplicates, dead code
+    (plan,) = [p for p in space.neighbours(default_plan("exact")) if "lowered_decode" in {s.name for s in p.steps}]
+    assert [s.name for s in plan.steps] == ["lowered_decode", *CLEANUPS, "fuse_elementwise_exact"]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "deepseekv3-tiny", "minimax-tiny"])
+def test_the_composed_plan_lowers_what_lowered_decode_lowers_alone(name):
+    """The default plan with lowered_decode added by the search: the same kernel ops as lowered_decode alone
+    (attention, MLA, linear attention, MoE, GEMVs), bit-exact with the captured step. In name order llama-tiny
+    kept every attention in aten (185 nodes instead of 21)."""
+    from tkcc.agents.search import SearchSpace
+    from tkcc.frontend.capture import capture_model
+    from tkcc.passes.default_plan import default_plan
+    from tkcc.passes.manager import apply_plan
+
+    prog = capture_model(name, "float32", "cpu", max_cache_len=32, phases=["decode"])
+    alone, _ = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance")
+    space = SearchSpace.from_registry(exact_only=False)
+    (plan,) = [p for p in space.neighbours(default_plan("exact")) if "lowered_decode" in {s.name for s in p.steps}]
+    new, _ = apply_plan(prog, plan, mode="tolerance")
+    want = _kernels(alone.graphs["decode"])
+    assert sum(v for k, v in want.items() if "attention" in k) >= 1, want
+    assert _kernels(new.graphs["decode"]) == want
+    assert same_decode(prog, new.graphs["decode"]) is None
+
+
+def test_a_to_that_noop_elim_dropped_does_not_stop_a_match():
+    """gpt-oss's eager attention holds ``to(float32)`` of an fp32 slice whose traced strides differ from its
+    input's: eager returns the input itself, and ``noop-elim`` drops it. The patterns' canonical form drops it
+    too, so a plan with noop-elim first still fuses every attention with its sinks."""
+    from tkcc.frontend.capture import capture_model
+    from tkcc.passes.manager import apply_plan
+
+    prog = capture_model("gptoss-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
+    alone, _ = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance")
+    after, _ = apply_plan(prog, [{"name": "noop-elim"}, {"name": "lowered_decode"}], mode="tolerance")
+    want = _kernels(alone.graphs["decode"])
+    assert want["tkcc.attention_rope.default"] == prog.num_blocks
+    assert _kernels(after.graphs["decode"]) == want
+    assert same_decode(prog, after.graphs["decode"]) is None
