@@ -59,6 +59,14 @@ class Pointwise(torch.nn.Module):
         return (b - 0.5 * y).reciprocal().neg() + a, b * 3 + torch.pow(a, -2)
 
 
+class DecodeTail(torch.nn.Module):
+    """A shared expert's sigmoid gate after a decode step's MoE block (Qwen2-MoE), with the reshape of [1, H] to
+    [1, 1, H] between its adds: a view of leading size-1 dims, which the fused kernel takes."""
+
+    def forward(self, h, g, y, m):
+        return h + (m + torch.sigmoid(g) * y).reshape(1, 1, -1)
+
+
 def variant_shapes(kernel_node):
     """Input shape lists for the kernel: the captured one, more rows, odd sizes, one row."""
     shapes = [list(a.meta["val"].shape) for a in kernel_node.args]

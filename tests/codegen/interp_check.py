@@ -14,7 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=
 
 import torch  # noqa: E402
 
-from codegen_helpers import Block, Pointwise, RMSNorm, capture, rand_like_meta, same, variant_shapes  # noqa: E402
+from codegen_helpers import Block, DecodeTail, Pointwise, RMSNorm, capture, rand_like_meta, same, variant_shapes  # noqa: E402
 from tkcc.passes.manager import apply_plan  # noqa: E402
 from tkcc.passes.plan import PassPlan  # noqa: E402
 
@@ -67,6 +67,9 @@ def main():
         results.append(check("rmsnorm", RMSNorm(48).eval(), (torch.randn(3, 48),), dtype, "fuse_elementwise", {}))
         results.append(check("pointwise", Pointwise().eval(), (x, torch.randn(5, 32)), dtype,
                              "fuse_elementwise_exact", {}))
+        results.append(check("decode_tail", DecodeTail().eval(), (torch.randn(1, 1, 32), torch.randn(1, 1),
+                                                                   torch.randn(1, 32), torch.randn(1, 32)),
+                             dtype, "fuse_elementwise", {}))
     results.append(fallbacks())
     results.append(aot_from_interpreter())
     print("RESULTS " + json.dumps(results))

@@ -147,3 +147,31 @@ def test_group_never_spans_an_in_place_write():
     m.buf.zero_()
     out = fused.graphs["forward"](torch.ones(4))
     assert torch.equal(out, torch.full((4,), 3.0))
+
+
+def test_only_views_of_leading_ones_join_a_group():
+    """A view fuses only when it keeps every element in place: adding or dropping leading size-1 dims, in the same
+    dtype. A trailing unsqueeze, a view to other dims and a bit reinterpretation (view.dtype) stay out, each with
+    its reason."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tkcc.kernels.triton_ops import check_node
+
+    def f(a, b, h):
+        return ((a + b).reshape(1, 1, -1), (a * b).unsqueeze(-1), (a - b).view(8, 4), h.view(torch.float16),
+                a.unsqueeze(0).squeeze(0))
+
+    gm = make_fx(f)(torch.randn(1, 32), torch.randn(1, 32), torch.randn(1, 32, dtype=torch.bfloat16))
+    got = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and any(k in str(n.target) for k in ("view", "squeeze", "reshape")):
+            key = (str(n.target), tuple(n.args[0].meta["val"].shape), tuple(n.meta["val"].shape))
+            got[key] = check_node(n, exact=True, include_norms=False)[1]
+    assert got == {
+        ("aten.view.default", (1, 32), (1, 1, 32)): "",
+        ("aten.unsqueeze.default", (1, 32), (1, 32, 1)): "unsqueeze changes more than leading size-1 dims",
+        ("aten.view.default", (1, 32), (8, 4)): "view changes more than leading size-1 dims",
+        ("aten.view.dtype", (1, 32), (1, 32)): "view.dtype",
+        ("aten.unsqueeze.default", (1, 32), (1, 1, 32)): "",
+        ("aten.squeeze.dim", (1, 1, 32), (1, 32)): "",
+    }, got

@@ -37,6 +37,14 @@ def test_norm_and_softmax_kernels_were_generated(results):
     assert any(n.startswith("fused_norm_") for n in names) and any(n.startswith("fused_softmax_") for n in names)
 
 
+def test_a_view_of_leading_ones_joins_its_group(results):
+    """The decode tail's four ops and the reshape between its adds are one kernel (it matched its reference at
+    every shape above, and the graph matched the original)."""
+    tails = [r for r in results if r["model"] == "decode_tail"]
+    assert len(tails) == 2 and all(r["graph_ok"] for r in tails)
+    assert all([k["ops"] for k in r["kernels"]] == [5] for r in tails), tails
+
+
 def test_exact_variant_is_bitwise_equal(results):
     # interp_check compares the exact variant with torch.equal (NaNs in the same places), fp32 and fp16
     exact = [r for r in results if r.get("pass") == "fuse_elementwise_exact"]

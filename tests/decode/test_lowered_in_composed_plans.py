@@ -73,3 +73,22 @@ def test_a_to_that_noop_elim_dropped_does_not_stop_a_match():
     assert want["tkcc.attention_rope.default"] == prog.num_blocks
     assert _kernels(after.graphs["decode"]) == want
     assert same_decode(prog, after.graphs["decode"]) is None
+
+
+def test_fusion_after_lowering_takes_what_no_rewrite_took():
+    """Qwen2-MoE's shared-expert gate (sigmoid, mul, add, the reshape to [1, 1, H], the residual add) stays in aten
+    after lowered_decode; fuse_elementwise, which the search composes after it, makes it one kernel a layer. On
+    CPU the fused kernel runs its reference (the same ops), so the step stays bit-exact."""
+    from tkcc.frontend.capture import capture_model
+    from tkcc.passes.manager import apply_plan
+    from tkcc.passes.lower.decode import VIEWS
+
+    prog = capture_model("qwen2moe-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
+    new, logs = apply_plan(prog, [{"name": "lowered_decode"}, {"name": "fuse_elementwise"}], mode="tolerance")
+    gm = new.graphs["decode"]
+    fused = [n for n in gm.graph.nodes if getattr(n.target, "__tkcc_kernel__", False)]
+    assert len(fused) == prog.num_blocks and all(len(n.target.origin) == 5 for n in fused), logs[1].notes
+    left = {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and not str(n.target).startswith("tkcc.")
+            and not getattr(n.target, "__tkcc_kernel__", False)} - VIEWS
+    assert not left, left
+    assert same_decode(prog, gm) is None

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from tkcc.kernels import emit
-from tkcc.kernels.triton_ops import FLOATS, RULES, TL_DTYPE, op_name
+from tkcc.kernels.triton_ops import FLOATS, RULES, TL_DTYPE, leading_ones, op_name
 
 TEMPLATES = Path(__file__).parent / "templates"
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
@@ -239,8 +239,7 @@ def build_kernel(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], output
     ref_names = {i: a for i, a in zip(inputs, in_names)}
     ref_names.update({n: var[n] for n in nodes})
     imports: set[str] = {"torch"}
-    ref_lines = [f"{var[n]} = " + emit.call_source(n, emit.target_source(n.target, imports, n.name), ref_names, imports)
-                 for n in nodes]
+    ref_lines = [f"{var[n]} = " + _ref_call(n, ref_names, imports) for n in nodes]
     ref_lines.append("return (" + "".join(f"{var[o]}, " for o in outputs) + ")")
 
     spec = {"ndim": nd, "outputs": out_spec, "reduction": reduction, "exact": exact, "block_elems": block_elems,
@@ -260,6 +259,15 @@ def build_kernel(nodes: list[torch.fx.Node], inputs: list[torch.fx.Node], output
     digest = hashlib.sha256(render("KERNEL").encode()).hexdigest()[:10]
     name = f"fused_{family}_{digest}"
     return FusedKernel(name, render(name), spec, [n.name for n in nodes])
+
+
+def _ref_call(n: torch.fx.Node, names: dict, imports: set[str]) -> str:
+    """The reference's line for a node: its op as captured; a view by its leading size-1 dims (``leading_ones``),
+    so that the reference holds at every shape the kernel is launched at, as the kernel does."""
+    if RULES[op_name(n.target)].kind == "view":
+        p, q = leading_ones(n)
+        return f"{names[n.args[0]]}.reshape((1,) * {q} + tuple({names[n.args[0]]}.shape)[{p}:])"
+    return emit.call_source(n, emit.target_source(n.target, imports, n.name), names, imports)
 
 
 def dtype_ok(node: torch.fx.Node) -> bool:

@@ -28,7 +28,7 @@ TL_DTYPE = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bflo
 
 @dataclass(frozen=True)
 class OpRule:
-    kind: str  # "pointwise" | "reduction" | "softmax" | "cast" | "compare"
+    kind: str  # "pointwise" | "reduction" | "softmax" | "cast" | "compare" | "view"
     exact: bool
     lower: Callable  # (Lowering, node) -> expression (fp32 tile, or int1 for compares)
 
@@ -169,6 +169,12 @@ RULES: dict[str, OpRule] = {
     "le": OpRule("compare", True, _cmp("<=")),
     "gt": OpRule("compare", True, _cmp(">")),
     "ge": OpRule("compare", True, _cmp(">=")),
+    # views that only add or drop leading size-1 dims: the same elements in the same order (``view_ok``)
+    "view": OpRule("view", True, lambda c, n: c.f(n.args[0])),
+    "reshape": OpRule("view", True, lambda c, n: c.f(n.args[0])),
+    "_unsafe_view": OpRule("view", True, lambda c, n: c.f(n.args[0])),
+    "unsqueeze": OpRule("view", True, lambda c, n: c.f(n.args[0])),
+    "squeeze": OpRule("view", True, lambda c, n: c.f(n.args[0])),
     "to": OpRule("cast", True, lambda c, n: c.f(n.args[0])),
     "_to_copy": OpRule("cast", True, lambda c, n: c.f(n.args[0])),
     "convert_element_type": OpRule("cast", True, lambda c, n: c.f(n.args[0])),
@@ -226,6 +232,10 @@ def check_node(node: torch.fx.Node, *, exact: bool, include_norms: bool) -> tupl
         why = _cast_ok(node, val, exact)
         if why:
             return None, why
+    if rule.kind == "view" and op_overload(node) not in ("default", "dim", "dims"):
+        return None, f"{name}.{op_overload(node)}"  # view.dtype reinterprets the bits: never fused
+    if rule.kind == "view" and leading_ones(node) is None:
+        return None, f"{name} changes more than leading size-1 dims"
     if rule.kind in NORM_KINDS:
         if exact:
             return None, f"{name} reduces in a different order than eager (not exact)"
@@ -257,6 +267,29 @@ def check_node(node: torch.fx.Node, *, exact: bool, include_norms: bool) -> tupl
     if exact and not rule.exact:
         return None, f"{name} is not correctly rounded in Triton (tolerance variant only)"
     return rule, ""
+
+
+def leading_ones(node) -> tuple[int, int] | None:
+    """For a view whose input and output differ only in leading size-1 dims: how many the input has before the
+    first other dim, and how many the output has (the reference writes the view from these, so that it holds at
+    any size of the other dims); else None. Such a view keeps every element in its place, right-aligned, which is
+    how a fused kernel indexes every operand."""
+    src, out = _val(node.args[0]), _val(node)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or src.dtype != out.dtype:
+        return None
+    try:
+        a, b = [int(d) for d in src.shape], [int(d) for d in out.shape]
+    except (TypeError, ValueError):  # a symbolic size
+        return None
+
+    def strip(s):
+        k = 0
+        while k < len(s) and s[k] == 1:
+            k += 1
+        return k
+
+    p, q = strip(a), strip(b)
+    return (p, q) if a[p:] == b[q:] else None
 
 
 def op_overload(node) -> str:

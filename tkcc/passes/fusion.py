@@ -13,6 +13,10 @@ Two registered passes share one grouping:
   masked_fill, comparisons, casts, clone), each computed in fp32 and rounded
   to its dtype, compiled without FMA contraction: the same bits as eager.
 
+Both take views that only add or drop leading size-1 dims inside a group
+(the same elements in the same places: a decode step's ``[1, H]`` reshaped
+to ``[1, 1, H]`` between two adds); a group still needs two ops that compute.
+
 A group is a set of producer/consumer-connected nodes whose shapes broadcast
 to one shape S; reductions reduce S's last dim with keepdim. A node joins a
 group only if no node outside the group already consumed a group value and
@@ -135,7 +139,9 @@ def find_groups(graph: torch.fx.Graph, *, exact: bool, include_norms: bool, max_
             continue
         seen.add(id(g))
         has_norm = any(RULES[op_name(m.target)].kind in ("reduction", "softmax") for m in g)
-        if len(g) < 2 and not any(RULES[op_name(m.target)].kind == "softmax" for m in g):
+        # a view computes nothing: a group needs two ops that compute (or a softmax) to save a launch
+        computing = [m for m in g if RULES[op_name(m.target)].kind != "view"]
+        if len(computing) < 2 and not any(RULES[op_name(m.target)].kind == "softmax" for m in g):
             continue
         gset = set(g)
         outs = [m for m in g if any(u not in gset for u in m.users)]
