@@ -150,18 +150,21 @@ def test_group_never_spans_an_in_place_write():
 
 
 def test_only_views_of_leading_ones_join_a_group():
-    """A view fuses only when it keeps every element in place: adding or dropping leading size-1 dims, in the same
-    dtype. A trailing unsqueeze, a view to other dims and a bit reinterpretation (view.dtype) stay out, each with
-    its reason."""
+    """A view fuses only when it keeps every element in place (adding or dropping leading size-1 dims, in the same
+    dtype) and is one link of a chain (its value read by it alone, it read by one node). A trailing unsqueeze, a
+    view to other dims, a bit reinterpretation (view.dtype) and a view of a value two nodes read stay out, each
+    with its reason."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from tkcc.kernels.triton_ops import check_node
 
-    def f(a, b, h):
+    def f(a, b, h, c, t):
+        shared = t.unsqueeze(0)  # read twice, as each layer's rotary reads the table
         return ((a + b).reshape(1, 1, -1), (a * b).unsqueeze(-1), (a - b).view(8, 4), h.view(torch.float16),
-                a.unsqueeze(0).squeeze(0))
+                c.unsqueeze(0).squeeze(0), shared * 2, shared * 3)
 
-    gm = make_fx(f)(torch.randn(1, 32), torch.randn(1, 32), torch.randn(1, 32, dtype=torch.bfloat16))
+    gm = make_fx(f)(torch.randn(1, 32), torch.randn(1, 32), torch.randn(1, 32, dtype=torch.bfloat16),
+                    torch.randn(1, 32), torch.randn(32))
     got = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and any(k in str(n.target) for k in ("view", "squeeze", "reshape")):
@@ -174,4 +177,5 @@ def test_only_views_of_leading_ones_join_a_group():
         ("aten.view.dtype", (1, 32), (1, 32)): "view.dtype",
         ("aten.unsqueeze.default", (1, 32), (1, 1, 32)): "",
         ("aten.squeeze.dim", (1, 1, 32), (1, 32)): "",
+        ("aten.unsqueeze.default", (32,), (1, 32)): "unsqueeze of a value read elsewhere, or read by more than one node",
     }, got

@@ -51,6 +51,10 @@ FAMILIES = {
     # LayerNorm1P (1 + w: its add stays), relu² after a non-gated up projection (the GEMV's epilogue)
     "nemotron": (("NemotronConfig", "NemotronForCausalLM", dict()), {A: 2, G: 9, L: 5},
                  {"aten.add.Tensor", "aten.embedding.default"}),
+    # per-head [q_h | k_h | v_h] rows of one fused projection (its GEMV stores them as [q | k | v]), partial rotary
+    # (a quarter of each head), LayerNorms with biases, a parallel residual, the GELU up projection
+    "gpt-neox": (("GPTNeoXConfig", "GPTNeoXForCausalLM", dict()), {A: 2, G: 9, L: 5},
+                 {"aten.add.Tensor", "aten.embedding.default"}),
     # interleaved rotary from a repeat_interleave'd table, computed in fp32, and its own LayerNorm: the attention and
     # the norms stay in aten (correct, not fused); the projections lower
     "cohere": (("CohereConfig", "CohereForCausalLM", dict()), {G: 9, "tkcc.causal_mask.default": 1},

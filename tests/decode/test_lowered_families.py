@@ -1,5 +1,5 @@
 """lowered_decode on families it was not written for (``lowered_families.FAMILIES``: gpt-oss, Phi-3, Gemma 2 and 3,
-Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, Cohere), by op pattern only.
+Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Cohere), by op pattern only.
 
 CPU under the Triton interpreter (one subprocess: it must be on before triton is imported): the sink and Gemma
 q/k-norm rewrites against their patterns on fresh random inputs and several shapes with the kernels live; each
@@ -245,3 +245,34 @@ def test_family_greedy_on_gpu_bf16(family, tmp_path):
     src = compiled.artifact.source("decode")
     assert src.count("torch.ops.tkcc.attention_rope.default(") == 2, src
     assert_greedy_agrees(compiled, steps=32)
+
+
+def test_gpt_neox_per_head_qkv_is_one_gemv_storing_the_split_layout_and_tunes_as_its_own_group():
+    """GPT-NeoX's fused projection (rows per head: [q_h | k_h | v_h]) is one GEMV with ``split_heads`` whose output
+    every layer's fused attention reads as [q | k | v]; the GEMV tuner (fake clock) groups it apart from the plain
+    GEMVs of its shape and writes its config into the graph; the step stays bit-exact with the captured one."""
+    from tkcc.kernels import gemv as gemv_mod
+    from tkcc.passes.lower import tune
+
+    prog = capture("gpt-neox")
+    new, notes = _lower(prog)
+    gm = new.graphs["decode"]
+    d = prog.model.config.hidden_size // prog.model.config.num_attention_heads
+    split = [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.gemv.default and len(n.args) > 10 and n.args[10]]
+    assert len(split) == prog.num_blocks and all(n.args[10] == d for n in split), notes
+    assert all([u.target for u in n.users] == [torch.ops.tkcc.attention_rope.default] for n in split)
+    assert any("qkv_per_head[bias]: 2 region(s) lowered" in n for n in notes), notes
+
+    calls = []
+
+    def clock(fn):  # the 3rd config of every group is the fastest
+        fn()
+        calls.append(1)
+        return 1.0 if (len(calls) - 1) % len(gemv_mod.CONFIGS) == 2 else 2.0
+
+    got = tune.tune_gemvs(gm, clock)
+    heads = [k for k in got if "+heads" in k]
+    assert len(heads) == 1 and got[heads[0]][2] == split, list(got)
+    assert all(list(n.args[7]) == list(gemv_mod.CONFIGS[2]) for n in split)
+    gm.recompile()
+    assert same_decode(prog, gm) is None

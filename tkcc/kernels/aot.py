@@ -124,7 +124,7 @@ def _routed_variants(pdl):
 
 def lowered_variants():
     """The hooks only the lowered decode step (``tkcc.kernels.lowered``) launches: GEMV bias and GELU epilogues, the
-    activations over a non-gated up projection,
+    activations over a non-gated up projection, the per-head q|k|v rows stored split,
     scaled rotary / per-head q/k norm / sliding window in the fused attention, the combine reading the position,
     the routed MoE on an input normed already and with fp32 routing weights."""
     out = []
@@ -141,6 +141,11 @@ def lowered_variants():
         out.append(("gemv.py.jinja", dict(norm=False, gated=False, residual=False, pdl=pdl, gather=False, argmax=False,
                                           bias=bias, up_act=up_act), "gemv_kernel", sig,
                     dict(BLOCK_N=4, BLOCK_K=2048 if pdl else 512, EVEN_K=True, FULL_K=pdl)))
+    for bias, pdl in ((True, True), (False, False)):  # per-head q|k|v rows stored as [q | k | v] (GPT-NeoX)
+        sig = {**base, **({"b_ptr": _P} if bias else {}), "HEAD_D": "constexpr", **blocks}
+        out.append(("gemv.py.jinja", dict(norm=False, gated=False, residual=False, pdl=pdl, gather=False, argmax=False,
+                                          bias=bias, split_heads=True), "gemv_kernel", sig,
+                    dict(HEAD_D=64, BLOCK_N=4, BLOCK_K=2048 if pdl else 512, EVEN_K=True, FULL_K=pdl)))
     sig = {**base, "b_ptr": _P, "idx_ptr": "*i64", "xout_ptr": _P, "stride_x": "i32", **blocks}
     out.append(("gemv.py.jinja", dict(norm=True, gated=False, residual=False, pdl=True, gather=True, argmax=False,
                                       bias=True), "gemv_kernel", sig, dict(BLOCK_N=2, BLOCK_K=2048, EVEN_K=True,

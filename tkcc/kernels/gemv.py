@@ -28,6 +28,13 @@ INTERP_CONFIG = (64, 128, 4)
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
+def split_heads_ref(y, head_dim: int):
+    """Per-head [q_h | k_h | v_h] blocks of ``head_dim`` along the last dim, as [q | k | v] over all heads (the
+    row order GPT-NeoX's fused projection writes, put in the one the attention reads)."""
+    lead = y.shape[:-1]
+    return y.reshape(*lead, -1, 3, head_dim).transpose(-3, -2).reshape(*lead, y.shape[-1])
+
+
 def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu", up_act=""):
     """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u | up_act(y)] -> [+ residual]."""
     if norm_w is not None:
@@ -69,7 +76,7 @@ def _ends_ref(x, y, gather, argmax):
 
 
 def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=None, gather=None,
-         argmax=None, bias=None, act="silu", up_act=""):
+         argmax=None, bias=None, act="silu", up_act="", split_heads=0):
     """x: [K] (or [1, K]); w: [N_total, K] with unit stride along K. Returns [N] (N = N_total/2 if gated).
 
     ``pdl``: launch with programmatic dependent launch (Hopper+): the kernel starts while the previous one
@@ -78,7 +85,9 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     ``gather=(idx, xout)``: x is a [rows, K] table and the input is its row ``idx[0]`` (int64 [1]), also
     copied to ``xout`` [K]. ``argmax=(tok, ArgmaxState, pos, seq)``: also writes argmax(y) to ``tok``
     (int64 [1]) and adds 1 to ``pos`` and ``seq`` (int32 [1]), after y is complete. ``up_act`` ("gelu",
-    "gelu_tanh", "relu2"): y is that activation of the (not gated) product, as a non-gated MLP's up projection."""
+    "gelu_tanh", "relu2"): y is that activation of the (not gated) product, as a non-gated MLP's up projection.
+    ``split_heads`` (a head dim): w's rows are per-head [q_h | k_h | v_h] blocks, and y is stored as [q | k | v]
+    over all heads (``split_heads_ref``)."""
     xt = x
     if gather is not None:
         if x.dim() != 2:
@@ -95,6 +104,9 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     if reason is None and up_act and (gated or residual is not None or argmax is not None
                                       or up_act not in ("gelu", "gelu_tanh", "relu2")):
         reason = f"activation {up_act!r} over a gated output, before a residual or an argmax, or unknown"
+    if reason is None and split_heads and (gated or residual is not None or argmax is not None or up_act
+                                           or w.shape[0] % (3 * split_heads)):
+        reason = f"split_heads={split_heads}: {w.shape[0]} rows, or with a gate, a residual, an argmax or an activation"
     if reason is not None:
         note_fallback("gemv", reason)
         if gather is not None:
@@ -102,6 +114,8 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         y = gemv_ref(x.reshape(1, -1), w, norm_w, eps, None if residual is None else residual.reshape(1, -1), gated,
                      bias, act, up_act)
         y = y.reshape(-1)
+        if split_heads:
+            y = split_heads_ref(y, split_heads)
         if out is not None:
             out.copy_(y)
             y = out
@@ -117,7 +131,7 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     pdl = launch_pdl(pdl)
     mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,
                gather=gather is not None, argmax=argmax is not None, bias=bias is not None, act=act,
-               **({"up_act": up_act} if up_act else {}))
+               **({"up_act": up_act} if up_act else {}), **({"split_heads": True} if split_heads else {}))
     grid = (triton.cdiv(N, bn),)
     ends = [bias] if bias is not None else []
     if gather is not None:
@@ -128,5 +142,6 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         ends += [st.slots, st.count, tok, pos, seq, triton.cdiv(grid[0], nslot), nslot]
     mod.gemv_kernel[grid](xt, w, out, norm_w if norm_w is not None else x, residual if residual is not None else x,
                           N, K, w.stride(0), eps, *ends, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=(K % bk == 0),
-                          FULL_K=bk >= K, num_warps=nw, **({"launch_pdl": True} if pdl else {}))
+                          FULL_K=bk >= K, num_warps=nw, **({"launch_pdl": True} if pdl else {}),
+                          **({"HEAD_D": int(split_heads)} if split_heads else {}))
     return out

@@ -15,7 +15,9 @@ Two registered passes share one grouping:
 
 Both take views that only add or drop leading size-1 dims inside a group
 (the same elements in the same places: a decode step's ``[1, H]`` reshaped
-to ``[1, 1, H]`` between two adds); a group still needs two ops that compute.
+to ``[1, 1, H]`` between two adds), when the view is one link of a chain (its
+value read by it alone, it read by one node); a group still needs two ops
+that compute.
 
 A group is a set of producer/consumer-connected nodes whose shapes broadcast
 to one shape S; reductions reduce S's last dim with keepdim. A node joins a

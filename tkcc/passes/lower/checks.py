@@ -157,7 +157,7 @@ def check_gather(device, dtype, g, shapes=((40, 48, 100), (96, 64, 300))):
 
 
 def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
-    """q|k|v and gate|up siblings packed into one GEMV, split after."""
+    """q|k|v and gate|up siblings packed into one GEMV, split after; a per-head q|k|v projection stored split."""
     from tkcc.passes.lower import projections
 
     rows = []
@@ -167,6 +167,18 @@ def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
                          lambda K=K: (_rand((1, 1, K), g, device, dtype),), "tkcc.gemv.default", False, dtype)
         rows += run_case(f"pack2[{K}]", Region(lambda s, x: projections.linears2(x, s.w0, s.w1), w),
                          lambda K=K: (_rand((1, 1, K), g, device, dtype),), "tkcc.gemv.default", False, dtype)
+    # GPT-NeoX's per-head [q_h | k_h | v_h] rows: one GEMV storing [q | k | v] (heads, head dim, with a bias or not)
+    for (K, H, D), rw in zip(((48, 4, 16), (64, 2, 32), (40, 3, 8), (32, 1, 16)), projections.PER_HEAD_QKV * 2):
+        bias = rw is projections.PER_HEAD_QKV[0]
+        t = {"w": _rand((3 * H * D, K), g, device, dtype, K ** -0.5)}
+        if bias:
+            t["b"] = _rand((3 * H * D,), g, device, dtype, 0.1)
+
+        def fn(s, x, rw=rw, bias=bias, D=D):
+            return rw.pattern(x, s.w, *([s.b] if bias else []), width=3 * D)
+
+        rows += run_case(f"{rw.name}[{H}x{D}, {K}]", Region(fn, t), lambda K=K: (_rand((1, 1, K), g, device, dtype),),
+                         "tkcc.gemv.default", False, dtype)
     return rows
 
 

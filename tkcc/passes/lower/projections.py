@@ -148,7 +148,48 @@ def _chunked_gate(act):
                    check=check)
 
 
-PACK = [_chunked_gate(a) for a in ("silu", "gelu_tanh", "gelu")] + [_gated_pair(a) for a in ("silu", "gelu_tanh", "gelu")] + [
+def _per_head_qkv(bias: bool):
+    """A fused q|k|v projection whose rows are per-head [q_h | k_h | v_h] blocks (GPT-NeoX: ``view(B, T, -1, 3 D)
+    .transpose(1, 2).chunk(3, -1)``) -> one GEMV that stores its output as [q | k | v] over all heads
+    (``split_heads``), then the split and heads every other family's attention has, which the fused attention
+    matches. Exact: the same products, stored elsewhere."""
+
+    def pattern(x, w, *b, width):
+        qkv = F.linear(x, w, *b)
+        qkv = qkv.view(x.shape[0], x.shape[1], -1, width).transpose(1, 2)
+        return qkv.chunk(3, dim=-1)
+
+    def replacement(x, w, *b, width, config, pdl):
+        d = width // 3
+        y = torch.ops.tkcc.gemv(x, w, b[0] if b else None, None, 1e-6, None, "", config, pdl, "", d)
+        h = w.shape[0] // width
+        q, k, v = torch.split(y, [h * d, h * d, h * d], -1)
+        return tuple(t.view(x.shape[0], x.shape[1], -1, d).transpose(1, 2) for t in (q, k, v))
+
+    def example(dt):
+        ts = (torch.empty(1, 1, K_EX, dtype=dt), torch.empty(4 * 51, K_EX, dtype=dt))  # 4 heads of 3 x 17
+        return ts + ((torch.empty(4 * 51, dtype=dt),) if bias else ()), {"width": 51}
+
+    def check(m):
+        x, w, width = m.val(0), m.val(1), m.scalars["width"]
+        if x.numel() != x.shape[-1]:
+            return f"x {tuple(x.shape)} is more than one token (a GEMV is batch-1 decode)"
+        if w.dim() != 2 or w.stride(-1) != 1 or width % 3 or w.shape[0] % width:
+            return f"weight {tuple(w.shape)} strides {tuple(w.stride())} are not heads of [q | k | v] rows of {width}"
+        return None
+
+    def params(m, ctx):
+        w = m.val(1)
+        key = gemv_key(w.shape[0], w.shape[1], False, "", False, bias, w.dtype, split_heads=True)
+        return {"config": ctx.options.get("gemv_configs", {}).get(key), "pdl": bool(ctx.options.get("pdl"))}
+
+    return Rewrite(f"qkv_per_head{'[bias]' if bias else ''}", pattern, replacement, example, region="projection",
+                   exact=True, check=check, params=params)
+
+
+PER_HEAD_QKV = [_per_head_qkv(b) for b in (True, False)]
+PACK = PER_HEAD_QKV + [_chunked_gate(a) for a in ("silu", "gelu_tanh", "gelu")] + [
+    _gated_pair(a) for a in ("silu", "gelu_tanh", "gelu")] + [
     Rewrite("pack_linears3[bias]", linears3_bias, _packed3_bias,
             lambda dt: (_xw(dt, 3) + tuple(torch.empty(N_EX + 8 * i, dtype=dt) for i in range(3)), {}),
             region="projection", check=_check_pack_bias, params=_pack_bias_params),
@@ -239,12 +280,15 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "
     return pattern, replacement, example, check, params
 
 
-def gemv_key(N: int, K: int, norm: bool, act, residual: bool, bias: bool, dtype, up_act: str = "") -> str:
+def gemv_key(N: int, K: int, norm: bool, act, residual: bool, bias: bool, dtype, up_act: str = "",
+             split_heads: bool = False) -> str:
     """How a GEMV's tuned config is named (shape and hooks determine its best config); ``act``: the gated
-    activation or ''; ``up_act``: the activation over the plain output or ''."""
+    activation or ''; ``up_act``: the activation over the plain output or ''; ``split_heads``: its rows stored
+    as [q | k | v] (``_per_head_qkv``)."""
     act = ("silu" if act is True else act) or ""
     return f"{N}x{K}" + "".join(f"+{k}" for k, v in (("norm", norm), (act and f"gated-{act}", act),
-                                                        (up_act, up_act), ("residual", residual), ("bias", bias))
+                                                        (up_act, up_act), ("residual", residual), ("bias", bias),
+                                                        ("heads", split_heads))
                                 if v) + f":{str(dtype).split('.')[-1]}"
 
 
