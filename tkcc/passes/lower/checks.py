@@ -232,8 +232,9 @@ def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 
 
 
 def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32, 16, 4))):
-    """Norm + router + routed experts (+ residual): softmax / renormalised / Mixtral's fp32 weights."""
-    from tkcc.passes.lower import moe
+    """Norm + router + routed experts (+ residual): softmax / renormalised / Mixtral's fp32 weights; the routed
+    experts of a normed input, also under GraniteMoE's top-k-then-softmax router."""
+    from tkcc.passes.lower import moe, routed_experts
 
     rows = []
     variants = [("softmax", False, True), ("softmax", True, True), ("softmax_fp32", True, True),
@@ -258,6 +259,11 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
              "down": _rand((E, H, I), g, device, dtype, I ** -0.5)}
         rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, routed experts of a normed input]",
                          Region(lambda s, xs, k=k: moe.routed(xs, s.router, s.gate_up, s.down, top_k=k), t),
+                         lambda H=H: (_rand((1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
+        # GraniteMoE's router: top-k of the fp32 logits, then a softmax over those k
+        rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, top-k then softmax]",
+                         Region(lambda s, xs, k=k: routed_experts.topk_softmax_routed(xs, s.router, s.gate_up, s.down,
+                                                                                       top_k=k), t),
                          lambda H=H: (_rand((1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
     return rows
 

@@ -5,12 +5,18 @@ scaled; a shared expert) cannot take the norm into its region, so the region sta
 input [T, H]: the top-k router (softmax in fp32 of the upcast logits, Mixtral/MiniMax, or with ``dtype=float``,
 OLMoE/Qwen; renormalised or not; weights kept fp32 or rounded to the dtype) and transformers' ``batched_mm``
 experts. It becomes ``tkcc.moe`` without the norm prologue: the routed kernels read only the k selected experts.
+
+GraniteMoE's router takes the top k of the fp32 logits and a softmax over those k: the same experts and, in exact
+arithmetic, the same weights as a softmax over all, its top k, renormalised (``tkcc.moe``'s softmax router with
+``norm_topk``); the two round differently in fp32 before the weights are rounded to the dtype, so that rewrite is
+not exact.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from tkcc.passes.lower.moe import _params, _routed_check, _routed_example, routed_pattern
+from tkcc.passes.lower.moe import _params, _routed_check, _routed_example, experts, routed_pattern
 from tkcc.passes.lower.pattern import Rewrite
 
 
@@ -29,4 +35,22 @@ REWRITES = [Rewrite(f"moe[{router}{'+renorm' if renorm else ''}-top-k, routed ex
                     *_routed_pattern(router, renorm), _routed_example, region="moe", check=_routed_check,
                     params=_params)
             for router, renorm in (("softmax_fp32", True), ("softmax_fp32", False), ("softmax", True))]
+
+
+def topk_softmax_routed(xs, router_w, gate_up, down, *, top_k):
+    """GraniteMoE's block on its flattened normed input (``GraniteMoeTopKRouter``, then the ``batched_mm``
+    experts): the top k of the fp32 logits, softmax over those k, the weights in the input's dtype."""
+    router_logits = F.linear(xs, router_w).float()
+    top_k_logits, top_k_index = router_logits.topk(top_k, dim=-1)
+    top_k_weights = torch.softmax(top_k_logits, dim=-1).type_as(xs)
+    return experts(xs, top_k_weights, top_k_index, gate_up, down, top_k)
+
+
+def _to_renormalised(xs, router_w, gate_up, down, *, top_k, count, configs, pdl):
+    return torch.ops.tkcc.moe(xs, None, 1e-6, router_w, gate_up, down, top_k, True, False, count, configs, pdl,
+                              "softmax")
+
+
+REWRITES.append(Rewrite("moe[top-k then softmax, routed experts of a normed input]", topk_softmax_routed,
+                        _to_renormalised, _routed_example, region="moe", check=_routed_check, params=_params))
 
