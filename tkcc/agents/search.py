@@ -40,8 +40,8 @@ FAILED_LOG_PENALTY = -2.0  # a failed candidate counts as e^-2 of the baseline o
 
 @dataclass
 class SearchSpace:
-    """Ordered passes a plan may include, each with its parameter space (in ``plan_order``: cleanups, lowering
-    rewrites, fusion, wrappers)."""
+    """Ordered passes a plan may include, each with its parameter space (in ``plan_order``: lowering rewrites,
+    cleanups, fusion, wrappers)."""
 
     passes: list[type[Pass]]
 

@@ -169,7 +169,7 @@ RULES: dict[str, OpRule] = {
     "le": OpRule("compare", True, _cmp("<=")),
     "gt": OpRule("compare", True, _cmp(">")),
     "ge": OpRule("compare", True, _cmp(">=")),
-    # views that only add or drop leading size-1 dims: the same elements in the same order (``view_ok``)
+    # views that only add or drop leading size-1 dims: the same elements in the same order (``leading_ones``)
     "view": OpRule("view", True, lambda c, n: c.f(n.args[0])),
     "reshape": OpRule("view", True, lambda c, n: c.f(n.args[0])),
     "_unsafe_view": OpRule("view", True, lambda c, n: c.f(n.args[0])),
