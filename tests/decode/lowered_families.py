@@ -55,6 +55,13 @@ FAMILIES = {
     # (a quarter of each head), LayerNorms with biases, a parallel residual, the GELU up projection
     "gpt-neox": (("GPTNeoXConfig", "GPTNeoXForCausalLM", dict()), {A: 2, G: 9, L: 5},
                  {"aten.add.Tensor", "aten.embedding.default"}),
+    # linears written ``x @ W.T`` (canonicalised to F.linear: its q|k|v and MLP up packed into one GEMV, both read
+    # the same norm), parallel attention; its multi-query attention (k and v indexed out of the fused heads) stays
+    "falcon": (("FalconConfig", "FalconForCausalLM", dict()), {G: 7, L: 3, "tkcc.causal_mask.default": 1,
+                                                               "tkcc.rotary_cos_sin.default": 1},
+               {"aten.add.Tensor", "aten.add_.Tensor", "aten.cat.default", "aten.embedding.default",
+                "aten.gelu.default", "aten.index.Tensor", "aten.index_copy_.default", "aten.lift_fresh_copy.default",
+                "aten.mul.Tensor", "aten.neg.default", "aten.scaled_dot_product_attention.default"}),
     # interleaved rotary from a repeat_interleave'd table, computed in fp32, and its own LayerNorm: the attention and
     # the norms stay in aten (correct, not fused); the projections lower
     "cohere": (("CohereConfig", "CohereForCausalLM", dict()), {G: 9, "tkcc.causal_mask.default": 1},

@@ -1,5 +1,6 @@
 """lowered_decode on families it was not written for (``lowered_families.FAMILIES``: gpt-oss, Phi-3, Gemma 2 and 3,
-Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Cohere), by op pattern only.
+Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Falcon, Cohere), by op pattern
+only.
 
 CPU under the Triton interpreter (one subprocess: it must be on before triton is imported): the sink and Gemma
 q/k-norm rewrites against their patterns on fresh random inputs and several shapes with the kernels live; each

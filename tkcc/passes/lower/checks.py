@@ -167,6 +167,15 @@ def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
                          lambda K=K: (_rand((1, 1, K), g, device, dtype),), "tkcc.gemv.default", False, dtype)
         rows += run_case(f"pack2[{K}]", Region(lambda s, x: projections.linears2(x, s.w0, s.w1), w),
                          lambda K=K: (_rand((1, 1, K), g, device, dtype),), "tkcc.gemv.default", False, dtype)
+    # Falcon's ``x @ W.T [+ b]``: canonicalised to F.linear, then one GEMV
+    for (K, N), rw in zip(((48, 40), (64, 96)), projections.MATMUL_LINEAR):
+        bias = rw is projections.MATMUL_LINEAR[0]
+        t = {"w": _rand((N, K), g, device, dtype, K ** -0.5)}
+        if bias:
+            t["b"] = _rand((N,), g, device, dtype, 0.1)
+        rows += run_case(f"{rw.name}[{N}x{K}]", Region(lambda s, x, rw=rw, bias=bias: rw.pattern(
+            x, s.w, *([s.b] if bias else [])), t), lambda K=K: (_rand((1, 1, K), g, device, dtype),),
+            "tkcc.gemv.default", False, dtype)
     # GPT-NeoX's per-head [q_h | k_h | v_h] rows: one GEMV storing [q | k | v] (heads, head dim, with a bias or not)
     for (K, H, D), rw in zip(((48, 4, 16), (64, 2, 32), (40, 3, 8), (32, 1, 16)), projections.PER_HEAD_QKV * 2):
         bias = rw is projections.PER_HEAD_QKV[0]

@@ -188,8 +188,36 @@ def _per_head_qkv(bias: bool):
                    check=check, params=params)
 
 
+def _matmul_linear(bias: bool):
+    """``x @ w.T [+ b]`` (Falcon's ``FalconLinear``) -> ``F.linear(x, w[, b])``, which the packing and GEMV rewrites
+    match. Without a bias it is what ``aten::linear`` itself computes (``matmul(x, w.t())``): exact. With one,
+    ``linear`` of a contiguous 3-D input adds the bias inside its GEMM (``addmm``), one rounding fewer: not
+    exact."""
+
+    def pattern(x, w, *b):
+        y = x @ w.T
+        return y + b[0] if b else y
+
+    def replacement(x, w, *b):
+        return F.linear(x, w, *b)
+
+    def example(dt):
+        ts = (torch.empty(1, 1, K_EX, dtype=dt), torch.empty(N_EX, K_EX, dtype=dt))
+        return ts + ((torch.empty(N_EX, dtype=dt),) if bias else ()), {}
+
+    def check(m):
+        w = m.val(1)
+        if w.dim() != 2 or (bias and tuple(m.val(2).shape) != (w.shape[0],)):
+            return f"weight {tuple(w.shape)} (and bias) are not one linear layer's"
+        return None
+
+    return Rewrite(f"canonical_linear[x @ w.T{' + b' if bias else ''}]", pattern, replacement, example,
+                   region="projection", exact=not bias, check=check)
+
+
+MATMUL_LINEAR = [_matmul_linear(b) for b in (True, False)]
 PER_HEAD_QKV = [_per_head_qkv(b) for b in (True, False)]
-PACK = PER_HEAD_QKV + [_chunked_gate(a) for a in ("silu", "gelu_tanh", "gelu")] + [
+PACK = MATMUL_LINEAR + PER_HEAD_QKV + [_chunked_gate(a) for a in ("silu", "gelu_tanh", "gelu")] + [
     _gated_pair(a) for a in ("silu", "gelu_tanh", "gelu")] + [
     Rewrite("pack_linears3[bias]", linears3_bias, _packed3_bias,
             lambda dt: (_xw(dt, 3) + tuple(torch.empty(N_EX + 8 * i, dtype=dt) for i in range(3)), {}),
