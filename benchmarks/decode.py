@@ -272,10 +272,11 @@ DRAWS = 3  # caches drawn per context for one where the bf16 graph is stable (tk
 # the forward's self-feeding step (``tkcc_greedy``, the CUDA-graph wrapper's ``GreedyStep``) where it has one.
 # ``lowered_fused``: then fuse_elementwise over what no rewrite took (Qwen2-MoE's shared-expert gate, MiniMax's
 # scaled residuals), as the search composes it (the pass's stage: after the lowering).
-FRONT_DOOR = {"lowered": lambda c: [{"name": "lowered_decode", "params": {"tune": True, "tune_context": _tune_at(c)}}],
-              "lowered_fused": lambda c: [{"name": "lowered_decode", "params": {"tune": True,
-                                                                                 "tune_context": _tune_at(c)}},
-                                          {"name": "fuse_elementwise"}]}
+def _lowered(c: int) -> list[dict]:
+    return [{"name": "lowered_decode", "params": {"tune": True, "tune_context": _tune_at(c)}}]
+
+
+FRONT_DOOR = {"lowered": _lowered, "lowered_fused": lambda c: _lowered(c) + [{"name": "fuse_elementwise"}]}
 DEFAULT_VARIANTS = ("lowered",)  # what runs without --variants
 
 

@@ -63,6 +63,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def split_heads_ref(y: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Per-head [q_h | k_h | v_h] blocks of ``head_dim`` along the last dim, as [q | k | v] over all heads (the
+    row order GPT-NeoX's fused projection writes, put in the one the attention reads)."""
+    lead = y.shape[:-1]
+    return y.reshape(*lead, -1, 3, head_dim).transpose(-3, -2).reshape(*lead, y.shape[-1])
+
+
 def rms_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Eager RMSNorm as the HF models write it: fp32 statistic, rounded, then times the weight."""
     dt = x.dtype

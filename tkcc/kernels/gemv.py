@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 
 from tkcc.errors import TkccError
-from tkcc.kernels.common import fallback_reason, interpreting, note_fallback, rms_ref
+from tkcc.kernels.common import fallback_reason, interpreting, note_fallback, rms_ref, split_heads_ref
 from tkcc.kernels.graph_replay import launch_pdl
 from tkcc.kernels.render import load
 
@@ -26,13 +26,6 @@ INTERP_CONFIG = (64, 128, 4)
 
 
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
-
-
-def split_heads_ref(y, head_dim: int):
-    """Per-head [q_h | k_h | v_h] blocks of ``head_dim`` along the last dim, as [q | k | v] over all heads (the
-    row order GPT-NeoX's fused projection writes, put in the one the attention reads)."""
-    lead = y.shape[:-1]
-    return y.reshape(*lead, -1, 3, head_dim).transpose(-3, -2).reshape(*lead, y.shape[-1])
 
 
 def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu", up_act=""):

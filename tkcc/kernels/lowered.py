@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
+from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback, split_heads_ref
 
 NS = "tkcc"
 ACTS = ("", "silu", "gelu", "gelu_tanh")  # gated epilogues of tkcc.gemv: none, act(g) * u
@@ -95,8 +95,6 @@ def gemv_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weig
     if residual is not None:
         y = residual + y
     if split_heads:
-        from tkcc.kernels.gemv import split_heads_ref
-
         y = split_heads_ref(y, split_heads)
     return y
 

@@ -232,16 +232,10 @@ def check_node(node: torch.fx.Node, *, exact: bool, include_norms: bool) -> tupl
         why = _cast_ok(node, val, exact)
         if why:
             return None, why
-    if rule.kind == "view" and op_overload(node) not in ("default", "dim", "dims"):
-        return None, f"{name}.{op_overload(node)}"  # view.dtype reinterprets the bits: never fused
-    if rule.kind == "view" and leading_ones(node) is None:
-        return None, f"{name} changes more than leading size-1 dims"
-    if rule.kind == "view" and (len(node.users) != 1 or not isinstance(node.args[0], torch.fx.Node)
-                                or len(node.args[0].users) != 1):
-        # only a link of one chain (one value, one reader): a view of a value every layer reads (the rotary table)
-        # would join the first layer's group when a tier has one layer and not when it has more, and the two tiers
-        # would then run different kernels
-        return None, f"{name} of a value read elsewhere, or read by more than one node"
+    if rule.kind == "view":
+        why = _view_ok(node, name)
+        if why:
+            return None, why
     if rule.kind in NORM_KINDS:
         if exact:
             return None, f"{name} reduces in a different order than eager (not exact)"
@@ -273,6 +267,19 @@ def check_node(node: torch.fx.Node, *, exact: bool, include_norms: bool) -> tupl
     if exact and not rule.exact:
         return None, f"{name} is not correctly rounded in Triton (tolerance variant only)"
     return rule, ""
+
+
+def _view_ok(node, name) -> str | None:
+    if op_overload(node) not in ("default", "dim", "dims"):
+        return f"{name}.{op_overload(node)}"  # view.dtype reinterprets the bits: never fused
+    if leading_ones(node) is None:
+        return f"{name} changes more than leading size-1 dims"
+    if len(node.users) != 1 or not isinstance(node.args[0], torch.fx.Node) or len(node.args[0].users) != 1:
+        # only a link of one chain (one value, one reader): a view of a value every layer reads (the rotary table)
+        # would join the first layer's group when a tier has one layer and not when it has more, and the two tiers
+        # would then run different kernels
+        return f"{name} of a value read elsewhere, or read by more than one node"
+    return None
 
 
 def leading_ones(node) -> tuple[int, int] | None:
