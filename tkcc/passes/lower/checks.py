@@ -240,6 +240,22 @@ def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 
     return rows
 
 
+def _clear_routing(draw, router, k, dtype, norm_weight=None, tries=100):
+    """``draw`` again until the router's top-k is no rounding tie: the k-th and (k+1)-th fp32 logits lie further
+    apart than the dtype's rounding of them could move them (a tie's two answers are both right, and differ by a
+    whole expert's output). Ties themselves are the forced-ids cases' job."""
+    eps = torch.finfo(dtype).eps
+    for _ in range(tries):
+        inputs = draw()
+        x = inputs[0].float().reshape(-1, router.shape[-1])
+        if norm_weight is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()
+        logits = torch.nn.functional.linear(x, router.float()).sort(-1, descending=True).values
+        if bool(((logits[:, k - 1] - logits[:, k]) > 16 * eps * logits.abs().amax(-1)).all()):
+            return inputs
+    raise RuntimeError(f"no input without a top-{k} tie in {tries} draws")
+
+
 def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32, 16, 4))):
     """Norm + router + routed experts (+ residual): softmax / renormalised / Mixtral's fp32 weights; the routed
     experts of a normed input, also under GraniteMoE's top-k-then-softmax router."""
@@ -258,22 +274,28 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
             return pattern(h, s.nw, s.router, s.gate_up, s.down, eps=1e-5, top_k=k)
 
         name = f"moe[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if norm_topk else ''}{'+residual' * residual}]"
-        rows += run_case(name, Region(fn, t), lambda H=H: (_rand((1, 1, H), g, device, dtype),), "tkcc.moe.default",
-                         False, dtype)
+        rows += run_case(name, Region(fn, t),
+                         lambda H=H, t=t, k=k: _clear_routing(lambda: (_rand((1, 1, H), g, device, dtype),),
+                                                              t["router"], k, dtype, t["nw"]),
+                         "tkcc.moe.default", False, dtype)
     rows += check_deepseek_moe(device, dtype, g)
     rows += check_moe_forced(device, dtype, g, shapes)
     for E, H, I, k in shapes[:2]:  # the routed experts of a normed input (a block with a shared expert)
         t = {"router": _rand((E, H), g, device, dtype, H ** -0.5),
              "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
              "down": _rand((E, H, I), g, device, dtype, I ** -0.5)}
+
+        def draw(H=H, t=t, k=k):
+            return _clear_routing(lambda: (_rand((1, H), g, device, dtype),), t["router"], k, dtype)
+
         rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, routed experts of a normed input]",
                          Region(lambda s, xs, k=k: moe.routed(xs, s.router, s.gate_up, s.down, top_k=k), t),
-                         lambda H=H: (_rand((1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
+                         draw, "tkcc.moe.default", False, dtype)
         # GraniteMoE's router: top-k of the fp32 logits, then a softmax over those k
         rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, top-k then softmax]",
                          Region(lambda s, xs, k=k: routed_experts.topk_softmax_routed(xs, s.router, s.gate_up, s.down,
                                                                                        top_k=k), t),
-                         lambda H=H: (_rand((1, H), g, device, dtype),), "tkcc.moe.default", False, dtype)
+                         draw, "tkcc.moe.default", False, dtype)
     return rows
 
 
