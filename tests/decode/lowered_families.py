@@ -70,6 +70,15 @@ FAMILIES = {
                 "aten.neg.default", "aten.pow.Tensor_Scalar", "aten.repeat_interleave.self_int", "aten.rsqrt.default",
                 "aten.scaled_dot_product_attention.default", "aten.sin.default", "aten.stack.default",
                 "aten.sub.Tensor", "aten.to.dtype"}),
+    # q/k norms over the whole projection (in bf16 w * norm(x) in fp32, and the rotation by its fp32 table in fp32: the
+    # attention's norm_offset 0 and rope_fp32), norms after attention and MLP (the residual adds stay)
+    "olmo2": (("Olmo2Config", "Olmo2ForCausalLM", dict()), {A: 2, G: 9, N: 4}, {"aten.add.Tensor", "aten.embedding.default"}),
+    # a dense first layer, then MoE: the router's fp32 logits, the choice on their softmax plus a correction bias, the
+    # renormalisation floored at norm_min (tkcc.moe's softmax_biased router); the routed plus shared experts' add stays
+    "ernie4_5-moe": (("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                      dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+                           _experts_implementation="batched_mm")),
+                     {A: 2, G: 8, GG: 1, N: 1, "tkcc.moe.default": 1}, {"aten.add.Tensor"}),
 }
 
 
@@ -83,8 +92,11 @@ def build(family: str, dtype=torch.float32, seed: int = 0):
     import transformers
 
     cfg_cls, model_cls, kw = spec
-    cfg = getattr(transformers, cfg_cls)(**{**SHAPE, **kw})
+    private = {k: v for k, v in kw.items() if k.startswith("_")}  # set on the config, not passed to it
+    cfg = getattr(transformers, cfg_cls)(**{**SHAPE, **{k: v for k, v in kw.items() if k not in private}})
     cfg._attn_implementation = "sdpa"
+    for k, v in private.items():
+        setattr(cfg, k, v)
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(cfg).to(dtype).eval()
 
@@ -120,9 +132,15 @@ def kernels_off():
             os.environ["TRITON_INTERPRET"] = was
 
 
-def same_decode(prog, forward, positions=(0, 9, 30)) -> str | None:
+def same_decode(prog, forward, positions=(0, 9, 30), tol: float = 0.0) -> str | None:
     """Why ``forward`` (a lowered decode step) is not bit-exact with the captured one from the same random caches at
-    these positions (logits and caches), or None."""
+    these positions (logits and caches), or None. ``tol``: within this relative error (the norm of the difference
+    over the reference's) and with the same greedy token, not bit for bit."""
+    def same(a, b):
+        if not tol:
+            return torch.equal(a, b)
+        return float((a.float() - b.float()).norm()) <= tol * float(a.float().norm())
+
     for i, p in enumerate(positions):
         g = torch.Generator().manual_seed(i)
         inp = list(prog.inputs("decode", generator=g))
@@ -136,8 +154,8 @@ def same_decode(prog, forward, positions=(0, 9, 30)) -> str | None:
             b.copy_(v)
         got = forward(*inp)
         got = got[0] if isinstance(got, (tuple, list)) else got
-        if not torch.equal(ref, got):
+        if not same(ref, got) or not torch.equal(ref.argmax(-1), got.argmax(-1)):
             return f"position {p}: logits differ by {float((ref.float() - got.float()).abs().max())}"
-        if not all(torch.equal(a, b) for a, b in zip(ref_state, prog.state.buffers())):
+        if not all(same(a, b) for a, b in zip(ref_state, prog.state.buffers())):
             return f"position {p}: the caches differ"
     return None

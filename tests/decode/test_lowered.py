@@ -55,15 +55,16 @@ def test_checks_detect_a_wrong_replacement(monkeypatch):
 def test_moe_checks_draw_no_routing_tie():
     """A router whose top-1 is always a tie (two equal rows, and their negatives) gets no input: a tie's two
     choices differ by a whole expert, so a case drawn on one would fail a correct kernel (it did, in CI, fp16)."""
-    from tkcc.passes.lower.checks import _clear_routing
+    from tkcc.passes.lower.checks import _clear_routing, _logits, _near
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1, 16, generator=g)
     tied = torch.cat([w, w, -w, -w]).half()
     with pytest.raises(RuntimeError, match="top-1 tie"):
-        _clear_routing(lambda: (torch.randn(1, 16, generator=g).half(),), tied, 1, torch.float16, tries=20)
+        _clear_routing(lambda: (torch.randn(1, 16, generator=g).half(),), _logits(tied), 1, _near(torch.float16),
+                       tries=20)
     clear = torch.randn(4, 16, generator=g).half()
-    (x,) = _clear_routing(lambda: (torch.randn(1, 16, generator=g).half(),), clear, 2, torch.float16)
+    (x,) = _clear_routing(lambda: (torch.randn(1, 16, generator=g).half(),), _logits(clear), 2, _near(torch.float16))
     top = torch.nn.functional.linear(x, clear).float().sort(descending=True).values[0]
     assert top[1] - top[2] > 16 * torch.finfo(torch.float16).eps * top.abs().max()
 

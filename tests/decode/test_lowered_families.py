@@ -1,13 +1,14 @@
 """lowered_decode on families it was not written for (``lowered_families.FAMILIES``: gpt-oss, Phi-3, Gemma 2 and 3,
-Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Falcon, Cohere), by op pattern
-only.
+Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Falcon, Cohere, OLMo 2, Ernie
+4.5-MoE), by op pattern only.
 
 CPU under the Triton interpreter (one subprocess: it must be on before triton is imported): the sink and Gemma
 q/k-norm rewrites against their patterns on fresh random inputs and several shapes with the kernels live; each
 family captured and built through the lowered_decode plan into an artifact, holding exactly the kernel ops claimed
 (counted by kind) and leaving in aten only what is listed, bit-exact with the captured step while the ops take their
 references, and keeping its greedy tokens over a few steps with the kernels live. CPU in-process (the ops take
-their references): gpt-oss's per-layer sinks and windows, and its bf16 graph bit-exact. Bad input: a mask that is
+their references): gpt-oss's per-layer sinks and windows, and its bf16 graph bit-exact; the fp32 rotations of Ernie
+4.5-MoE and OLMo 2 in bf16. Bad input: a mask that is
 not the step's, a context past the cache, a family whose capture is refused. GPU: the rewrites in bf16, greedy
 through tkcc.compile.
 """
@@ -21,7 +22,7 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from interp_proc import module_run  # noqa: E402
-from lowered_families import FAMILIES, build, capture, op_counts, same_decode  # noqa: E402
+from lowered_families import FAMILIES, A, build, capture, op_counts, same_decode  # noqa: E402
 
 
 INTERP_TEST = "test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter"
@@ -74,6 +75,66 @@ def test_gpt_oss_bf16_lowers_and_stays_bit_exact():
     assert same_decode(prog, new.graphs["decode"]) is None
 
 
+@pytest.mark.parametrize("family", ["ernie4_5-moe", "olmo2"])
+def test_bf16_rotations_in_fp32_lower(family):
+    """Cast to bf16, Ernie 4.5-MoE and OLMo 2 keep their rotary tables fp32 and rotate q and k in fp32 (the
+    attention's ``rope_fp32``); OLMo 2's q/k norms are ``w * norm(x)`` in fp32 (``norm_offset`` 0 over the whole
+    projection); Ernie's router chooses on the softmax plus a correction bias (``softmax_biased``). Every attention
+    (and the MoE block) lowers. Off the kernel path the step is within bf16's rounding, not bit for bit: the packed
+    q|k|v projection's CPU bf16 matmul over all the rows can round a key differently from the k projection's own (it
+    does for one of Ernie's, by 5e-7). The fp32 step is bit-exact (the families test), and so is the rotation in
+    bf16 (the next test)."""
+    from tkcc.passes.lower.pattern import _all_args
+
+    prog = capture(family, torch.bfloat16)
+    new, notes = _lower(prog)
+    ops, left = op_counts(new.graphs["decode"])
+    want = FAMILIES[family][1]
+    assert ops[A] == want[A] and ops.get("tkcc.moe.default") == want.get("tkcc.moe.default"), notes[-1]
+    assert left <= FAMILIES[family][2], notes[-1]
+    nodes = [n for n in new.graphs["decode"].graph.nodes if n.op == "call_function"]
+    for a in [_all_args(n) for n in nodes if n.target is torch.ops.tkcc.attention_rope.default]:
+        assert a[-1] is True, a[17:]  # rope_fp32
+        if family == "olmo2":
+            assert a[6] is not None and a[17] is False and a[21] == 0.0, a[17:]  # fp32 norms over the projection
+        else:
+            assert a[19] is True and a[6] is None, a[17:]  # interleaved, no q/k norm
+    if family == "ernie4_5-moe":
+        (moe,) = [n for n in nodes if n.target is torch.ops.tkcc.moe.default]
+        args = _all_args(moe)
+        assert args[12] == "softmax_biased" and args[18] == prog.model.config.moe_norm_min, args[12:]
+    assert same_decode(prog, new.graphs["decode"], tol=1e-2) is None
+
+
+@pytest.mark.parametrize("form", ["ernie", "olmo2", "olmo2-no-norm"])
+def test_fp32_rotation_is_bit_exact_off_the_kernels_in_bf16(form):
+    """The attention under an fp32 rotation (the table kept fp32, q and k rotated in fp32, rounded back once: Ernie
+    4.5's interleaved pairs, OLMo 2's rotate-half after its fp32 q/k norms over the whole projection) against its
+    region, bit for bit in bf16 with the op on its reference: positions, GQA and MHA, a scaled table, a window."""
+    from tkcc.passes.lower import attention, rotary
+    from tkcc.passes.lower.checks import Region, _capture, _options, attention_case
+    from tkcc.passes.lower.decode import lower
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    qk_norm = "full_fp32" if form == "olmo2" else ""
+    pattern = attention._attention_pattern(qk_norm, rotary.rope_interleaved_fp32 if form == "ernie" else
+                                           rotary.rope_half_fp32)[0]
+    for hq, hkv, D, S, window, rope_scale in ((4, 2, 16, 32, 0, 1.0), (4, 4, 32, 64, 12, 0.75), (8, 1, 64, 40, 0, 1.0)):
+        t, fn, make = attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, D, g, "cpu", torch.bfloat16,
+                                     table_dtype=torch.float32)
+        m = Region(fn, t)
+        gm = _capture(m, make())
+        info = lower(gm, torch.bfloat16, _options())
+        assert any("fp32 table" in n and "lowered" in n for n in info.notes), info.notes
+        for _ in range(4):
+            x = make()
+            before = m.kc.clone()
+            want, want_k = m(*x), m.kc.clone()
+            m.kc.copy_(before)
+            got = gm(*x)
+            assert torch.equal(want, got) and torch.equal(want_k, m.kc), (hq, hkv, D, int(x[1]))
+
+
 def _region_cases(dtype):
     """(rewrite name, region fn, its tensors, inputs maker) of every exact rewrite the families brought, in ``dtype``."""
     from tkcc.passes.lower import attention, norms, rotary
@@ -92,6 +153,14 @@ def _region_cases(dtype):
         name = "rotary_cos_sin[half table]" if inv_dtype == torch.float32 else \
             "rotary_cos_sin[half table, inv_freq in the model dtype]"
         cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
+    if dtype != torch.float32:  # Ernie 4.5 and OLMo 2 keep the table fp32 (in an fp32 graph it is rotary_cos_sin's)
+        for R, inv_dtype in ((16, torch.float32), (64, dtype)):
+            def fn(s, pos):
+                return rotary.cos_sin_upcast(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=torch.float32)
+            inv = (1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))).to(inv_dtype)
+            name = "rotary_cos_sin[kept fp32]" if inv_dtype == torch.float32 else \
+                "rotary_cos_sin[inv_freq in the model dtype, upcast, kept fp32]"
+            cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
     for H in (48, 200, 2048):
         # in fp32 gpt-oss's RMSNorm is Llama's program (there the GEMV prologue takes it)
         cases.append(("rms_norm_weight_fp32" if dtype != torch.float32 else "rms_norm",

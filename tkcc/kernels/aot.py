@@ -125,8 +125,9 @@ def _routed_variants(pdl):
 def lowered_variants():
     """The hooks only the lowered decode step (``tkcc.kernels.lowered``) launches: GEMV bias and GELU epilogues, the
     activations over a non-gated up projection, the per-head q|k|v rows stored split,
-    scaled rotary / per-head q/k norm / sliding window in the fused attention, the combine reading the position,
-    the routed MoE on an input normed already and with fp32 routing weights."""
+    scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations in the fused attention, the
+    combine reading the position, the routed MoE on an input normed already, with fp32 routing weights, and under
+    the grouped and the biased routers."""
     out = []
     base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
             "stride_wn": "i32", "eps": "fp32"}
@@ -156,6 +157,10 @@ def lowered_variants():
         sig = {**rope[3], "pos_ptr": "*i64", **extra}
         out.append(("attention_rope.py.jinja", dict(pdl=True, **hooks), "attn_rope_kernel", sig,
                     dict(rope[4], QK_NORM="head_norm" in hooks, G=4, D=64, HALF=32)))
+    for hooks in (dict(pairs=True), dict(pairs=True, rope_fp32=True)):  # GLM's pairs; Ernie's, rotated in fp32
+        sig = {**rope[3], "pos_ptr": "*i64", "ROT_DIM": "constexpr", "INTERLEAVED": "constexpr"}
+        out.append(("attention_rope.py.jinja", dict(pdl=True, **hooks), "attn_rope_kernel", sig,
+                    dict(rope[4], QK_NORM=False, G=4, D=64, HALF=32, ROT_DIM=64, INTERLEAVED=True)))
     sig = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": _P, "seqlen_ptr": "*i64", "chunk": "i32",
            "SPLITS": "i32", "D": "constexpr", "BLOCK_SP": "constexpr"}
     out.append(("attention.py.jinja", dict(pdl=True, from_pos=True), "attn_combine_kernel", sig,
@@ -168,6 +173,9 @@ def lowered_variants():
                         {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "scaling": "fp32", "NG": "constexpr",
                          "NG_PAD": "constexpr", "TOPK_GROUP": "constexpr"},
                         dict(x[4], NG=8, NG_PAD=8, TOPK_GROUP=4, NORM_TOPK=True)))
+            out.append((x[0], dict(pdl=True, norm=False, biased=True), x[2],  # Ernie 4.5-MoE's router
+                        {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "norm_min": "fp32"},
+                        dict(x[4], NORM_TOPK=True)))
         if x[2] == "moe_down_routed_kernel" and x[4]["FULL_K"]:
             out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
             break

@@ -100,7 +100,8 @@ class AttentionRope:
 
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
-           head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None, dynamic=False):
+           head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None, dynamic=False,
+           rope_fp32=False):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
@@ -109,10 +110,12 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     of that many positions (the current one included), 0 for none. ``rotary_dim``: only the first this many
     elements of each head rotate (partial rotary; 0: all), ``interleaved``: pairs (2i, 2i + 1) rotate (GPT-J,
     GLM) instead of the halves. ``sinks``: [hq] learned logits in each head's softmax denominator (gpt-oss).
-    ``norm_offset`` (with ``head_norm``): the q/k norms are Gemma's, ``norm(x) * (norm_offset + w)`` in fp32 rounded
-    once (Gemma 3: offset 1), None for the Llama form (normed x rounded, then times w). ``dynamic``: the
+    ``norm_offset``: the q/k norms are ``norm(x) * (norm_offset + w)`` in fp32 rounded once (Gemma 3's per head:
+    offset 1; OLMo 2's over the whole projection: 0), None for the Llama form (normed x rounded, then times w). ``dynamic``: the
     ``splits`` chunks are sized on the device to each step's context (``chunk`` unused), at most
-    ``MERGE_MAX_SPLITS`` of them so that the kernel merges them itself."""
+    ``MERGE_MAX_SPLITS`` of them so that the kernel merges them itself. ``rope_fp32``: the table stays fp32 and
+    the rotation is computed in fp32 from the upcast q and k, rounded once (Ernie 4.5, OLMo 2), not rounded at
+    each product and sum."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
@@ -125,10 +128,12 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
                         "merges them itself)")
     if dynamic:
         chunk = block_s  # not read: the kernel sizes its chunks from the position
-    pairs = bool(interleaved) or bool(rotary_dim and rotary_dim != D)
+    norm_fp32 = norm_offset is not None and qk_norm
+    # (the paired path also takes the fp32 rotation and the fp32 q/k norms over the whole projection)
+    pairs = bool(interleaved) or bool(rotary_dim and rotary_dim != D) or bool(rope_fp32) or (norm_fp32 and not head_norm)
     mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
-               window=bool(window), pairs=pairs, sinks=sinks is not None,
-               **({"norm_fp32": True} if norm_offset is not None and head_norm and qk_norm else {}))
+               window=bool(window), pairs=pairs, sinks=sinks is not None, **({"rope_fp32": True} if rope_fp32 else {}),
+               **({"norm_fp32": True} if norm_fp32 else {}))
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
@@ -139,7 +144,7 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         **({"window": int(window)} if window else {}),
         **({"ROT_DIM": int(rotary_dim or D), "INTERLEAVED": bool(interleaved)} if pairs else {}),
         **({"sinks_ptr": sinks} if sinks is not None else {}),
-        **({"norm_offset": float(norm_offset)} if norm_offset is not None and head_norm and qk_norm else {}),
+        **({"norm_offset": float(norm_offset)} if norm_fp32 else {}),
         **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not merge:
         if seqlen is None:

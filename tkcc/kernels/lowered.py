@@ -164,15 +164,16 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
                        rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
                        scale: float, num_heads: int, window: int = 0, head_norm: bool = False, rotary_dim: int = 0,
                        interleaved: bool = False, sinks: Optional[Tensor] = None,
-                       norm_offset: Optional[float] = None) -> Tensor:
+                       norm_offset: Optional[float] = None, rope_fp32: bool = False) -> Tensor:
     """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
     [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
     rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
     causal attention over the cache -> [B, T, Hq D]. ``rotary_dim`` / ``interleaved``: partial and interleaved
     rotary (``rope_pairs_ref``; ``inv_freq`` then has ``rotary_dim / 2`` entries); ``sinks`` [Hq]: a learned
     logit per head in the softmax's denominator, as gpt-oss's eager attention computes it. ``norm_offset``: the q/k
-    norms are Gemma's, ``norm(x) * (norm_offset + w)`` in fp32 rounded once (``rms_norm_ref``'s ``cast_first``
-    False), None for the Llama form."""
+    norms are ``norm(x) * (norm_offset + w)`` in fp32 rounded once (``rms_norm_ref``'s ``cast_first`` False: Gemma's
+    per head, OLMo 2's over the whole projection with offset 0), None for the Llama form. ``rope_fp32``: the table is kept fp32 and q and k are upcast to be rotated by
+    it, then rounded back (Ernie 4.5, OLMo 2)."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q, k, v = torch.split(qkv, [num_heads * D, hkv * D, hkv * D], -1)
@@ -187,11 +188,16 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     q = q.transpose(1, 2)
     k = k.transpose(1, 2)
     v = v.view(B, T, -1, D).transpose(1, 2)
-    cos, sin = rotary_cos_sin_ref(inv_freq, cache_position.unsqueeze(0).expand(B, -1), rope_scale, qkv.dtype)
+    cos, sin = rotary_cos_sin_ref(inv_freq, cache_position.unsqueeze(0).expand(B, -1), rope_scale,
+                                  torch.float32 if rope_fp32 else qkv.dtype)
+    dt = q.dtype
+    if rope_fp32:
+        q, k = q.float(), k.float()
     if rotary_dim or interleaved:
         q, k = rope_pairs_ref(q, cos, sin, interleaved), rope_pairs_ref(k, cos, sin, interleaved)
     else:
         q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+    q, k = q.to(dt), k.to(dt)
     k_cache.index_copy_(2, cache_position, k)
     v_cache.index_copy_(2, cache_position, v)
     n_rep = num_heads // hkv
@@ -239,20 +245,23 @@ def pack_rows(weights: list[Tensor]) -> Tensor:
 
 
 # OLMoE / Qwen3-MoE: softmax, weights rounded to the dtype; Mixtral: kept fp32; DeepSeek-V3: sigmoid scores,
-# bias-corrected grouped top-k, scaled fp32 weights
-ROUTERS = ("softmax", "softmax_fp32", "sigmoid_grouped")
+# bias-corrected grouped top-k, scaled fp32 weights; Ernie 4.5-MoE: softmax of fp32 logits, the choice on the
+# probabilities plus a correction bias, renormalised over max(sum, norm_min), weights rounded to the dtype
+ROUTERS = ("softmax", "softmax_fp32", "sigmoid_grouped", "softmax_biased")
 
 
 def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
             top_k: int, norm_topk: bool, residual: bool, router: str = "softmax", router_bias: Optional[Tensor] = None,
             n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
-            forced_ids: Optional[Tensor] = None) -> Tensor:
+            forced_ids: Optional[Tensor] = None, norm_min: float = 0.0) -> Tensor:
     """A sparse-MoE block for tokens h [B, T, H] as OLMoE / Qwen3-MoE / Mixtral write it, with transformers'
     ``batched_mm`` experts: [RMSNorm] -> router logits -> softmax (fp32) -> top-k [-> renormalised] [->
     rounded to the dtype (``router="softmax"``; Mixtral's ``"softmax_fp32"`` keeps them fp32)] -> each token's
     k experts (gate_up [E, 2I, H], silu(g) * u, down [E, H, I]) weighted and summed [-> + h].
     ``forced_ids`` [k] (a benchmark's real routing, softmax routers only): every token takes these experts in
-    place of its top-k, each weighted by its softmax probability (renormalised over the k when ``norm_topk``)."""
+    place of its top-k, each weighted by its softmax probability (renormalised over the k when ``norm_topk``).
+    ``router="softmax_biased"`` (Ernie 4.5-MoE): the logits of the upcast input and router, the choice on their
+    softmax plus ``router_bias``, the chosen probabilities renormalised over ``max(sum, norm_min)``."""
     x = rms_norm_ref(h, norm_weight, eps) if norm_weight is not None else h
     H = x.shape[-1]
     xs = x.view(-1, H)
@@ -263,18 +272,23 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
     if router == "sigmoid_grouped":
         w, ids = _grouped_router(xs, router_w, router_bias, top_k, n_group, topk_group, norm_topk, scaling)
     else:
-        logits = F.linear(xs.reshape(-1, H), router_w)
-        probs = F.softmax(logits, dtype=torch.float, dim=-1) if router == "softmax" else \
+        biased = router == "softmax_biased"
+        logits = F.linear(xs.reshape(-1, H).float(), router_w.float()) if biased else F.linear(xs.reshape(-1, H),
+                                                                                                router_w)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1) if router in ("softmax", "softmax_biased") else \
             F.softmax(logits.float(), dim=-1)
         if forced_ids is not None:
             ids = forced_ids.reshape(1, top_k).long().clamp(0, gate_up.shape[0] - 1).expand(xs.shape[0], top_k)
             w = probs.gather(-1, ids)
+        elif biased:
+            ids = torch.topk(probs + router_bias.reshape(-1).float(), top_k, dim=-1).indices
+            w = probs.gather(-1, ids)
         else:
             w, ids = torch.topk(probs, top_k, dim=-1)
         if norm_topk:
-            w = w / w.sum(dim=-1, keepdim=True)
-        if router == "softmax":
-            w = w.to(logits.dtype)
+            w = w / (torch.clamp(w.sum(dim=-1, keepdim=True), min=norm_min) if biased else w.sum(dim=-1, keepdim=True))
+        if router in ("softmax", "softmax_biased"):
+            w = w.to(xs.dtype)
     sel = xs.repeat_interleave(top_k, dim=0)
     sw = w.reshape(-1)
     eid = ids.reshape(-1).clamp(0, gate_up.shape[0] - 1)
@@ -427,8 +441,6 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
         return f"rotary dim {R} of head dim {D}"
     if not inv_freq.is_floating_point() or inv_freq.numel() != R // 2 or not inv_freq.is_contiguous():
         return f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype} (needs a float vector of {R // 2})"
-    if norm_offset is not None and q_norm is not None and not head_norm:
-        return "Gemma's q/k norm over the whole projection has no kernel (per head only)"
     if sinks is not None and (sinks.numel() != num_heads or not sinks.is_contiguous()):
         return f"sinks {tuple(sinks.shape)} for {num_heads} heads"
     if count.numel() < hkv or count.dtype != torch.int32:
@@ -471,7 +483,8 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                    rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float, scale: float,
                    num_heads: int, window: int, chunk: int, block_s: int, num_warps: int, count: Tensor,
                    pdl: bool = False, head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
-                   sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None) -> Tensor:
+                   sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None,
+                   rope_fp32: bool = False) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split, or -N: N splits sized on the device to each step's context (one
@@ -497,18 +510,18 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
                   rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window,
                   rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks, norm_offset=norm_offset,
-                  dynamic=ch < 0)
+                  dynamic=ch < 0, rope_fp32=rope_fp32)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     _check_context(cache_position, k_cache.shape[2])
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
-                              num_heads, window, head_norm, rotary_dim, interleaved, sinks, norm_offset)
+                              num_heads, window, head_norm, rotary_dim, interleaved, sinks, norm_offset, rope_fp32)
 
 
 @attention_rope.register_fake
 def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
       chunk, block_s, num_warps, count, pdl=False, head_norm=False, rotary_dim=0, interleaved=False, sinks=None,
-      norm_offset=None):
+      norm_offset=None, rope_fp32=False):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
 
 
@@ -552,6 +565,9 @@ def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="so
                 f"{tuple(down.shape)}, {tuple(router_w.shape)}")
     if router not in ROUTERS:
         return f"router {router!r} has no kernel (kernels: {ROUTERS})"
+    if router == "softmax_biased" and (router_bias is None or router_bias.numel() != E
+                                       or not router_bias.is_contiguous()):
+        return f"biased router over {E} experts with bias {None if router_bias is None else tuple(router_bias.shape)}"
     if router == "sigmoid_grouped" and (router_bias is None or router_bias.numel() != E or n_group < 1
                                         or E % n_group or E // n_group < 2 or not 1 <= topk_group <= n_group):
         return f"grouped router over {E} experts in {n_group} groups (top {topk_group}) with bias {router_bias is not None}"
@@ -569,12 +585,14 @@ def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="so
 def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
         top_k: int, norm_topk: bool, residual: bool, count: Tensor, configs: Optional[list[int]] = None,
         pdl: bool = False, router: str = "softmax", router_bias: Optional[Tensor] = None, n_group: int = 1,
-        topk_group: int = 1, scaling: float = 1.0, forced_ids: Optional[Tensor] = None) -> Tensor:
+        topk_group: int = 1, scaling: float = 1.0, forced_ids: Optional[Tensor] = None,
+        norm_min: float = 0.0) -> Tensor:
     """``moe_ref`` as three launches (``tkcc.kernels.moe_routed``): the router GEMV with the norm prologue whose
     last program picks the top-k (softmax, renormalisation) once; gate_up over the k selected experts only
     (silu(g) * u); down weighted over them, plus the residual. ``configs``: (BLOCK_N, warps) of router,
     gate_up and down (6 ints), None for the kernels' defaults. ``forced_ids``: see ``moe_ref`` (never in a
-    graph a pass writes; ``benchmarks/decode.py`` adds it for its real-routing rows)."""
+    graph a pass writes; ``benchmarks/decode.py`` adds it for its real-routing rows). ``norm_min``: the
+    ``softmax_biased`` router's floor under the renormalising sum."""
     reason = moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router, router_bias, n_group,
                         topk_group, forced_ids)
     if reason is None:
@@ -587,7 +605,8 @@ def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, 
         else:
             rc, gc, dc = mr.default_configs()
         grouped = (router_bias, n_group, topk_group, scaling) if router == "sigmoid_grouped" else None
-        logits_dt = torch.float32 if grouped else dt  # DeepSeek's logits are fp32 throughout
+        biased = (router_bias, norm_min) if router == "softmax_biased" else None
+        logits_dt = torch.float32 if grouped or biased else dt  # DeepSeek's and Ernie's logits are fp32 throughout
         scratch = (torch.empty(E, device=dev, dtype=logits_dt), torch.empty(top_k, device=dev, dtype=torch.int32),
                    torch.empty(top_k, device=dev, dtype=torch.float32), torch.empty(H, device=dev, dtype=dt),
                    torch.empty(top_k, I2 // 2, device=dev, dtype=dt), count)
@@ -595,16 +614,16 @@ def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, 
         out = torch.empty(H, device=dev, dtype=dt)
         mr.launch(x, router_w, gate_up, down, top_k, norm_topk, x if residual else None, norm_weight, eps, out,
                   scratch, rc, gc, dc, pdl=pdl and _pdl_ok(dev), fp32_weights=router == "softmax_fp32",
-                  grouped=grouped, forced_ids=forced_ids)
+                  grouped=grouped, forced_ids=forced_ids, biased=biased)
         return out.view(h.shape)
     note_fallback("tkcc.moe", reason)
     return moe_ref(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, router, router_bias,
-                   n_group, topk_group, scaling, forced_ids)
+                   n_group, topk_group, scaling, forced_ids, norm_min)
 
 
 @moe.register_fake
 def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, count, configs=None, pdl=False,
-      router="softmax", router_bias=None, n_group=1, topk_group=1, scaling=1.0, forced_ids=None):
+      router="softmax", router_bias=None, n_group=1, topk_group=1, scaling=1.0, forced_ids=None, norm_min=0.0):
     return torch.empty_like(h)
 
 

@@ -95,25 +95,29 @@ def default_configs():
 
 
 def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, out, scratch, rc, gc, dc,
-           pdl=None, forced_ids=None, fp32_weights=False, grouped=None):
+           pdl=None, forced_ids=None, fp32_weights=False, grouped=None, biased=None):
     """The three launches on caller-owned scratch ``(logits [E], ids [k] int32, wts [k] fp32, xn [H], act [k, I],
     count [1] int32)``: all but ``count`` may hold anything (each is written before it is read); ``count``
     starts at zero and is left at zero. ``rc``/``gc``/``dc``: (BLOCK_N, warps) of router, gate_up, down.
     ``norm_w`` None: ``x`` is normed already. ``fp32_weights``: the routing weights are not rounded to the activations' dtype (Mixtral's router), and
     the weighted sum over the experts is taken in fp32. ``grouped=(bias, n_group, topk_group, scaling)``:
     DeepSeek-V3's router (sigmoid scores, bias-corrected grouped top-k, scaled fp32 weights; the logits
-    scratch must then be fp32)."""
+    scratch must then be fp32). ``biased=(bias, norm_min)``: Ernie 4.5-MoE's router (the choice on the softmax
+    plus the bias, renormalised over max(sum, norm_min); the logits scratch must be fp32)."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     logits, ids, wts, xn, act, count = scratch
     E, I2, H = gate_up.shape
     I = I2 // 2
     mod = load("moe_routed.py.jinja", pdl=pdl, fp32_weights=fp32_weights, norm=norm_w is not None,
-               grouped=grouped is not None)
+               grouped=grouped is not None, biased=biased is not None)
     extra = {}
     if grouped is not None:
         bias, n_group, topk_group, scaling = grouped
         extra = dict(bias_ptr=bias, scaling=float(scaling), NG=int(n_group), NG_PAD=max(2, next_pow2(n_group)),
                      TOPK_GROUP=int(topk_group))
+    if biased is not None:
+        bias, norm_min = biased
+        extra = dict(bias_ptr=bias, norm_min=float(norm_min))
     launch_kw = {"launch_pdl": True} if pdl else {}
     K_PAD = max(2, next_pow2(k))
     bn, nw = rc

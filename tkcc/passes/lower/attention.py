@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.norms import EPS, OFFSET, rms_norm, rms_norm_offset
+from tkcc.passes.lower.norms import EPS, OFFSET, rms_norm, rms_norm_offset, rms_norm_weight_fp32
 from tkcc.passes.lower.pattern import Refused, Rewrite, _all_args
 
 KV_LEN = 77        # sentinels
@@ -145,7 +145,8 @@ PER_HEAD = ("head", "head_transposed", "head_offset")  # q/k norms over each hea
 
 
 def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explicit_heads: bool = False):
-    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "head" (Qwen3: over each head),
+    """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "full_fp32" (OLMo 2: the same, the weight
+    times the fp32 normed x, rounded once), "head" (Qwen3: over each head),
     "head_transposed" (EXAONE 4: the same RMSNorm over each head, once the heads are transposed),
     "head_offset" (Gemma 3: over each head once the heads are transposed, ``norm(x) * (offset + w)`` in fp32);
     ``rope(q, k, cos, sin) -> (q, k)``: the rotation (``rotary.py`` has the partial, interleaved and chunked ones);
@@ -162,6 +163,9 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explic
         if qk_norm == "full":
             q = rms_norm(q, norms[0], eps=kw["eps"])
             k = rms_norm(k, norms[1], eps=kw["eps"])
+        elif qk_norm == "full_fp32":
+            q = rms_norm_weight_fp32(q, norms[0], eps=kw["eps"])
+            k = rms_norm_weight_fp32(k, norms[1], eps=kw["eps"])
         hidden_shape = (B, T, -1, D)
         if qk_norm == "head":
             q = rms_norm(q.view(hidden_shape), norms[0], eps=kw["eps"]).transpose(1, 2)
@@ -197,12 +201,14 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explic
     def replacement(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *extra, scale, inv_freq, count,
                     rope_scale, num_heads, window, chunk, block_s, num_warps, pdl, **kw):
         qn, kn = (extra[0], extra[1]) if qk_norm else (None, None)
-        tail = (extra[-1] if sinks else None,) if sinks or qk_norm == "head_offset" else ()
-        tail += (float(kw["offset"]),) if qk_norm == "head_offset" else ()
+        fp32_norm = qk_norm in ("head_offset", "full_fp32")
+        tail = (extra[-1] if sinks else None,) if sinks or fp32_norm else ()
+        tail += (float(kw["offset"]) if qk_norm == "head_offset" else 0.0,) if fp32_norm else ()
         return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, qn, kn,
                                              kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
                                              num_warps, count, pdl, qk_norm in PER_HEAD,
-                                             kw.get("rotary_dim", 0), kw.get("interleaved", False), *tail)
+                                             kw.get("rotary_dim", 0), kw.get("interleaved", False), *tail,
+                                             **({"rope_fp32": True} if kw.get("rope_fp32") else {}))
 
     return pattern, replacement
 
@@ -218,7 +224,7 @@ def _example(qk_norm: str, hq: int, hkv: int, sinks: bool = False, table: int | 
               torch.empty(1, hkv, S, D, dtype=dt), torch.empty(1, dtype=torch.int64),
               torch.empty(1, 1, R, dtype=dt), torch.empty(1, 1, R, dtype=dt),
               torch.empty(1, 1, 1, S, dtype=dt) if sinks else torch.empty(1, 1, 1, S, dtype=torch.bool)]
-        if qk_norm == "full":
+        if qk_norm in ("full", "full_fp32"):
             ts += [torch.empty(hq * D, dtype=dt), torch.empty(hkv * D, dtype=dt)]
         elif qk_norm in PER_HEAD:
             ts += [torch.empty(D, dtype=dt), torch.empty(D, dtype=dt)]

@@ -191,10 +191,11 @@ def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
     return rows
 
 
-def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_dim, g, device, dtype):
+def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_dim, g, device, dtype,
+                   table_dtype=None):
     """(tensors, fn, make) of one attention region's check: fresh caches, the rotary table over ``rotary_dim`` of
-    the head, the q/k norm weights; ``fn`` runs ``pattern`` under the step's causal or sliding mask, ``make``
-    draws a q|k|v row and a position."""
+    the head (in ``table_dtype``, default the activations'), the q/k norm weights; ``fn`` runs ``pattern`` under
+    the step's causal or sliding mask, ``make`` draws a q|k|v row and a position."""
     from tkcc.passes.lower import attention, rotary
 
     R = rotary_dim
@@ -205,7 +206,7 @@ def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_d
         t["kn"] = _rand((D if qk_norm in attention.PER_HEAD else hkv * D,), g, device, dtype, 0.5) + 1
 
     def fn(s, qkv, pos):
-        cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
+        cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=table_dtype or qkv.dtype)
         mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
             attention.causal_mask(pos, kv_len=S)
         norms = (s.qn, s.kn) if qk_norm else ()
@@ -240,20 +241,31 @@ def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 
     return rows
 
 
-def _clear_routing(draw, router, k, dtype, norm_weight=None, tries=100):
-    """``draw`` again until the router's top-k is no rounding tie: the k-th and (k+1)-th fp32 logits lie further
-    apart than the dtype's rounding of them could move them (a tie's two answers are both right, and differ by a
-    whole expert's output). Ties themselves are the forced-ids cases' job."""
-    eps = torch.finfo(dtype).eps
+def _clear_routing(draw, choice, k, rel, tries=100):
+    """``draw`` again until the top-k of ``choice(inputs)`` (the router's choice scores, [T, E]) is no rounding tie:
+    the k-th and (k+1)-th scores lie further apart than ``rel`` times the largest, more than rounding could move
+    them. A tie's two answers are both right and differ by a whole expert's output; ties themselves are the
+    forced-ids cases' job."""
     for _ in range(tries):
         inputs = draw()
+        sc = choice(inputs).float().sort(-1, descending=True).values
+        if bool(((sc[:, k - 1] - sc[:, k]) > rel * sc.abs().amax(-1)).all()):
+            return inputs
+    raise RuntimeError(f"no input without a top-{k} tie in {tries} draws")
+
+
+def _logits(router, norm_weight=None):
+    """The router's logits of a case's first input (normed by ``norm_weight`` first, as the block does)."""
+    def choice(inputs):
         x = inputs[0].float().reshape(-1, router.shape[-1])
         if norm_weight is not None:
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()
-        logits = torch.nn.functional.linear(x, router.float()).sort(-1, descending=True).values
-        if bool(((logits[:, k - 1] - logits[:, k]) > 16 * eps * logits.abs().amax(-1)).all()):
-            return inputs
-    raise RuntimeError(f"no input without a top-{k} tie in {tries} draws")
+        return torch.nn.functional.linear(x, router.float())
+    return choice
+
+
+def _near(dtype):
+    return 16 * torch.finfo(dtype).eps
 
 
 def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32, 16, 4))):
@@ -276,17 +288,18 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
         name = f"moe[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if norm_topk else ''}{'+residual' * residual}]"
         rows += run_case(name, Region(fn, t),
                          lambda H=H, t=t, k=k: _clear_routing(lambda: (_rand((1, 1, H), g, device, dtype),),
-                                                              t["router"], k, dtype, t["nw"]),
+                                                              _logits(t["router"], t["nw"]), k, _near(dtype)),
                          "tkcc.moe.default", False, dtype)
     rows += check_deepseek_moe(device, dtype, g)
     rows += check_moe_forced(device, dtype, g, shapes)
-    for E, H, I, k in shapes[:2]:  # the routed experts of a normed input (a block with a shared expert)
+    for (E, H, I, k), norm_min in zip(shapes[:2], (1e-12, 0.6)):  # the routed experts of a normed input (a block
+        # with a shared expert); Ernie's floor under the renormalising sum at its default, and where it binds
         t = {"router": _rand((E, H), g, device, dtype, H ** -0.5),
              "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
              "down": _rand((E, H, I), g, device, dtype, I ** -0.5)}
 
         def draw(H=H, t=t, k=k):
-            return _clear_routing(lambda: (_rand((1, H), g, device, dtype),), t["router"], k, dtype)
+            return _clear_routing(lambda: (_rand((1, H), g, device, dtype),), _logits(t["router"]), k, _near(dtype))
 
         rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, routed experts of a normed input]",
                          Region(lambda s, xs, k=k: moe.routed(xs, s.router, s.gate_up, s.down, top_k=k), t),
@@ -296,6 +309,19 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
                          Region(lambda s, xs, k=k: routed_experts.topk_softmax_routed(xs, s.router, s.gate_up, s.down,
                                                                                        top_k=k), t),
                          draw, "tkcc.moe.default", False, dtype)
+        # Ernie 4.5-MoE's router: fp32 logits, the choice on the softmax plus a bias, renorm over max(sum, norm_min)
+        tb = {**t, "bias": _rand((1, E), g, device, torch.float32, 0.1)}
+
+        def biased(inputs, tb=tb):
+            p = torch.softmax(torch.nn.functional.linear(inputs[0].float(), tb["router"].float()), -1)
+            return p + tb["bias"].reshape(-1)
+
+        rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, softmax+bias choice, renorm over max(sum, {norm_min})]",
+                         Region(lambda s, xs, k=k, m=norm_min: routed_experts.biased_softmax_routed(
+                             xs, s.router, s.bias, s.gate_up, s.down, top_k=k, norm_min=m), tb),
+                         lambda H=H, k=k, c=biased: _clear_routing(lambda: (_rand((1, H), g, device, dtype),), c, k,
+                                                                  1e-4),
+                         "tkcc.moe.default", False, dtype)
     return rows
 
 

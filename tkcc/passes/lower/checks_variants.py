@@ -57,6 +57,25 @@ def check_rotary(device, dtype, g, shapes=((4, 2, 16, 40, 16, 8, 0), (4, 4, 32, 
                    f"{f', window {window}' if window else ''}]"
             rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype,
                              _options(chunk=chunk), state=("kc", "vc"))
+        # Ernie 4.5: the interleaved pairs over the whole head, upcast and rotated by the fp32 table
+        pattern = attention._attention_pattern("", rotary.rope_interleaved_fp32)[0]
+        rope_scale = 1.0 if i % 2 == 0 else 0.75
+        t, fn, make = attention_case(pattern, hq, hkv, D, S, window, "", rope_scale, D, g, device, dtype,
+                                     table_dtype=torch.float32)
+        rows += run_case(f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, interleaved rotary in fp32 by an fp32 "
+                         f"table{', rope x0.75' if rope_scale != 1.0 else ''}{f', window {window}' if window else ''}]",
+                         Region(fn, t), make, "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk),
+                         state=("kc", "vc"))
+        # OLMo 2: [q/k norms over the whole projection, w * norm(x) in fp32 rounded once,] rotate-half by the fp32 table
+        qk_norm = "full_fp32" if i % 2 == 0 else ""
+        pattern = attention._attention_pattern(qk_norm, rotary.rope_half_fp32)[0]
+        t, fn, make = attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, D, g, device, dtype,
+                                     table_dtype=torch.float32)
+        rows += run_case(f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, rotate-half in fp32 by an fp32 table"
+                         f"{', fp32 full qk_norm' if qk_norm else ''}{', rope x0.75' if rope_scale != 1.0 else ''}"
+                         f"{f', window {window}' if window else ''}]",
+                         Region(fn, t), make, "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk),
+                         state=("kc", "vc"))
     return rows
 
 

@@ -64,6 +64,13 @@ def _example(inv_dtype):
     return example
 
 
+def _fp32_example(inv_dtype):
+    def example(dt):
+        return ((torch.empty(12, dtype=inv_dtype or dt), torch.empty(1, 1, dtype=torch.int64)),
+                {"scale": SCALE, "dtype": torch.float32})
+    return example
+
+
 def cos_sin_upcast(inv_freq, position_ids, *, scale, dtype):
     """Qwen2's ``RotaryEmbedding.forward`` (and some 40 other families': Qwen3, OLMo, Gemma 2, MiniMax, ...):
     ``inv_freq`` upcast before its expand and again at the product. Upcasts of fp32 are no-ops, so a model run in
@@ -102,6 +109,13 @@ REWRITES = [
             exact=True, check=_check),
     Rewrite("rotary_cos_sin[inv_freq in the model dtype, upcast]", cos_sin_upcast, _to_op, _example(None),
             region="rotary", exact=True, check=_check),
+    # Ernie 4.5, OLMo 2 and 3: the table left fp32 (no cast back to the activations' dtype)
+    Rewrite("rotary_cos_sin[kept fp32]", cos_sin_upcast, _to_op, _fp32_example(torch.float32), region="rotary",
+            exact=True, check=_check),
+    Rewrite("rotary_cos_sin[inv_freq in the model dtype, upcast, kept fp32]", cos_sin_upcast, _to_op,
+            _fp32_example(None), region="rotary", exact=True, check=_check),
+    Rewrite("rotary_cos_sin[inv_freq in the model dtype, kept fp32]", cos_sin, _to_op, _fp32_example(None),
+            region="rotary", exact=True, check=_check),  # (OLMo 3)
     Rewrite("rotary_cos_sin[half table]", cos_sin_half, _to_op_half, _example(torch.float32), region="rotary",
             exact=True, check=_check),
     Rewrite("rotary_cos_sin[half table, inv_freq in the model dtype]", cos_sin_half, _to_op_half, _example(None),
@@ -155,6 +169,27 @@ def rope_interleaved_unsliced(q, k, cos, sin):
     return (q * cos) + (rotate_pairs(q) * sin), (k * cos) + (rotate_pairs(k) * sin)
 
 
+def rope_interleaved_fp32(q, k, cos, sin):
+    """Ernie 4.5's ``apply_rotary_pos_emb``: GLM's interleaved pairs over the whole head, q and k upcast and rotated by
+    the fp32 table (its rotary embedding keeps the table fp32), then rounded back. In an fp32 graph the casts are
+    gone: it is ``rope_interleaved_unsliced``."""
+    original_dtype = q.dtype
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    q_embed = (q.float() * cos) + (rotate_pairs(q).float() * sin)
+    k_embed = (k.float() * cos) + (rotate_pairs(k).float() * sin)
+    return q_embed.to(original_dtype), k_embed.to(original_dtype)
+
+
+def rope_half_fp32(q, k, cos, sin):
+    """OLMo 2's ``apply_rotary_pos_emb``: rotate-half by the table its rotary embedding keeps fp32 (q and k are
+    promoted by the products), rounded back. In an fp32 graph: the plain rotate-half."""
+    q_type, k_type = q.dtype, k.dtype
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed.to(q_type), k_embed.to(k_type)
+
+
 def _rotate_chunked(x, cos, sin):
     first_half, second_half = torch.chunk(x, 2, dim=-1)
     first_ = first_half * cos - second_half * sin
@@ -203,6 +238,19 @@ def _attention_rewrites():
             name = f"attention[{heads}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}, interleaved rotary, unsliced]"
             out.append(Rewrite(name, pattern, replacement, attention._example(qk_norm, hq, hkv), region="attention",
                                check=attention._check, params=_rotary_params(True)))
+    # Ernie 4.5: the interleaved pairs rotated in fp32 by the fp32 table
+    pattern, replacement = attention._attention_pattern("", rope_interleaved_fp32)
+    for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+        out.append(Rewrite(f"attention[{heads}, interleaved rotary in fp32 by an fp32 table]", pattern, replacement,
+                           _fp32_table(attention._example("", hq, hkv)), region="attention", check=_fp32_table_check,
+                           params=_rotary_params(True, fp32=True)))
+    # OLMo 2: rotate-half by the fp32 table, after q/k norms over the whole projection in fp32 (or none)
+    for qk_norm in ("full_fp32", ""):
+        pattern, replacement = attention._attention_pattern(qk_norm, rope_half_fp32)
+        for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+            out.append(Rewrite(f"attention[{heads}{'+fp32 full_qk_norm' if qk_norm else ''}, rotate-half in fp32 by an "
+                               "fp32 table]", pattern, replacement, _fp32_table(attention._example(qk_norm, hq, hkv)),
+                               region="attention", check=_fp32_table_check, params=_rotary_params(False, fp32=True)))
     # StableLM: the partial rotary with q, k and v viewed as heads by their counts
     pattern, replacement = attention._attention_pattern("", rope_partial, explicit_heads=True)
     for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
@@ -219,7 +267,7 @@ def _attention_rewrites():
     return out + _sink_rewrites()
 
 
-def _rotary_params(interleaved):
+def _rotary_params(interleaved, fp32=False):
     from tkcc.passes.lower import attention
 
     def params(m, ctx):
@@ -227,10 +275,29 @@ def _rotary_params(interleaved):
         D, R = m.val(1).shape[-1], m.val(4).shape[-1]
         if R % 2 or R > D:
             raise Refused(f"rotary table of {R} for heads of {D}")
-        got.update(rotary_dim=0 if R == D else int(R), interleaved=interleaved)
+        got.update(rotary_dim=0 if R == D else int(R), interleaved=interleaved, **({"rope_fp32": True} if fp32 else {}))
         return got
 
     return params
+
+
+def _fp32_table_check(m) -> str | None:
+    """The fp32 rotation reads an fp32 table (a table in the activations' dtype is the plain rotation's, rounded)."""
+    from tkcc.passes.lower import attention
+
+    if m.val(4).dtype != torch.float32 or m.val(5).dtype != torch.float32:
+        return f"the rotary table is {m.val(4).dtype}, not fp32"
+    return attention._check(m)
+
+
+def _fp32_table(example):
+    """``example`` with its cos / sin tables fp32, whatever the activations' dtype."""
+    def fp32(dt):
+        ts, sc = example(dt)
+        ts = list(ts)
+        ts[4], ts[5] = (torch.empty(t.shape, dtype=torch.float32) for t in ts[4:6])
+        return tuple(ts), sc
+    return fp32
 
 
 def _sink_rewrites():

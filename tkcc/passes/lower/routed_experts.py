@@ -10,13 +10,17 @@ GraniteMoE's router takes the top k of the fp32 logits and a softmax over those 
 arithmetic, the same weights as a softmax over all, its top k, renormalised (``tkcc.moe``'s softmax router with
 ``norm_topk``); the two round differently in fp32 before the weights are rounded to the dtype, so that rewrite is
 not exact.
+
+Ernie 4.5-MoE's router upcasts its input and weight, takes the softmax of those fp32 logits, chooses on the
+probabilities plus a correction bias, and renormalises the chosen probabilities over ``max(sum, norm_min)``:
+``tkcc.moe``'s ``softmax_biased`` router (fp32 logits summed in another order, so not exact).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.moe import _params, _routed_check, _routed_example, experts, routed_pattern
+from tkcc.passes.lower.moe import TOP_K, _params, _routed_check, _routed_example, experts, routed_pattern
 from tkcc.passes.lower.pattern import Rewrite
 
 
@@ -54,3 +58,45 @@ def _to_renormalised(xs, router_w, gate_up, down, *, top_k, count, configs, pdl)
 REWRITES.append(Rewrite("moe[top-k then softmax, routed experts of a normed input]", topk_softmax_routed,
                         _to_renormalised, _routed_example, region="moe", check=_routed_check, params=_params))
 
+
+
+def biased_softmax_routed(xs, router_w, bias, gate_up, down, *, top_k, norm_min):
+    """Ernie 4.5-MoE's block on its flattened normed input (``Ernie4_5_MoeTopKRouter`` with its
+    ``moe_statics`` bias, then the ``batched_mm`` experts)."""
+    router_logits = F.linear(xs.float(), router_w.float())
+    routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+    _, selected_experts = torch.topk(routing_weights + bias.squeeze(), top_k, dim=-1)
+    routing_weights = torch.gather(routing_weights, dim=-1, index=selected_experts)
+    routing_weights = routing_weights / torch.clamp(routing_weights.sum(dim=-1, keepdim=True), min=norm_min)
+    routing_weights = routing_weights.to(xs.dtype)
+    return experts(xs, routing_weights, selected_experts, gate_up, down, top_k)
+
+
+def _to_biased(xs, router_w, bias, gate_up, down, *, top_k, norm_min, count, configs, pdl):
+    return torch.ops.tkcc.moe(xs, None, 1e-6, router_w, gate_up, down, top_k, True, False, count, configs, pdl,
+                              "softmax_biased", bias, norm_min=norm_min)
+
+
+def _biased_example(dt):
+    E, H, I = 12, 48, 20
+    return ((torch.empty(1, H, dtype=dt), torch.empty(E, H, dtype=dt), torch.empty(1, E, dtype=torch.float32),
+             torch.empty(E, 2 * I, H, dtype=dt), torch.empty(E, H, I, dtype=dt)),
+            {"top_k": TOP_K, "norm_min": 1.25e-11})
+
+
+def _biased_check(m) -> str | None:
+    xs, r, b, gu, dn = (m.val(i) for i in range(5))
+    E, I2, H = gu.shape
+    if xs.dim() != 2 or xs.shape[0] != 1:
+        return f"xs {tuple(xs.shape)} is not one token"
+    if tuple(r.shape) != (E, H) or tuple(dn.shape) != (E, H, I2 // 2) or b.numel() != E or not b.is_contiguous():
+        return (f"router {tuple(r.shape)} / bias {tuple(b.shape)} / experts {tuple(gu.shape)}, {tuple(dn.shape)} "
+                "are not one MoE layout")
+    if not (gu.is_contiguous() and dn.is_contiguous() and r.stride(-1) == 1):
+        return "expert weights are not contiguous [E, 2I, H] / [E, H, I]"
+    return None
+
+
+REWRITES.append(Rewrite("moe[softmax+bias choice, clamped renorm, routed experts of a normed input]",
+                        biased_softmax_routed, _to_biased, _biased_example, region="moe", check=_biased_check,
+                        params=_params))
