@@ -98,7 +98,12 @@ def build(family: str, dtype=torch.float32, seed: int = 0):
     for k, v in private.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(cfg).to(dtype).eval()
+    model = getattr(transformers, model_cls)(cfg)
+    with torch.no_grad():  # a weight matrix transformers leaves all zeros (Ernie's router) would tie every expert
+        for p in model.parameters():
+            if p.dim() >= 2 and not p.any():
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model.to(dtype).eval()
 
 
 def capture(family: str, dtype=torch.float32, max_cache_len: int = 32, phases=("decode",), seed: int = 0):
