@@ -301,7 +301,7 @@ def test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter(interpre
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["gpt-oss", "phi3", "gemma3", "stablelm", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt-oss", "phi3", "gemma3", "stablelm", "qwen3", "olmo2", "ernie4_5-moe"])
 def test_family_greedy_on_gpu_bf16(family, tmp_path):
     """Through the front door: the lowered step (PDL, replayed from the decode CUDA graph) keeps the captured
     graph's greedy tokens (the engine's tolerance-mode rule) over 32 steps."""
