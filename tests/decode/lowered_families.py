@@ -15,16 +15,14 @@ import torch
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-GPT_OSS_MOE = {"aten.add.Tensor", "aten.add_.Tensor", "aten.bmm.default", "aten.clamp.default", "aten.index.Tensor",
-               "aten.mul.Tensor", "aten.repeat_interleave.self_int", "aten.sigmoid.default", "aten.softmax.int",
-               "aten.sum.dim_IntList", "aten.topk.default"}
 A, G, GG, N, L = ("tkcc.attention_rope.default", "tkcc.gemv.default", "tkcc.gemv_gather.default",
                   "tkcc.rms_norm.default", "tkcc.layer_norm.default")
 
 # name -> (registry name or (config class, model class, config overrides), kernel ops, aten ops allowed to stay)
 FAMILIES = {
-    # per-head sinks, sliding/full layers, q/k/v/o biases, YaRN over a half table; its MoE stays in aten
-    "gpt-oss": ("gptoss-tiny", {A: 2, G: 6, GG: 1, N: 2}, GPT_OSS_MOE),
+    # per-head sinks, sliding/full layers, q/k/v/o biases, YaRN over a half table; its MoE block (a biased router, top-k
+    # then softmax, transposed biased experts, a clamped SwiGLU over interleaved gate / up) as tkcc.moe_gptoss
+    "gpt-oss": ("gptoss-tiny", {A: 2, G: 4, GG: 1, N: 2, "tkcc.moe_gptoss.default": 2}, {"aten.add.Tensor"}),
     # partial rotary of a packed q|k|v (sliced), packed gate|up halved by chunk
     "phi3": (("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5)), {A: 2, G: 8, GG: 1}, set()),
     # 1 + w norms (sandwich: the residual adds stay), embedding scaled, final logit softcapping, sliding window

@@ -45,7 +45,8 @@ def _lower(prog):
 
 def test_gpt_oss_attention_keeps_its_sinks_and_windows_per_layer():
     """Each layer's fused attention takes that layer's sink logits; the sliding layer its window, the full layer
-    none; the MoE block is refused with its reason; nothing of the masks or the rotary table is left."""
+    none; each MoE block becomes one ``tkcc.moe_gptoss`` reading that layer's router, experts and biases; nothing of
+    the masks or the rotary table is left."""
     from tkcc.passes.lower.pattern import _all_args
 
     prog = capture("gpt-oss")
@@ -62,7 +63,17 @@ def test_gpt_oss_attention_keeps_its_sinks_and_windows_per_layer():
     targets = {str(n.target) for n in gm.graph.nodes}
     assert not targets & {"tkcc.causal_mask.default", "tkcc.rotary_cos_sin.default", "aten.where.ScalarOther",
                           "aten.lift_fresh_copy.default", "aten.detach_.default", "aten.cat.default"}, targets
-    assert any("moe[gpt-oss" in n and "left in aten" in n and "no routed-experts kernel" in n for n in notes), notes
+    moes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe_gptoss.default]
+    assert len(moes) == 2 and any("moe[gpt-oss" in n and "2 region(s) lowered" in n for n in notes), notes
+    cfg = prog.model.config
+    for i, n in enumerate(moes):
+        args = _all_args(n)
+        names = [a.target for a in args[:7] if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+        assert names == [f"lm.model.layers.{i}.mlp.{w}" for w in ("router.weight", "router.bias", "experts.gate_up_proj",
+                                                                "experts.gate_up_proj_bias", "experts.down_proj",
+                                                                "experts.down_proj_bias")], names
+        experts = prog.model.model.layers[i].mlp.experts
+        assert args[7] == cfg.num_experts_per_tok and (args[8], args[9]) == (experts.alpha, experts.limit), args[7:10]
     assert same_decode(prog, gm) is None
 
 
@@ -71,7 +82,8 @@ def test_gpt_oss_bf16_lowers_and_stays_bit_exact():
     prog = capture("gpt-oss", torch.bfloat16)
     new, notes = _lower(prog)
     ops, _ = op_counts(new.graphs["decode"])
-    assert ops == {"tkcc.attention_rope.default": 2, "tkcc.gemv.default": 7, "tkcc.rms_norm.default": 5}, notes[-1]
+    assert ops == {"tkcc.attention_rope.default": 2, "tkcc.gemv.default": 5, "tkcc.rms_norm.default": 5,
+                   "tkcc.moe_gptoss.default": 2}, notes[-1]
     assert same_decode(prog, new.graphs["decode"]) is None
 
 

@@ -173,12 +173,33 @@ def lowered_variants():
                         {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "scaling": "fp32", "NG": "constexpr",
                          "NG_PAD": "constexpr", "TOPK_GROUP": "constexpr"},
                         dict(x[4], NG=8, NG_PAD=8, TOPK_GROUP=4, NORM_TOPK=True)))
+            out.append((x[0], dict(pdl=True, norm=False, logit_bias=True), x[2], {**x[3], "lb_ptr": _P},
+                        dict(x[4], NORM_TOPK=True)))  # gpt-oss's router, its linear's bias in the epilogue
             out.append((x[0], dict(pdl=True, norm=False, biased=True), x[2],  # Ernie 4.5-MoE's router
                         {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "norm_min": "fp32"},
                         dict(x[4], NORM_TOPK=True)))
         if x[2] == "moe_down_routed_kernel" and x[4]["FULL_K"]:
+            out += _gptoss_experts()
             out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
             break
+    return out
+
+
+def _gptoss_experts():
+    """gpt-oss's transposed, biased experts (``moe_gptoss.py.jinja``) at gpt-oss-20b's shape's configs."""
+    from tkcc.kernels.moe_gptoss import DOWN_CONFIGS, GATE_UP_CONFIGS
+
+    out = []
+    sig = {"xn_ptr": _P, "ids_ptr": "*i32", "w_ptr": _P, "b_ptr": _P, "act_ptr": _P, "I": "i32", "H": "i32",
+           "stride_we": "i64", "stride_wh": "i32", "stride_be": "i32", "alpha": "fp32", "limit": "fp32",
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    for bn, bk, _nw in GATE_UP_CONFIGS:
+        out.append(("moe_gptoss.py.jinja", dict(pdl=True), "oss_gate_up_kernel", sig, dict(BLOCK_N=bn, BLOCK_K=bk)))
+    sig = {"act_ptr": _P, "ids_ptr": "*i32", "wts_ptr": "*fp32", "w_ptr": _P, "b_ptr": _P, "y_ptr": _P, "I": "i32",
+           "H": "i32", "stride_we": "i64", "stride_wi": "i32", "stride_be": "i32", "BLOCK_N": "constexpr",
+           "BLOCK_K": "constexpr", "TOPK": "constexpr"}
+    for bn, bk, _nw in DOWN_CONFIGS:
+        out.append(("moe_gptoss.py.jinja", dict(pdl=True), "oss_down_kernel", sig, dict(BLOCK_N=bn, BLOCK_K=bk, TOPK=4)))
     return out
 
 

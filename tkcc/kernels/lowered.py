@@ -627,6 +627,78 @@ def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, 
     return torch.empty_like(h)
 
 
+def moe_gptoss_ref(xs: Tensor, router_w: Tensor, router_b: Tensor, gate_up: Tensor, gate_up_b: Tensor, down: Tensor,
+                   down_b: Tensor, top_k: int, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's MoE block on its flattened input xs [T, H] (``GptOssTopKRouter``, then ``GptOssExperts`` under
+    transformers' ``batched_mm``): the router linear with its bias, top-k of the logits, a softmax over the k in the
+    dtype; each token's k experts x @ gate_up [E, H, 2I] + bias, gate / up the even / odd columns, gate clamped
+    above at ``limit``, up to +-``limit``, (up + 1) * gate * sigmoid(alpha * gate), @ down [E, I, H] + bias, weighted
+    and summed."""
+    top_value, top_index = torch.topk(F.linear(xs, router_w, router_b), top_k, dim=-1)
+    scores = F.softmax(top_value, dim=1, dtype=top_value.dtype)
+    ids = top_index.reshape(-1).clamp(0, gate_up.shape[0] - 1)
+    gu = torch.bmm(xs.repeat_interleave(top_k, dim=0).unsqueeze(1), gate_up[ids]).squeeze(1) + gate_up_b[ids]
+    gate, up = gu[..., ::2].clamp(max=limit), gu[..., 1::2].clamp(min=-limit, max=limit)
+    act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    out = (torch.bmm(act.unsqueeze(1), down[ids]).squeeze(1) + down_b[ids]) * scores.reshape(-1, 1)
+    return out.view(xs.shape[0], top_k, xs.shape[-1]).sum(dim=1).to(xs.dtype)
+
+
+def moe_gptoss_reason(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, count) -> str | None:
+    """None when gpt-oss's routed kernels take this call, else why not."""
+    reason = fallback_reason(xs, router_w, router_b, gate_up, gate_up_b, down, down_b)
+    if reason is None and (count.numel() < 1 or count.dtype != torch.int32):
+        reason = f"arrival counter {tuple(count.shape)} {count.dtype}"
+    return reason or moe_gptoss_layout(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k)
+
+
+def moe_gptoss_layout(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k) -> str | None:
+    """Why these are not one token of one gpt-oss MoE block the kernels can read (shapes, strides, k), or None."""
+    if not _one_token(xs) or xs.dim() != 2:
+        return f"xs {tuple(xs.shape)} is not one token [1, H]"
+    E, H, I2 = gate_up.shape
+    if (tuple(router_w.shape) != (E, H) or router_b.numel() != E or tuple(gate_up_b.shape) != (E, I2)
+            or tuple(down.shape) != (E, I2 // 2, H) or tuple(down_b.shape) != (E, H) or I2 % 2):
+        return (f"router {tuple(router_w.shape)} / experts {tuple(gate_up.shape)}, {tuple(down.shape)} / biases "
+                f"{tuple(router_b.shape)}, {tuple(gate_up_b.shape)}, {tuple(down_b.shape)} are not one gpt-oss MoE")
+    if not (gate_up.is_contiguous() and down.is_contiguous() and router_w.stride(-1) == 1
+            and router_b.is_contiguous() and gate_up_b.stride(-1) == 1 and down_b.stride(-1) == 1):
+        return "experts not contiguous [E, H, 2I] / [E, I, H] (or a bias, or the router's rows, strided)"
+    if not 1 <= top_k <= E:
+        return f"top-{top_k} of {E} experts"
+    return None
+
+
+@torch.library.custom_op(f"{NS}::moe_gptoss", mutates_args=("count",))
+def moe_gptoss(xs: Tensor, router_w: Tensor, router_b: Tensor, gate_up: Tensor, gate_up_b: Tensor, down: Tensor,
+               down_b: Tensor, top_k: int, alpha: float, limit: float, count: Tensor,
+               configs: Optional[list[int]] = None, pdl: bool = False) -> Tensor:
+    """``moe_gptoss_ref`` as three launches (``tkcc.kernels.moe_gptoss``): the router GEMV with its bias whose last
+    program picks the top-k and their weights once; gate_up and down over the k chosen experts only. ``configs``:
+    router (BLOCK_N, warps), gate_up and down (BLOCK_N, BLOCK_K, warps): 8 ints, None for the defaults."""
+    reason = moe_gptoss_reason(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, count)
+    if reason is None:
+        from tkcc.kernels import moe_gptoss as mg
+
+        E, H, I2 = gate_up.shape
+        dev, dt = xs.device, xs.dtype
+        cfg = (tuple(configs[0:2]), tuple(configs[2:5]), tuple(configs[5:8])) if configs else None
+        scratch = (torch.empty(E, device=dev, dtype=dt), torch.empty(top_k, device=dev, dtype=torch.int32),
+                   torch.empty(top_k, device=dev, dtype=torch.float32), torch.empty(H, device=dev, dtype=dt),
+                   torch.empty(top_k, I2 // 2, device=dev, dtype=dt), count)
+        out = torch.empty(H, device=dev, dtype=dt)
+        mg.launch(xs.contiguous().view(-1), router_w, router_b.reshape(-1), gate_up, gate_up_b, down, down_b, top_k,
+                  alpha, limit, out, scratch, cfg, pdl=pdl and _pdl_ok(dev))
+        return out.view(xs.shape)
+    note_fallback("tkcc.moe_gptoss", reason)
+    return moe_gptoss_ref(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, alpha, limit)
+
+
+@moe_gptoss.register_fake
+def _(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, alpha, limit, count, configs=None, pdl=False):
+    return torch.empty_like(xs)
+
+
 @torch.library.custom_op(f"{NS}::gemv_gather", mutates_args=())
 def gemv_gather(table: Tensor, ids: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None, eps: float = 1e-6,
                 config: Optional[list[int]] = None, pdl: bool = False,

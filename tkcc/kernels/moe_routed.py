@@ -120,13 +120,7 @@ def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps,
         extra = dict(bias_ptr=bias, norm_min=float(norm_min))
     launch_kw = {"launch_pdl": True} if pdl else {}
     K_PAD = max(2, next_pow2(k))
-    bn, nw = rc
-    bk = _block_k(bn, H)
-    mod.router_topk_kernel[(triton.cdiv(E, bn),)](
-        x, norm_w if norm_w is not None else x, router_w, logits, forced_ids if forced_ids is not None else ids, ids, wts,
-        xn, count, E, H, router_w.stride(0), eps, BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD,
-        E_PAD=max(16, next_pow2(E)), NORM_TOPK=bool(norm_topk_prob), FORCED=forced_ids is not None,
-        FULL_K=bk >= H, num_warps=nw, **extra, **launch_kw)
+    launch_router(mod, x, router_w, k, norm_topk_prob, norm_w, eps, scratch, rc, forced_ids, extra, launch_kw)
     bn, nw = gc
     bk = _block_k(2 * bn, H)
     mod.moe_gate_up_routed_kernel[(triton.cdiv(I, bn), k)](
@@ -139,6 +133,20 @@ def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps,
         down.stride(1), BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD, RESIDUAL=residual is not None,
         FULL_K=bk >= I, num_warps=nw, **launch_kw)
     return out
+
+
+def launch_router(mod, x, router_w, k, norm_topk_prob, norm_w, eps, scratch, rc, forced_ids, extra, launch_kw):
+    """The router launch alone, of ``mod`` (the template rendered with the caller's hooks): logits, the k ids and
+    weights, and xn (x normed, or x itself) written to ``scratch``; also gpt-oss's experts' first launch."""
+    logits, ids, wts, xn, _act, count = scratch
+    E, H = router_w.shape
+    bn, nw = rc
+    bk = _block_k(bn, H)
+    mod.router_topk_kernel[(triton.cdiv(E, bn),)](
+        x, norm_w if norm_w is not None else x, router_w, logits, forced_ids if forced_ids is not None else ids, ids, wts,
+        xn, count, E, H, router_w.stride(0), eps, BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=max(2, next_pow2(k)),
+        E_PAD=max(16, next_pow2(E)), NORM_TOPK=bool(norm_topk_prob), FORCED=forced_ids is not None,
+        FULL_K=bk >= H, num_warps=nw, **extra, **launch_kw)
 
 
 def moe_routed(x, router_w, gate_up, down, top_k, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,

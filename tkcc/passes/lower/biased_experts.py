@@ -1,25 +1,22 @@
-"""gpt-oss's MoE block, recognised so that the pass log says why it stays in aten.
+"""gpt-oss's MoE block: a router linear with a bias, top-k then a softmax over the k, biased experts and a clamped SwiGLU.
 
 The block as gpt-oss writes it under transformers' ``batched_mm`` experts: the router linear *with a bias*, top-k of
 the logits *then* a softmax over the k, each token's k experts over [E, H, 2I] / [E, I, H] weights (transposed:
 ``x @ W``) plus their biases, and a clamped SwiGLU over the interleaved gate / up columns (``gate = min(g, limit)``,
-``up = clamp(u, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``). ``tkcc.moe``'s routed kernels take
-none of those four (softmax then top-k, no biases, [E, 2I, H] weights with gate and up halves, ``silu(g) * u``), so
-every match is refused with that reason and the region runs as captured, in the same step as the lowered attention.
-The pattern is the plain reference a kernel for this block would be checked against.
+``up = clamp(u, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``). It becomes ``tkcc.moe_gptoss``: the
+routed router (its bias in the GEMV, the top-k and the weights once), then only the k chosen experts' columns. The
+softmax over the k is the softmax over all experts restricted to the k and renormalised, up to fp32 rounding, so the
+rewrite is not exact.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from tkcc.passes.lower.moe import _params
 from tkcc.passes.lower.pattern import Rewrite
 
 TOP_K, ALPHA, LIMIT = 3, 1.4375, 6.625  # sentinels
-
-WHY = ("gpt-oss's MoE (a router with a bias, top-k then softmax over the k, experts [E, H, 2I] with biases and a clamped "
-       "SwiGLU over interleaved gate/up columns) has no routed-experts kernel (tkcc.moe: softmax then top-k, no "
-       "biases, [E, 2I, H] experts, silu(g) * u); it stays in aten")
 
 
 def biased_moe(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, *, top_k, alpha, limit):
@@ -50,5 +47,17 @@ def _example(dt):
              torch.empty(E, H, dtype=dt)), {"top_k": TOP_K, "alpha": ALPHA, "limit": LIMIT})
 
 
-REWRITES = [Rewrite("moe[gpt-oss: biased router and experts, clamped SwiGLU]", biased_moe, biased_moe, _example,
-                    region="moe", check=lambda m: WHY)]
+def _to_kernels(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, *, top_k, alpha, limit, count, configs,
+               pdl):
+    return torch.ops.tkcc.moe_gptoss(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, alpha, limit,
+                                     count, configs, pdl)
+
+
+def _check(m) -> str | None:
+    from tkcc.kernels.lowered import moe_gptoss_layout
+
+    return moe_gptoss_layout(*(m.val(i) for i in range(7)), m.scalars["top_k"])
+
+
+REWRITES = [Rewrite("moe[gpt-oss: biased router and experts, clamped SwiGLU]", biased_moe, _to_kernels, _example,
+                    region="moe", check=_check, params=_params)]

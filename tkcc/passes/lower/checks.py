@@ -292,6 +292,7 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
                          "tkcc.moe.default", False, dtype)
     rows += check_deepseek_moe(device, dtype, g)
     rows += check_moe_forced(device, dtype, g, shapes)
+    rows += check_gptoss_moe(device, dtype, g, shapes[:2])
     for (E, H, I, k), norm_min in zip(shapes[:2], (1e-12, 0.6)):  # the routed experts of a normed input (a block
         # with a shared expert); Ernie's floor under the renormalising sum at its default, and where it binds
         t = {"router": _rand((E, H), g, device, dtype, H ** -0.5),
@@ -322,6 +323,30 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
                          lambda H=H, k=k, c=biased: _clear_routing(lambda: (_rand((1, H), g, device, dtype),), c, k,
                                                                   1e-4),
                          "tkcc.moe.default", False, dtype)
+    return rows
+
+
+def check_gptoss_moe(device, dtype, g, shapes):
+    """gpt-oss's block (``biased_experts.biased_moe``): the router's bias, top-k then softmax, the transposed experts
+    with their biases, the SwiGLU clamped at gpt-oss's limit and at one that binds on most columns."""
+    from tkcc.passes.lower import biased_experts
+
+    rows = []
+    for (E, H, I, k), limit in zip(shapes, (7.0, 1.5)):
+        t = {"rw": _rand((E, H), g, device, dtype, H ** -0.5), "rb": _rand((E,), g, device, dtype, 0.1),
+             "gu": _rand((E, H, 2 * I), g, device, dtype, 3 * H ** -0.5), "gub": _rand((E, 2 * I), g, device, dtype, 0.3),
+             "dn": _rand((E, I, H), g, device, dtype, I ** -0.5), "dnb": _rand((E, H), g, device, dtype, 0.1)}
+
+        def logits(inputs, t=t):
+            return torch.nn.functional.linear(inputs[0].float(), t["rw"].float(), t["rb"].float())
+
+        def fn(s, xs, k=k, limit=limit):
+            return biased_experts.biased_moe(xs, s.rw, s.rb, s.gu, s.gub, s.dn, s.dnb, top_k=k, alpha=1.702, limit=limit)
+
+        rows += run_case(f"moe[gpt-oss: E={E} top-{k}, {H}x{I}, limit {limit}]", Region(fn, t),
+                         lambda H=H, k=k, c=logits: _clear_routing(lambda: (_rand((1, H), g, device, dtype),), c, k,
+                                                                  _near(dtype)),
+                         "tkcc.moe_gptoss.default", False, dtype)
     return rows
 
 
