@@ -360,6 +360,37 @@ def test_gpt_neox_per_head_qkv_is_one_gemv_storing_the_split_layout_and_tunes_as
     assert same_decode(prog, gm) is None
 
 
+def test_gpt_oss_moe_configs_tune_launch_by_launch_into_the_graph():
+    """The MoE tuner takes gpt-oss's op too: each launch's config list in turn (router, gate_up, down), the fastest
+    by the (fake) clock kept, and the one flat ``configs`` written into every ``moe_gptoss`` node of the graph."""
+    from tkcc.kernels import moe_gptoss as mg, moe_routed as mr
+    from tkcc.passes.lower import tune
+
+    prog = capture("gpt-oss")
+    new, _ = _lower(prog)
+    gm = new.graphs["decode"]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe_gptoss.default]
+    parts = [(len(mr.ROUTER_CONFIGS), 1), (len(mg.GATE_UP_CONFIGS), 2), (len(mg.DOWN_CONFIGS), 1)]
+    calls = []
+
+    def clock(fn):  # the call's place in the three lists' trials says which config it times: fastest at `fast`
+        fn()
+        c = len(calls)
+        calls.append(c)
+        for n, fast in parts:
+            if c < n:
+                return 1.0 if c == fast else 2.0
+            c -= n
+        raise AssertionError("more trials than configs")
+
+    got = tune.tune_moes(gm, clock)
+    want = [*mr.ROUTER_CONFIGS[1], *mg.GATE_UP_CONFIGS[2], *mg.DOWN_CONFIGS[1]]
+    assert len(calls) == sum(n for n, _ in parts) and set(got) == {"gptoss_router", "gptoss_gate_up", "gptoss_down"}
+    assert len(nodes) == 2 and all(list(n.args[11]) == want for n in nodes), [n.args[11:] for n in nodes]
+    gm.recompile()
+    assert same_decode(prog, gm) is None
+
+
 def test_granite_moe_router_top_k_then_softmax_lowers_within_rounding():
     """GraniteMoE's router (top-k of the fp32 logits, then a softmax over those k) picks the experts that a softmax,
     top-k and renormalisation picks, with the same weights up to fp32 rounding: its block lowers to ``tkcc.moe``

@@ -279,26 +279,38 @@ def tune_layout_across(gm, timer, contexts, tiles, log=None) -> dict:
     return {"layout": pick, "ratio": ratio[pick], "us": ran[pick]}
 
 
-def tune_moes(gm, timer, log=None) -> dict:
-    """Pick the routed-MoE kernels' configs, one kernel at a time over every MoE node."""
-    from tkcc.kernels import moe_routed as mr
+def _moe_ops() -> dict:
+    """Each routed-MoE kernel op: its ``configs`` argument, and its launches' config lists in the order the flat
+    ``configs`` holds them (router, gate_up, down)."""
+    from tkcc.kernels import moe_gptoss as mg, moe_routed as mr
 
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe.default]
-    if not nodes:
-        return {}
-    ins = _Inputs(gm)
-    cur = [*mr.ROUTER_CONFIGS[0], *mr.GATE_UP_CONFIGS[0], *mr.DOWN_CONFIGS[0]]
+    return {torch.ops.tkcc.moe.default: ("", 10, (mr.ROUTER_CONFIGS, mr.GATE_UP_CONFIGS, mr.DOWN_CONFIGS)),
+            torch.ops.tkcc.moe_gptoss.default: ("gptoss_", 11, (mr.ROUTER_CONFIGS, mg.GATE_UP_CONFIGS,
+                                                                mg.DOWN_CONFIGS))}
+
+
+def tune_moes(gm, timer, log=None) -> dict:
+    """Pick the routed-MoE kernels' configs, one launch at a time over every node of each MoE op."""
     out = {}
-    for part, cands in ((0, mr.ROUTER_CONFIGS), (2, mr.GATE_UP_CONFIGS), (4, mr.DOWN_CONFIGS)):
-        trials = [cur[:part] + list(c) + cur[part + 2:] for c in cands]
-        best = _pick(nodes, ins, 10, "configs", trials, timer)
-        if best is not None:
-            cur = best[0]
-            out[("router", "gate_up", "down")[part // 2]] = (list(best[0][part:part + 2]), round(best[1], 2))
-    for n in nodes:
-        _set(n, 10, "configs", cur)
-    if log:
-        log(f"decode: tuned MoE x{len(nodes)}: router/gate_up/down {cur[0:2]}/{cur[2:4]}/{cur[4:6]}")
+    for op, (prefix, index, parts) in _moe_ops().items():
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+        if not nodes:
+            continue
+        ins = _Inputs(gm)
+        cur = [x for cands in parts for x in cands[0]]
+        at = 0
+        for name, cands in zip(("router", "gate_up", "down"), parts):
+            width = len(cands[0])
+            trials = [cur[:at] + list(c) + cur[at + width:] for c in cands]
+            best = _pick(nodes, ins, index, "configs", trials, timer)
+            if best is not None:
+                cur = best[0]
+                out[prefix + name] = (list(best[0][at:at + width]), round(best[1], 2))
+            at += width
+        for n in nodes:
+            _set(n, index, "configs", cur)
+        if log:
+            log(f"decode: tuned {op.name().split('::')[-1]} x{len(nodes)}: configs {cur}")
     return out
 
 
