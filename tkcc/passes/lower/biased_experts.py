@@ -59,5 +59,5 @@ def _check(m) -> str | None:
     return moe_gptoss_layout(*(m.val(i) for i in range(7)), m.scalars["top_k"])
 
 
-REWRITES = [Rewrite("moe[gpt-oss: biased router and experts, clamped SwiGLU]", biased_moe, _to_kernels, _example,
+REWRITES = [Rewrite("moe[gpt-oss, biased router and experts, clamped SwiGLU]", biased_moe, _to_kernels, _example,
                     region="moe", check=_check, params=_params)]
