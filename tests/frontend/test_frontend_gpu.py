@@ -28,7 +28,7 @@ def test_tiny_greedy_matches_hf_on_gpu(name):
 
 
 @pytest.mark.parametrize("name", ["olmoe-16l", "llama-1b-16l", "mixtral-16l", "qwen3moe-16l", "qwen2moe-16l",
-                                  "deepseekv3-16l", "minimax-16l"])
+                                  "deepseekv3-16l", "minimax-16l", "gptoss-8l"])
 def test_reference_model_capture_on_gpu(name):
     from tkcc.frontend import capture, greedy
     from tkcc.frontend.models import build_model

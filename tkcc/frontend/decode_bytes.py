@@ -2,8 +2,8 @@
 
 Weights: every parameter once, except the embedding table (one row is read,
 unless the LM head shares it) and routed experts (a 3-D ``[experts, ...]``
-parameter under ``.experts.``: the ``num_experts_per_tok`` experts chosen, of
-all). Shared experts, dense layers and routers count whole. State: what the
+parameter under ``.experts.``, and a 2-D one with as many rows, their biases: the
+``num_experts_per_tok`` experts chosen, of all). Shared experts, dense layers and routers count whole. State: what the
 layout says a step at that context must read (``tkcc.frontend.kv_cache.state_bytes``:
 keys and values of the positions attended to, recurrent states read and written).
 """
@@ -16,14 +16,16 @@ def weight_bytes_per_token(model) -> int:
     emb = model.get_input_embeddings().weight
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     top_k = getattr(cfg, "num_experts_per_tok", None)
+    n_experts = next((p.shape[0] for name, p in model.named_parameters()
+                      if ".experts." in f".{name}" and p.dim() == 3), None)
     total = 0
     for name, p in model.named_parameters():
         if p is emb and not tied:
             total += p.shape[1] * p.element_size()
             continue
         b = p.numel() * p.element_size()
-        if top_k and ".experts." in f".{name}" and p.dim() == 3:
-            b = b * int(top_k) // p.shape[0]
+        if top_k and ".experts." in f".{name}" and p.dim() >= 2 and p.shape[0] == n_experts:
+            b = b * int(top_k) // p.shape[0]  # (gpt-oss's [E, 2I] / [E, H] expert biases too: the k chosen rows)
         total += b
     return total
 
