@@ -15,6 +15,7 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+from fake_clock import every_nth_fastest  # noqa: E402
 from interp_proc import module_run  # noqa: E402
 
 # the rewrites against their patterns under the interpreter, per dtype; then the greedy models
@@ -404,12 +405,7 @@ def test_tuning_picks_the_fastest_config_and_writes_it_into_the_graph(captured):
     prog = captured["llama-tiny", "float32"]
     new, _ = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance", check_numerics=False)
     gm = new.graphs["decode"]
-    calls = []
-
-    def clock(fn):  # the 6th config of every group is the fastest
-        fn()
-        calls.append(1)
-        return 1.0 if (len(calls) - 1) % len(gemv_mod.CONFIGS) == 5 else 2.0
+    clock, calls = every_nth_fastest(len(gemv_mod.CONFIGS), 5)  # the 6th config of every group is the fastest
 
     got = tune.tune_gemvs(gm, clock)
     assert len(got) == 6 and len(calls) == 6 * len(gemv_mod.CONFIGS)

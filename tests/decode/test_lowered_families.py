@@ -21,6 +21,7 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+from fake_clock import every_nth_fastest  # noqa: E402
 from interp_proc import module_run  # noqa: E402
 from lowered_families import FAMILIES, A, build, capture, op_counts, same_decode  # noqa: E402
 
@@ -345,12 +346,7 @@ def test_gpt_neox_per_head_qkv_is_one_gemv_storing_the_split_layout_and_tunes_as
     assert all([u.target for u in n.users] == [torch.ops.tkcc.attention_rope.default] for n in split)
     assert any("qkv_per_head[bias]: 2 region(s) lowered" in n for n in notes), notes
 
-    calls = []
-
-    def clock(fn):  # the 3rd config of every group is the fastest
-        fn()
-        calls.append(1)
-        return 1.0 if (len(calls) - 1) % len(gemv_mod.CONFIGS) == 2 else 2.0
+    clock, _ = every_nth_fastest(len(gemv_mod.CONFIGS), 2)  # the 3rd config of every group is the fastest
 
     got = tune.tune_gemvs(gm, clock)
     heads = [k for k in got if "+heads" in k]

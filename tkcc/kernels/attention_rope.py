@@ -130,7 +130,8 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         chunk = block_s  # not read: the kernel sizes its chunks from the position
     norm_fp32 = norm_offset is not None and qk_norm
     # (the paired path also takes the fp32 rotation and the fp32 q/k norms over the whole projection)
-    pairs = bool(interleaved) or bool(rotary_dim and rotary_dim != D) or bool(rope_fp32) or (norm_fp32 and not head_norm)
+    pairs = (bool(interleaved) or bool(rotary_dim and rotary_dim != D) or bool(rope_fp32)
+             or (norm_fp32 and not head_norm))
     mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
                window=bool(window), pairs=pairs, sinks=sinks is not None, **({"rope_fp32": True} if rope_fp32 else {}),
                **({"norm_fp32": True} if norm_fp32 else {}))

@@ -172,8 +172,8 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     rotary (``rope_pairs_ref``; ``inv_freq`` then has ``rotary_dim / 2`` entries); ``sinks`` [Hq]: a learned
     logit per head in the softmax's denominator, as gpt-oss's eager attention computes it. ``norm_offset``: the q/k
     norms are ``norm(x) * (norm_offset + w)`` in fp32 rounded once (``rms_norm_ref``'s ``cast_first`` False: Gemma's
-    per head, OLMo 2's over the whole projection with offset 0), None for the Llama form. ``rope_fp32``: the table is kept fp32 and q and k are upcast to be rotated by
-    it, then rounded back (Ernie 4.5, OLMo 2)."""
+    per head, OLMo 2's over the whole projection with offset 0), None for the Llama form. ``rope_fp32``: the table is
+    kept fp32 and q and k are upcast to be rotated by it, then rounded back (Ernie 4.5, OLMo 2)."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q, k, v = torch.split(qkv, [num_heads * D, hkv * D, hkv * D], -1)
@@ -273,8 +273,8 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
         w, ids = _grouped_router(xs, router_w, router_bias, top_k, n_group, topk_group, norm_topk, scaling)
     else:
         biased = router == "softmax_biased"
-        logits = F.linear(xs.reshape(-1, H).float(), router_w.float()) if biased else F.linear(xs.reshape(-1, H),
-                                                                                                router_w)
+        rows = xs.reshape(-1, H)
+        logits = F.linear(rows.float(), router_w.float()) if biased else F.linear(rows, router_w)
         probs = F.softmax(logits, dtype=torch.float, dim=-1) if router in ("softmax", "softmax_biased") else \
             F.softmax(logits.float(), dim=-1)
         if forced_ids is not None:

@@ -256,10 +256,12 @@ def _clear_routing(draw, choice, k, rel, tries=100):
 
 def _logits(router, norm_weight=None):
     """The router's logits of a case's first input (normed by ``norm_weight`` first, as the block does)."""
+    from tkcc.kernels.lowered import rms_norm_ref
+
     def choice(inputs):
         x = inputs[0].float().reshape(-1, router.shape[-1])
         if norm_weight is not None:
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()
+            x = rms_norm_ref(x, norm_weight.float(), 1e-5)
         return torch.nn.functional.linear(x, router.float())
     return choice
 

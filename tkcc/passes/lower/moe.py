@@ -76,7 +76,11 @@ def _routed_replacement(xs, router_w, gate_up, down, *, top_k, count, configs, p
 
 
 def _routed_check(m) -> str | None:
-    xs, r, gu, dn = (m.val(i) for i in range(4))
+    return routed_layout(*(m.val(i) for i in range(4)))
+
+
+def routed_layout(xs, r, gu, dn) -> str | None:
+    """Why a routed-experts match (its input, router and experts) is not one token over one MoE layout, or None."""
     E, I2, H = gu.shape
     if xs.dim() != 2 or xs.shape[0] != 1:
         return f"xs {tuple(xs.shape)} is not one token"

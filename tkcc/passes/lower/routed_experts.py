@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.moe import TOP_K, _params, _routed_check, _routed_example, experts, routed_pattern
+from tkcc.passes.lower.moe import TOP_K, _params, _routed_check, _routed_example, experts, routed_layout, \
+    routed_pattern
 from tkcc.passes.lower.pattern import Rewrite
 
 
@@ -86,15 +87,9 @@ def _biased_example(dt):
 
 def _biased_check(m) -> str | None:
     xs, r, b, gu, dn = (m.val(i) for i in range(5))
-    E, I2, H = gu.shape
-    if xs.dim() != 2 or xs.shape[0] != 1:
-        return f"xs {tuple(xs.shape)} is not one token"
-    if tuple(r.shape) != (E, H) or tuple(dn.shape) != (E, H, I2 // 2) or b.numel() != E or not b.is_contiguous():
-        return (f"router {tuple(r.shape)} / bias {tuple(b.shape)} / experts {tuple(gu.shape)}, {tuple(dn.shape)} "
-                "are not one MoE layout")
-    if not (gu.is_contiguous() and dn.is_contiguous() and r.stride(-1) == 1):
-        return "expert weights are not contiguous [E, 2I, H] / [E, H, I]"
-    return None
+    if b.numel() != gu.shape[0] or not b.is_contiguous():
+        return f"bias {tuple(b.shape)} is not one contiguous value for each of {gu.shape[0]} experts"
+    return routed_layout(xs, r, gu, dn)
 
 
 REWRITES.append(Rewrite("moe[softmax+bias choice, clamped renorm, routed experts of a normed input]",
