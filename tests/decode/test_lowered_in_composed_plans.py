@@ -92,3 +92,20 @@ def test_fusion_after_lowering_takes_what_no_rewrite_took():
             and not getattr(n.target, "__tkcc_kernel__", False)} - VIEWS
     assert not left, left
     assert same_decode(prog, gm) is None
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3moe-tiny", "deepseekv3-tiny"])
+def test_cse_before_lowering_in_a_users_plan_lowers_the_same(name):
+    """A plan a user writes runs in its own order. ``cse`` first merges every layer's ``cos.unsqueeze(1)`` (and
+    other views of the table and mask) into one node that all layers read; a view of a pattern's inputs alone may
+    be read outside the region, so each attention still lowers (before, every one stayed in aten), bit-exact."""
+    from tkcc.frontend.capture import capture_model
+    from tkcc.passes.manager import apply_plan
+
+    prog = capture_model(name, "float32", "cpu", max_cache_len=32, phases=["decode"])
+    alone, _ = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance")
+    after, _ = apply_plan(prog, [{"name": "cse"}, {"name": "lowered_decode"}], mode="tolerance")
+    want = _kernels(alone.graphs["decode"])
+    assert sum(v for k, v in want.items() if "attention" in k or "mla" in k) >= prog.num_blocks, want
+    assert _kernels(after.graphs["decode"]) == want
+    assert same_decode(prog, after.graphs["decode"]) is None

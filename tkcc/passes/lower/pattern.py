@@ -10,7 +10,7 @@ Matching a rewrite on a graph:
 
 1. the pattern, traced at example shapes with *sentinel* scalars, is matched structurally
    (``torch.fx`` ``SubgraphMatcher``: same ops, same data flow, literals ignored; every node but the
-   outputs used only inside the region);
+   outputs, and views of the inputs alone, used only inside the region);
 2. each scalar is read off the graph where its sentinel stands in the pattern (the ``eps`` of an add, a
    ``scale`` keyword, a ``topk`` k); every occurrence must agree;
 3. the pattern is traced again at the matched inputs' shapes, strides and dtypes with those scalars, and
@@ -22,11 +22,13 @@ Matching a rewrite on a graph:
    counters), is inlined in place of the region, and every new node records the nodes it came from.
 
 Both the pattern's trace and the graph are canonicalised the same way first (``canonicalize``: casts to
-the dtype a tensor already has and ``aten.alias`` are dropped), so one pattern serves fp32 graphs, where
-``x.to(torch.float32)`` is the identity, and bf16 graphs, where it is a real cast.
+the dtype a tensor already has and ``aten.alias`` are dropped, equal views of one tensor merged), so one
+pattern serves fp32 graphs, where ``x.to(torch.float32)`` is the identity, and bf16 graphs, where it is a real
+cast, and graphs that ``cse`` ran on or not.
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import operator
 from dataclasses import dataclass, field
@@ -70,16 +72,51 @@ def _is_noop(n: torch.fx.Node) -> bool:
     return src.dtype == out.dtype and src.device.type == out.device.type and src.shape == out.shape
 
 
+_VIEWS = {torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+          torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+          torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.t.default}
+
+
+def _frozen(a):
+    if isinstance(a, (list, tuple)):
+        return tuple(_frozen(x) for x in a)
+    return a if isinstance(a, torch.fx.Node) else (type(a).__name__, repr(a))
+
+
+def _merge_views(graph: torch.fx.Graph) -> int:
+    """Make one node of equal views of one tensor (what ``cse`` does to them), so that a graph matches a
+    pattern whether or not ``cse`` ran first: Hugging Face's code often takes ``x.view(-1, H)`` twice. Views
+    compute nothing and alias their input, so merging them is bit-exact; a ``reshape`` is merged only where it
+    is a view (a contiguous input)."""
+    seen: dict = {}
+    merged = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in _VIEWS:
+            continue
+        if n.target is torch.ops.aten.reshape.default:
+            src = _val(n.args[0])
+            if not isinstance(src, torch.Tensor) or not src.is_contiguous():
+                continue
+        key = (n.target, _frozen(n.args), _frozen(tuple(sorted(n.kwargs.items()))))
+        first = seen.setdefault(key, n)
+        if first is not n:
+            n.replace_all_uses_with(first)
+            graph.erase_node(n)
+            merged += 1
+    return merged
+
+
 def canonicalize(graph: torch.fx.Graph) -> int:
-    """Drop casts to what a tensor already is and aliases (eager returns the tensor itself); returns how
-    many. Bit-exact: the ops dropped compute nothing."""
+    """Drop casts to what a tensor already is and aliases (eager returns the tensor itself), and merge equal
+    views of one tensor; returns how many nodes went. Bit-exact: the ops dropped compute nothing."""
     dropped = 0
     for n in list(graph.nodes):
         if _is_noop(n):
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
             dropped += 1
-    return dropped
+    return dropped + _merge_views(graph)
 
 
 def stable_toposort(graph: torch.fx.Graph) -> None:
@@ -213,12 +250,76 @@ def _has_node(v) -> bool:
     return isinstance(v, (list, tuple)) and any(_has_node(x) for x in v)
 
 
+def _shareable(pattern: torch.fx.Graph) -> set:
+    """The pattern's nodes that are views of its inputs only (``cos.unsqueeze(1)``, a slice of the mask). Such a
+    node may also feed the graph outside the region: after ``cse``, every layer reads one ``unsqueeze`` of the
+    rotary table. The replacement reads the inputs themselves, so the view stays for its other readers."""
+    out: set = set()
+    returned = set(next(reversed(pattern.nodes)).all_input_nodes)  # (an output is replaced, never kept)
+    for n in pattern.nodes:
+        if n.op == "call_function" and n.target in _VIEWS and n not in returned and all(
+                a.op == "placeholder" or a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 class _Matcher(SubgraphMatcher):
     """``SubgraphMatcher`` that matches data flow only: a literal matches any literal (``_verify`` compares
-    them against a trace at the region's own shapes), never a node, and a node never a literal."""
+    them against a trace at the region's own shapes), never a node, and a node never a literal.
+
+    A view of the inputs alone (``_shareable``) may have readers outside the region and be in several regions:
+    it is left out of the containment, cycle and overlap checks, which ``match`` therefore makes itself (the
+    same checks as ``SubgraphMatcher.match``, on the region's own nodes). Kept in the cycle check, the one view
+    that every layer reads after ``cse`` sits at the first layer and makes every later layer's region a cycle."""
+
+    def __init__(self, pattern: torch.fx.Graph, **kw):
+        super().__init__(pattern, **kw)
+        self.shared = _shareable(pattern)
 
     def _match_literals(self, pn, gn, match) -> bool:
         return not _has_node(pn) and not _has_node(gn)
+
+    def _own(self, m) -> list:
+        return [gn for pn, gn in m.nodes_map.items() if pn.op not in ("placeholder", "output")
+                and pn not in self.shared]
+
+    def match(self, graph: torch.fx.Graph, node_name_match: str = "") -> list:
+        from torch.fx.passes.utils.fuser_utils import validate_partition
+        from torch.fx.passes.utils.matcher_utils import InternalMatch
+
+        candidates = [(a, [n for n in graph.nodes if self._nodes_are_equal(a, n, node_name_match)])
+                      for a in self.pattern_anchors]
+        found: list = []
+
+        def extend(i: int, m) -> None:  # every anchor bound to a candidate, each consistent with the others
+            if i == len(candidates):
+                m.placeholder_nodes = [m.nodes_map[pn] for pn in self.pattern_placeholder_nodes]
+                m.returning_nodes = [m.nodes_map[pn] for pn in self.pattern_returning_nodes]
+                found.append(m)
+                return
+            anchor, nodes = candidates[i]
+            for gn in nodes:
+                trial = copy.copy(m)
+                if self._match_nodes(anchor, gn, trial, node_name_match):
+                    extend(i + 1, trial)
+
+        if candidates and all(nodes for _, nodes in candidates):
+            extend(0, InternalMatch(anchors=self.pattern_anchors))
+        kept, taken = [], set()
+        for m in found:
+            own = self._own(m)
+            inside = set(own) | {gn for pn, gn in m.nodes_map.items() if pn in self.shared}
+            leaks = any(u not in inside for pn, gn in m.nodes_map.items()
+                        if pn.op != "placeholder" and pn not in self.pattern_returning_nodes and pn not in self.shared
+                        for u in gn.users)
+            if leaks or not validate_partition(own):
+                continue  # a value computed inside is read outside, or the region would be a cycle if fused
+            if self.remove_overlapping_matches:
+                if set(own) & taken:
+                    continue
+                taken |= set(own)
+            kept.append(m)
+        return kept
 
 
 # ---- rewrites --------------------------------------------------------------------------------------------
@@ -234,6 +335,7 @@ class Match:
     nodes: list                   # every graph node of the region (inputs excluded)
     scalars: dict                 # scalar name -> value read off the graph
     extra: dict = field(default_factory=dict)  # what params() added (scalars, tensors) for the replacement
+    shared: list = field(default_factory=list)  # views of the inputs the region read, kept if others read them
 
     def val(self, i: int):
         """The i-th input's example value (a fake tensor: shape, stride, dtype, device)."""
@@ -372,7 +474,7 @@ def find(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype) -> tupl
     refused: dict[str, int] = {}
     found = []
     for m in matcher.match(gm.graph):
-        got = _verify(rewrite, m, pnodes, p_inputs, p_outs, where, fixed, gm)
+        got = _verify(rewrite, m, pnodes, p_inputs, p_outs, where, fixed, gm, matcher.shared)
         if isinstance(got, str):
             refused[got] = refused.get(got, 0) + 1
             continue
@@ -380,7 +482,7 @@ def find(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype) -> tupl
     return found, refused
 
 
-def _verify(rewrite, m, pnodes, p_inputs, p_outs, where, fixed, gm):
+def _verify(rewrite, m, pnodes, p_inputs, p_outs, where, fixed, gm, shared=frozenset()):
     """A Match when the structural match ``m`` is exactly the pattern's program, else why not."""
     inputs = [m.nodes_map[p] for p in p_inputs]
     if not all(isinstance(n, torch.fx.Node) and isinstance(_val(n), torch.Tensor) for n in inputs):
@@ -422,9 +524,9 @@ def _verify(rewrite, m, pnodes, p_inputs, p_outs, where, fixed, gm):
                     return f"{gn.name}: argument {path} is not the pattern's"
             elif isinstance(gv, torch.fx.Node) or not _same_literal(qv, gv):
                 return f"{gn.name}: argument {path} is {gv!r}, the pattern has {qv!r}"
-    nodes = [m.nodes_map[p] for p in pnodes if p.op not in ("placeholder", "output")]
+    nodes = [m.nodes_map[p] for p in pnodes if p.op not in ("placeholder", "output") and p not in shared]
     outputs = [m.nodes_map[p] for p in p_outs]
-    match = Match(rewrite, gm, inputs, outputs, nodes, scalars)
+    match = Match(rewrite, gm, inputs, outputs, nodes, scalars, shared=[m.nodes_map[p] for p in pnodes if p in shared])
     if rewrite.check is not None:
         why = rewrite.check(match)
         if why:
@@ -457,7 +559,7 @@ def apply(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype, ctx: C
                 continue
             match.extra = extra
             new = _replace(match, ctx)
-            erased |= set(match.nodes)
+            erased |= set(match.nodes)  # (a shared view another region still reads is not in it)
             res.replaced += 1
             done += 1
             for n in new:
@@ -519,7 +621,7 @@ def _replace(match: Match, ctx: Context) -> list[torch.fx.Node]:
                            f"{len(match.outputs)}")
     for old, new in zip(match.outputs, outs):
         old.replace_all_uses_with(env[new] if isinstance(new, torch.fx.Node) else new)
-    for n in sorted(match.nodes, key=lambda n: -order[n]):
+    for n in sorted(match.nodes + match.shared, key=lambda n: -order[n]):
         if not n.users:
             graph.erase_node(n)
     return new_nodes
