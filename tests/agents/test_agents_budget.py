@@ -147,8 +147,10 @@ def test_step_costs_are_learnt_and_estimated_from_earlier_campaigns(tmp_path):
     b.charge("reference:fast", 2.0)
     assert b.estimate("candidate:fast") == pytest.approx(3.0)  # at least what the reference costs, plus compile
     b.charge("candidate:fast", 4.0)
+    assert b.estimate("candidate:fast") == 4.0  # one seen: that one
     b.charge("candidate:fast", 2.5)
-    assert b.estimate("candidate:fast") == 4.0  # the slowest recent one
+    b.charge("candidate:fast", 3.0)
+    assert b.estimate("candidate:fast") == 3.0  # the slowest recent one, the first (it paid the compiles) left out
     assert b.estimate("reference:slow") == 7.0  # from an earlier campaign
     clock.t += 97.0
     assert not b.fits("candidate:fast") and b.fits()
@@ -158,3 +160,36 @@ def test_step_costs_are_learnt_and_estimated_from_earlier_campaigns(tmp_path):
     costs, source = cost_estimates(store, "m")
     assert costs["startup"] == pytest.approx(5.0) and "reference:fast" in costs and "1 earlier" in source
     assert cost_estimates(store, "other-model") == ({}, "")
+
+
+class ColdStart(TimedEvaluator):
+    """The first measurement on a tier also pays one-time compiles (``cold`` seconds more), as the engine's does."""
+
+    def __init__(self, clock, cold, **kw):
+        super().__init__(clock, **kw)
+        self.cold = dict(cold)
+
+    def measure(self, ahash, tier):
+        self.clock.t += self.cold.pop(tier, 0.0)
+        return super().measure(ahash, tier)
+
+
+@pytest.mark.parametrize("budget, ships", [(160.0, True), (100.0, False)])
+def test_a_cold_first_measurement_does_not_make_a_watcher_give_up(tmp_path, budget, ships):
+    """A server's watcher on an H200 (``screen_only=False``): the serving plan's first fast-tier measurement took
+    16.3 s, the next ones 7 s. Its 150 s campaign estimated a ship from the cold one (131 s, 114 s left) and
+    screened nothing. Now the first A/A pair measures again first and the estimate leaves the cold one out: 160 s
+    screens and ships the 2x candidate (the cold estimate, 130 s, still exceeds the 125 s left there); 100 s is
+    short either way and says so."""
+    clock = FakeClock()
+    ev = ColdStart(clock, {"fast": 9.3}, cost={"fast": 7.0, "slow": 19.0}, build_s=0.0)
+    store = ExperimentStore(tmp_path / "s.db")
+    cfg = CampaignConfig(name="w", model="m", budget_s=budget, tiers=("fast", "slow"), started=clock())
+    state = run_campaign(cfg, store, BayesianSearch(SearchSpace([Fuse, Slow]), seed=0), ev, progress=False,
+                         clock=clock, screen_only=False)
+    aa = [e for e in store.experiments(state.campaign_id) if e.proposer == "aa"]
+    assert aa and "one-time compiles" in aa[0].reason
+    if ships:
+        assert state.tried >= 1 and any("fuse_budget_test" in {s.name for s in ev.built[h].steps} for h in ev.shipped)
+    else:
+        assert state.tried == 0 and "nothing measured now could ship" in state.stopped and len(aa) == 1

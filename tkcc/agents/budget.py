@@ -8,7 +8,8 @@ from the budget like everything else, and a ``reserve`` is kept for what
 runs after the loop (stopping the engine, writing the summary).
 
 Costs are learnt as the campaign runs (the slowest of the last few steps of
-each kind, a conservative choice) and, before a kind has run, estimated from
+each kind, a conservative choice, leaving out the first once there are
+more: it pays the one-time compiles) and, before a kind has run, estimated from
 earlier campaigns in the store on the same model and device
 (``cost_estimates``), or from the reference's cost on the same tier. A budget
 too short to try one candidate is said to be so up front, with the minimum
@@ -60,9 +61,13 @@ class Budget:
         self.seen.setdefault(kind, []).append(float(seconds))
 
     def estimate(self, kind: str) -> float | None:
-        """Seconds one step of ``kind`` is expected to take; None when nothing is known about it."""
-        if self.seen.get(kind):
-            return max(self.seen[kind][-_RECENT:])
+        """Seconds one step of ``kind`` is expected to take; None when nothing is known about it. The first step
+        of a kind also pays what the engine does once (compiling kernels that later steps find cached: 16 s
+        against 7 s for the serving plan's first fast-tier measurement on an H200), so once a later step is seen
+        the first is left out."""
+        seen = self.seen.get(kind)
+        if seen:
+            return max((seen[1:] or seen)[-_RECENT:])
         if self.prior.get(kind):
             return float(self.prior[kind])
         what, _, tier = kind.partition(":")
