@@ -1,7 +1,8 @@
 """Run under TRITON_INTERPRET=1 (by test_lowered_families.py), every kernel live on the CPU:
 
 1. the sink and Gemma q/k-norm rewrites against their patterns (fresh random inputs, several shapes, fp32), and
-   the op itself with a Gemma norm under each rotation path of the kernel (fp32, fp16);
+   the op itself with a Gemma norm under each rotation path of the kernel (fp32, fp16); gpt-oss's experts at
+   every config the tuner may pick (fp32);
 2. each family of ``lowered_families.FAMILIES`` captured, built through the ``lowered_decode`` plan into an
    artifact (codegen, load): its kernel ops and what stays in aten; the artifact's decode step bit-exact with the
    captured one while the ops take their references (``kernels_off``); its greedy tokens over a few steps with the
@@ -54,6 +55,30 @@ def check_norm_offset_op(dtype, g):
     return rows
 
 
+def check_gptoss_configs(dtype, g):
+    """tkcc.moe_gptoss at every (gate_up, down) config the tuner may pick, twice (each launch's last program resets
+    its arrival counters), against its reference: shapes no block divides, rows split unevenly."""
+    from tkcc.kernels import moe_gptoss as mg
+    from tkcc.kernels.lowered import moe_gptoss_ref
+
+    E, H, I, k = 6, 40, 24, 2
+    rnd = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dtype=dtype)  # noqa: E731
+    w = (rnd(E, H, sc=H ** -0.5), rnd(E, sc=0.1), rnd(E, H, 2 * I, sc=3 * H ** -0.5), rnd(E, 2 * I, sc=0.3),
+         rnd(E, I, H, sc=I ** -0.5), rnd(E, H, sc=0.1))
+    count = torch.zeros(mg.counters_any(H, I, k), dtype=torch.int32)
+    rows = []
+    for gc, dc in zip(mg.GATE_UP_CONFIGS + [mg.INTERP[1]], mg.DOWN_CONFIGS + [mg.INTERP[2]]):
+        errs = []
+        for _ in range(2):
+            xs = rnd(1, H)
+            ref = moe_gptoss_ref(xs, *w, k, 1.702, 7.0)
+            got = torch.ops.tkcc.moe_gptoss(xs, *w, k, 1.702, 7.0, count, [*mg.INTERP[0], *gc, *dc])
+            errs.append(rel_err(got, ref))
+        rows.append({"case": f"moe_gptoss configs gate_up {gc} down {dc}", "dtype": str(dtype), "rel_err": max(errs),
+                     "ok": max(errs) <= TOL[dtype] and int(count.abs().sum()) == 0})
+    return rows
+
+
 def main():
     g = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     t0 = time.perf_counter()
@@ -64,6 +89,7 @@ def main():
     rows += check_sink_attention("cpu", torch.float32, g, shapes=((4, 4, 32, 64, 64, 12), (4, 2, 16, 300, 16, 8)))
     rows += check_gemma_qk_norm("cpu", torch.float32, g, shapes=((8, 1, 16, 100, 16, 24),))
     rows += check_norm_offset_op(torch.float32, g) + check_norm_offset_op(torch.float16, g)
+    rows += check_gptoss_configs(torch.float32, g)
     print(json.dumps({"checks": rows, "fallbacks": fallbacks(), "seconds": round(time.perf_counter() - t0, 1)},
                      default=str), flush=True)
 

@@ -72,9 +72,10 @@ def _variants(pdl):
         v.append(("rotary.py.jinja", dict(pdl=pdl), "qkv_rope_kernel", sig, dict(D=128, HALF=64, QK_NORM=qk, BLOCK_K=2048)))
     v += _routed_variants(pdl)
     sig = {"x_ptr": _P, "r_ptr": _P, "w_ptr": _P, "y_ptr": _P, "h_ptr": _P, "K": "i32", "eps": "fp32",
-           "BLOCK_K": "constexpr"}
-    for res in (True, False):
-        v.append(("rmsnorm.py.jinja", dict(residual=res), "rmsnorm_kernel", sig, dict(BLOCK_K=2048)))
+           "offset": "fp32", "BLOCK_K": "constexpr"}
+    for res, cast_first in ((True, True), (False, True), (False, False)):
+        v.append(("rmsnorm.py.jinja", dict(residual=res, cast_first=cast_first), "rmsnorm_kernel", sig,
+                  dict(BLOCK_K=2048)))
     v.append(("router.py.jinja", {}, "router_kernel", {"logits_ptr": _P, "ids_ptr": "*i64", "w_ptr": _P, "E": "i32",
                                                        "TOPK": "constexpr", "E_PAD": "constexpr",
                                                        "NORM_TOPK": "constexpr"},
@@ -190,16 +191,20 @@ def _gptoss_experts():
     from tkcc.kernels.moe_gptoss import DOWN_CONFIGS, GATE_UP_CONFIGS
 
     out = []
-    sig = {"xn_ptr": _P, "ids_ptr": "*i32", "w_ptr": _P, "b_ptr": _P, "act_ptr": _P, "I": "i32", "H": "i32",
-           "stride_we": "i64", "stride_wh": "i32", "stride_be": "i32", "alpha": "fp32", "limit": "fp32",
-           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-    for bn, bk, _nw in GATE_UP_CONFIGS:
-        out.append(("moe_gptoss.py.jinja", dict(pdl=True), "oss_gate_up_kernel", sig, dict(BLOCK_N=bn, BLOCK_K=bk)))
-    sig = {"act_ptr": _P, "ids_ptr": "*i32", "wts_ptr": "*fp32", "w_ptr": _P, "b_ptr": _P, "y_ptr": _P, "I": "i32",
-           "H": "i32", "stride_we": "i64", "stride_wi": "i32", "stride_be": "i32", "BLOCK_N": "constexpr",
-           "BLOCK_K": "constexpr", "TOPK": "constexpr"}
-    for bn, bk, _nw in DOWN_CONFIGS:
-        out.append(("moe_gptoss.py.jinja", dict(pdl=True), "oss_down_kernel", sig, dict(BLOCK_N=bn, BLOCK_K=bk, TOPK=4)))
+    sig = {"xn_ptr": _P, "ids_ptr": "*i32", "w_ptr": _P, "b_ptr": _P, "act_ptr": _P, "part_ptr": "*fp32",
+           "cnt_ptr": "*i32", "I": "i32", "H": "i32", "KCH": "i32", "stride_we": "i64", "stride_wh": "i32",
+           "stride_be": "i32", "alpha": "fp32", "limit": "fp32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "TOPK": "constexpr", "SPLIT": "constexpr"}
+    for bn, bk, split, _nw in GATE_UP_CONFIGS:
+        out.append(("moe_gptoss.py.jinja", dict(pdl=True), "oss_gate_up_kernel", sig,
+                    dict(BLOCK_N=bn, BLOCK_K=bk, TOPK=4, SPLIT=split)))
+    sig = {"act_ptr": _P, "ids_ptr": "*i32", "wts_ptr": "*fp32", "w_ptr": _P, "b_ptr": _P, "y_ptr": _P,
+           "part_ptr": "*fp32", "cnt_ptr": "*i32", "I": "i32", "H": "i32", "KCH": "i32", "stride_we": "i64",
+           "stride_wi": "i32", "stride_be": "i32", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "TOPK": "constexpr", "SPLIT": "constexpr"}
+    for bn, bk, split, _nw in DOWN_CONFIGS:
+        out.append(("moe_gptoss.py.jinja", dict(pdl=True), "oss_down_kernel", sig,
+                    dict(BLOCK_N=bn, BLOCK_K=bk, TOPK=4, SPLIT=split)))
     return out
 
 
@@ -216,7 +221,8 @@ def compile_all(arch: int = 90, warp_size: int = 32, templates=None, which=None)
         # the JIT specialises pointers and ints divisible by 16 (what makes loads 16 bytes wide); do the same
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
                  if sig[n].startswith("*") or n in ("K", "N", "I", "H", "stride_wn", "stride_we", "stride_kh",
-                                                    "stride_ks", "stride_ch", "stride_cs", "chunk")}
+                                                    "stride_ks", "stride_ch", "stride_cs", "chunk", "stride_wh",
+                                                    "stride_wi", "KCH")}
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", arch, warp_size))
         md = k.metadata

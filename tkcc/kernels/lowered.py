@@ -305,16 +305,15 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
 
 @torch.library.custom_op(f"{NS}::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True) -> Tensor:
-    """RMSNorm over the last dim (``rms_norm_ref``); the Triton row kernel for the Llama form."""
-    if offset == 0.0 and cast_first:
-        reason = fallback_reason(x, weight)
-        if reason is None and not (x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]):
-            reason = f"non-contiguous or mismatched x {tuple(x.shape)} weight {tuple(weight.shape)}"
-        if reason is None:
-            from tkcc.kernels.rmsnorm import rmsnorm
+    """RMSNorm over the last dim (``rms_norm_ref``): the Triton row kernel, in each of the reference's weight forms."""
+    reason = fallback_reason(x, weight)
+    if reason is None and not (x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]):
+        reason = f"non-contiguous or mismatched x {tuple(x.shape)} weight {tuple(weight.shape)}"
+    if reason is None:
+        from tkcc.kernels.rmsnorm import rmsnorm
 
-            return rmsnorm(x, weight, eps)
-        note_fallback("tkcc.rms_norm", reason)
+        return rmsnorm(x, weight, eps, offset=offset, cast_first=cast_first)
+    note_fallback("tkcc.rms_norm", reason)
     return rms_norm_ref(x, weight, eps, offset, cast_first)
 
 
@@ -647,9 +646,15 @@ def moe_gptoss_ref(xs: Tensor, router_w: Tensor, router_b: Tensor, gate_up: Tens
 def moe_gptoss_reason(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, count) -> str | None:
     """None when gpt-oss's routed kernels take this call, else why not."""
     reason = fallback_reason(xs, router_w, router_b, gate_up, gate_up_b, down, down_b)
-    if reason is None and (count.numel() < 1 or count.dtype != torch.int32):
-        reason = f"arrival counter {tuple(count.shape)} {count.dtype}"
-    return reason or moe_gptoss_layout(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k)
+    reason = reason or moe_gptoss_layout(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k)
+    if reason is None:
+        from tkcc.kernels.moe_gptoss import counters_any
+
+        E, H, I2 = gate_up.shape
+        need = counters_any(H, I2 // 2, top_k)
+        if count.numel() < need or count.dtype != torch.int32 or not count.is_contiguous():
+            reason = f"arrival counters {tuple(count.shape)} {count.dtype}: {need} int32 needed"
+    return reason
 
 
 def moe_gptoss_layout(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k) -> str | None:
@@ -674,18 +679,20 @@ def moe_gptoss(xs: Tensor, router_w: Tensor, router_b: Tensor, gate_up: Tensor, 
                down_b: Tensor, top_k: int, alpha: float, limit: float, count: Tensor,
                configs: Optional[list[int]] = None, pdl: bool = False) -> Tensor:
     """``moe_gptoss_ref`` as three launches (``tkcc.kernels.moe_gptoss``): the router GEMV with its bias whose last
-    program picks the top-k and their weights once; gate_up and down over the k chosen experts only. ``configs``:
-    router (BLOCK_N, warps), gate_up and down (BLOCK_N, BLOCK_K, warps): 8 ints, None for the defaults."""
+    program picks the top-k and their weights once; gate_up and down over the k chosen experts only, their rows
+    split over programs. ``count``: the arrival counters (``moe_gptoss.counters_any`` of them, zero). ``configs``:
+    router (BLOCK_N, warps), gate_up and down (BLOCK_N, BLOCK_K, SPLIT, warps): 10 ints, None for the defaults."""
     reason = moe_gptoss_reason(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, count)
     if reason is None:
         from tkcc.kernels import moe_gptoss as mg
 
         E, H, I2 = gate_up.shape
         dev, dt = xs.device, xs.dtype
-        cfg = (tuple(configs[0:2]), tuple(configs[2:5]), tuple(configs[5:8])) if configs else None
+        cfg = (tuple(configs[0:2]), tuple(configs[2:6]), tuple(configs[6:10])) if configs else mg.default_configs()
         scratch = (torch.empty(E, device=dev, dtype=dt), torch.empty(top_k, device=dev, dtype=torch.int32),
                    torch.empty(top_k, device=dev, dtype=torch.float32), torch.empty(H, device=dev, dtype=dt),
-                   torch.empty(top_k, I2 // 2, device=dev, dtype=dt), count)
+                   torch.empty(top_k, I2 // 2, device=dev, dtype=dt), count,
+                   torch.empty(mg.part_size(H, I2 // 2, top_k, cfg[1], cfg[2]), device=dev, dtype=torch.float32))
         out = torch.empty(H, device=dev, dtype=dt)
         mg.launch(xs.contiguous().view(-1), router_w, router_b.reshape(-1), gate_up, gate_up_b, down, down_b, top_k,
                   alpha, limit, out, scratch, cfg, pdl=pdl and _pdl_ok(dev))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.moe import _params
 from tkcc.passes.lower.pattern import Rewrite
 
 TOP_K, ALPHA, LIMIT = 3, 1.4375, 6.625  # sentinels
@@ -51,6 +50,19 @@ def _to_kernels(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, *, top
                pdl):
     return torch.ops.tkcc.moe_gptoss(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, alpha, limit,
                                      count, configs, pdl)
+
+
+def _params(m, ctx):
+    """The arrival counters (router, gate_up and down column blocks: enough for any config), zero, one tensor the
+    step's gpt-oss blocks share (they run one after another, and each launch's last program resets its own)."""
+    from tkcc.kernels.moe_gptoss import counters_any
+
+    E, H, I2 = m.val(3).shape
+    n = counters_any(H, I2 // 2, m.scalars["top_k"])
+    dev = m.val(0).device
+    count = ctx.tensor("moe_gptoss_count", torch.zeros(n, dtype=torch.int32, device=dev),
+                       share_key=("moe_gptoss", str(dev), n))
+    return {"count": count, "configs": None, "pdl": bool(ctx.options.get("pdl"))}
 
 
 def _check(m) -> str | None:

@@ -95,7 +95,10 @@ def check_norms(device, dtype, g, shapes=(48, 200, 2048)):
                          "tkcc.rms_norm.default", False, dtype)
         rows += run_case(f"rms_norm_offset[{H}]",
                          Region(lambda s, x: norms.rms_norm_offset(x, s.w, eps=1e-6, offset=1.0), {"w": w}), x,
-                         "tkcc.rms_norm.default", True, dtype)
+                         "tkcc.rms_norm.default", False, dtype)
+        rows += run_case(f"rms_norm_weight_fp32[{H}]",
+                         Region(lambda s, x: norms.rms_norm_weight_fp32(x, s.w, eps=1e-6), {"w": w}), x,
+                         "tkcc.rms_norm.default", False, dtype)
         rows += run_case(f"layer_norm[{H}]", Region(lambda s, x: norms.layer_norm(x, s.w, s.b, eps=1e-5),
                                                     {"w": w, "b": b}), x, "tkcc.layer_norm.default", True, dtype)
     return rows

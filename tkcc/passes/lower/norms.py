@@ -89,10 +89,9 @@ REWRITES = [
     Rewrite("rms_norm", rms_norm, _to_rms_norm, lambda dt: (_x_w(dt), {"eps": EPS}), region="norm",
             check=_same_width),
     Rewrite("rms_norm_offset", rms_norm_offset, _to_rms_norm_offset,
-            lambda dt: (_x_w(dt), {"eps": EPS, "offset": OFFSET}), region="norm", check=_same_width,
-            exact=True),  # (the offset form has no kernel yet: its op is the eager arithmetic everywhere)
+            lambda dt: (_x_w(dt), {"eps": EPS, "offset": OFFSET}), region="norm", check=_same_width),
     Rewrite("rms_norm_weight_fp32", rms_norm_weight_fp32, _to_rms_norm_weight_fp32, lambda dt: (_x_w(dt), {"eps": EPS}),
-            region="norm", check=_same_width, exact=True),  # (the eager arithmetic everywhere, as the offset form)
+            region="norm", check=_same_width),
     Rewrite("layer_norm", layer_norm, _to_layer_norm,
             lambda dt: ((*_x_w(dt), torch.empty(48, dtype=dt)), {"eps": EPS}), region="norm", exact=True),
     Rewrite("layer_norm_nobias", layer_norm_nobias, _to_layer_norm_nobias, lambda dt: (_x_w(dt), {"eps": EPS}),
