@@ -57,11 +57,12 @@ def check_norm_offset_op(dtype, g):
 
 def check_gptoss_configs(dtype, g):
     """tkcc.moe_gptoss at every (gate_up, down) config the tuner may pick, twice (each launch's last program resets
-    its arrival counters), against its reference: shapes no block divides, rows split unevenly."""
+    its arrival counters), against its reference: widths no block divides, rows that every split of every config
+    has a share of (its last, shorter, too)."""
     from tkcc.kernels import moe_gptoss as mg
     from tkcc.kernels.lowered import moe_gptoss_ref
 
-    E, H, I, k = 6, 40, 24, 2
+    E, H, I, k = 6, 488, 488, 2
     rnd = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dtype=dtype)  # noqa: E731
     w = (rnd(E, H, sc=H ** -0.5), rnd(E, sc=0.1), rnd(E, H, 2 * I, sc=3 * H ** -0.5), rnd(E, 2 * I, sc=0.3),
          rnd(E, I, H, sc=I ** -0.5), rnd(E, H, sc=0.1))
