@@ -430,12 +430,18 @@ REAL_TOKENS = 256  # steps of sampled real routing a forced step cycles through
 
 
 def _moe_arg(n, name: str, index: int, default=None):
-    """Argument ``name`` (schema position ``index``) of a ``tkcc.moe`` node, given by position or keyword."""
+    """Argument ``name`` (schema position ``index``) of a MoE op's node, given by position or keyword."""
     return n.kwargs.get(name, n.args[index] if len(n.args) > index else default)
 
 
+def _moe_ops() -> dict:
+    """The routed-MoE kernel ops that take ``forced_ids``: op -> schema positions of (gate_up [E, ...], top_k)."""
+    return {torch.ops.tkcc.moe.default: (4, 6), torch.ops.tkcc.moe_gptoss.default: (3, 7)}
+
+
 def forced_routing(gm, seed: int = 0):
-    """(graph, note): a copy of the lowered decode graph ``gm`` whose ``tkcc.moe`` ops take their experts from
+    """(graph, note): a copy of the lowered decode graph ``gm`` whose MoE ops (``tkcc.moe``, ``tkcc.moe_gptoss``)
+    take their experts from
     real routing (``tkcc.traffic.routing.Routing.for_model``: OLMoE's or Mixtral's measured skew fitted to the
     model's experts, sampled for REAL_TOKENS steps), one step's row per call: a device counter the graph
     advances, so it replays from a CUDA graph like the step it copies. (None, why) where it has no
@@ -446,14 +452,17 @@ def forced_routing(gm, seed: int = 0):
     from tkcc.traffic.routing import Routing
 
     g = copy.deepcopy(gm.graph)  # node for node: its get_attr targets are gm's
-    moes = [n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.moe.default]
+    ops = _moe_ops()
+    moes = [n for n in g.nodes if n.op == "call_function" and n.target in ops]
     if not moes:
-        return None, "no tkcc.moe op in the lowered step"
-    if any(_moe_arg(n, "router", 12, "softmax") == "sigmoid_grouped" for n in moes):
+        return None, "no routed MoE op (tkcc.moe, tkcc.moe_gptoss) in the lowered step"
+    if any(n.target is torch.ops.tkcc.moe.default and _moe_arg(n, "router", 12, "softmax") == "sigmoid_grouped"
+           for n in moes):
         return None, "a grouped (sigmoid) router: the kernels force a softmax router's choice only"
-    w = _moe_arg(moes[0], "gate_up", 4)
+    at_w, at_k = ops[moes[0].target]
+    w = _moe_arg(moes[0], "gate_up", at_w)
     w = operator.attrgetter(w.target)(gm) if w.op == "get_attr" else w.meta["val"]
-    E, k, L, dev = int(w.shape[0]), int(_moe_arg(moes[0], "top_k", 6)), len(moes), w.device
+    E, k, L, dev = int(w.shape[0]), int(_moe_arg(moes[0], "top_k", at_k)), len(moes), w.device
     routing = Routing.for_model(L, E, k, seed=seed)
     table = torch.stack([routing.sample_topk(layer, REAL_TOKENS, generator=torch.Generator().manual_seed(seed + layer))
                          for layer in range(L)], 1).to(device=dev, dtype=torch.int32).contiguous()  # [T, L, k]

@@ -186,6 +186,39 @@ def test_real_routing_forces_each_steps_experts_and_advances():
     assert torch.equal(step(forced, 3), own)
 
 
+def test_real_routing_forces_gpt_oss_moe_blocks_too():
+    """gpt-oss's MoE blocks (``tkcc.moe_gptoss``) take the real-routing rows as ``tkcc.moe`` does: a table of
+    [steps, layers, k], one row a call; on CPU the op runs ``moe_gptoss_ref`` with the forced ids (the kernel's
+    forced path: ``tkcc.passes.lower.checks``)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode as bench
+
+    from tkcc.frontend.capture import capture_model
+    from tkcc.passes.manager import apply_plan
+
+    prog = capture_model("gptoss-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
+    new, _ = apply_plan(prog, [{"name": "lowered_decode"}], mode="tolerance", check_numerics=False)
+    gm = new.graphs["decode"]
+    n_moe = sum(n.target is torch.ops.tkcc.moe_gptoss.default for n in gm.graph.nodes)
+    forced, why = bench.forced_routing(gm, seed=3)
+    assert n_moe == prog.num_blocks and forced is not None and f"{n_moe} MoE layers" in why, why
+    assert tuple(forced.tkcc_forced_ids.shape) == (bench.REAL_TOKENS, n_moe, prog.model.config.num_experts_per_tok)
+    state = [b.clone() for b in prog.state.buffers()]
+
+    def step(f):
+        for b, v in zip(prog.state.buffers(), state):
+            b.copy_(v)
+        with torch.no_grad():
+            return f(torch.tensor([[5]]), torch.tensor([3])).float()
+
+    own, got = step(gm), [step(forced) for _ in range(2)]
+    assert not torch.equal(got[0], own) and not torch.equal(got[0], got[1])
+    forced.tkcc_forced_step.zero_()
+    assert torch.equal(step(forced), got[0])
+
+
 def test_real_routing_is_refused_by_name_where_the_router_is_grouped():
     import torch
 

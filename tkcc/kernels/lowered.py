@@ -627,13 +627,20 @@ def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, 
 
 
 def moe_gptoss_ref(xs: Tensor, router_w: Tensor, router_b: Tensor, gate_up: Tensor, gate_up_b: Tensor, down: Tensor,
-                   down_b: Tensor, top_k: int, alpha: float, limit: float) -> Tensor:
+                   down_b: Tensor, top_k: int, alpha: float, limit: float,
+                   forced_ids: Optional[Tensor] = None) -> Tensor:
     """gpt-oss's MoE block on its flattened input xs [T, H] (``GptOssTopKRouter``, then ``GptOssExperts`` under
     transformers' ``batched_mm``): the router linear with its bias, top-k of the logits, a softmax over the k in the
     dtype; each token's k experts x @ gate_up [E, H, 2I] + bias, gate / up the even / odd columns, gate clamped
     above at ``limit``, up to +-``limit``, (up + 1) * gate * sigmoid(alpha * gate), @ down [E, I, H] + bias, weighted
-    and summed."""
-    top_value, top_index = torch.topk(F.linear(xs, router_w, router_b), top_k, dim=-1)
+    and summed. ``forced_ids`` [k] (one token; the benchmark's real-routing hook): those experts instead of the
+    top-k, weighted by the softmax over their logits."""
+    logits = F.linear(xs, router_w, router_b)
+    if forced_ids is None:
+        top_value, top_index = torch.topk(logits, top_k, dim=-1)
+    else:
+        top_index = forced_ids.reshape(1, top_k).long().clamp(0, gate_up.shape[0] - 1)
+        top_value = logits.gather(-1, top_index)
     scores = F.softmax(top_value, dim=1, dtype=top_value.dtype)
     ids = top_index.reshape(-1).clamp(0, gate_up.shape[0] - 1)
     gu = torch.bmm(xs.repeat_interleave(top_k, dim=0).unsqueeze(1), gate_up[ids]).squeeze(1) + gate_up_b[ids]
@@ -677,11 +684,12 @@ def moe_gptoss_layout(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, 
 @torch.library.custom_op(f"{NS}::moe_gptoss", mutates_args=("count",))
 def moe_gptoss(xs: Tensor, router_w: Tensor, router_b: Tensor, gate_up: Tensor, gate_up_b: Tensor, down: Tensor,
                down_b: Tensor, top_k: int, alpha: float, limit: float, count: Tensor,
-               configs: Optional[list[int]] = None, pdl: bool = False) -> Tensor:
+               configs: Optional[list[int]] = None, pdl: bool = False, forced_ids: Optional[Tensor] = None) -> Tensor:
     """``moe_gptoss_ref`` as three launches (``tkcc.kernels.moe_gptoss``): the router GEMV with its bias whose last
     program picks the top-k and their weights once; gate_up and down over the k chosen experts only, their rows
     split over programs. ``count``: the arrival counters (``moe_gptoss.counters_any`` of them, zero). ``configs``:
-    router (BLOCK_N, warps), gate_up and down (BLOCK_N, BLOCK_K, SPLIT, warps): 10 ints, None for the defaults."""
+    router (BLOCK_N, warps), gate_up and down (BLOCK_N, BLOCK_K, SPLIT, warps): 10 ints, None for the defaults.
+    ``forced_ids``: as ``moe_gptoss_ref``'s (int32 [k] for the kernels)."""
     reason = moe_gptoss_reason(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, count)
     if reason is None:
         from tkcc.kernels import moe_gptoss as mg
@@ -694,15 +702,17 @@ def moe_gptoss(xs: Tensor, router_w: Tensor, router_b: Tensor, gate_up: Tensor, 
                    torch.empty(top_k, I2 // 2, device=dev, dtype=dt), count,
                    torch.empty(mg.part_size(H, I2 // 2, top_k, cfg[1], cfg[2]), device=dev, dtype=torch.float32))
         out = torch.empty(H, device=dev, dtype=dt)
+        forced = None if forced_ids is None else forced_ids.reshape(-1).to(torch.int32)
         mg.launch(xs.contiguous().view(-1), router_w, router_b.reshape(-1), gate_up, gate_up_b, down, down_b, top_k,
-                  alpha, limit, out, scratch, cfg, pdl=pdl and _pdl_ok(dev))
+                  alpha, limit, out, scratch, cfg, pdl=pdl and _pdl_ok(dev), forced_ids=forced)
         return out.view(xs.shape)
     note_fallback("tkcc.moe_gptoss", reason)
-    return moe_gptoss_ref(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, alpha, limit)
+    return moe_gptoss_ref(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, alpha, limit, forced_ids)
 
 
 @moe_gptoss.register_fake
-def _(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, alpha, limit, count, configs=None, pdl=False):
+def _(xs, router_w, router_b, gate_up, gate_up_b, down, down_b, top_k, alpha, limit, count, configs=None, pdl=False,
+      forced_ids=None):
     return torch.empty_like(xs)
 
 

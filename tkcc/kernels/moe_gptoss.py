@@ -48,11 +48,12 @@ def _kch(rows: int, split: int, bk: int) -> int:
 
 
 def launch(x, router_w, router_b, gate_up, gate_up_b, down, down_b, k, alpha, limit, out, scratch, configs=None,
-           pdl=None):
+           pdl=None, forced_ids=None):
     """x [H] (the block's flattened input) -> out [H], on caller-owned scratch ``(logits [E], ids [k] int32,
     wts [k] fp32, xn [H], act [k, I], count int32, part fp32)``: ``count`` zero, left zero, at least ``counters``
     long; ``part`` at least ``part_size`` long. ``configs``: (router, gate_up, down) as ``default_configs`` gives
-    them."""
+    them. ``forced_ids`` (int32 [k]): the router takes these experts, its softmax over their logits (the
+    benchmark's real-routing hook)."""
     pdl = launch_pdl(pdl)
     rc, gc, dc = configs or default_configs()
     logits, ids, wts, xn, act, count, part = scratch
@@ -62,7 +63,8 @@ def launch(x, router_w, router_b, gate_up, gate_up_b, down, down_b, k, alpha, li
     # top-k of the biased logits, then a softmax over the k: the same experts, and up to fp32 rounding the same
     # weights, as the softmax over all, its top k, renormalised; the weights rounded to the dtype
     router = load("moe_routed.py.jinja", pdl=pdl, norm=False, logit_bias=True)
-    launch_router(router, x, router_w, k, True, None, 1e-6, scratch[:6], rc, None, {"lb_ptr": router_b}, launch_kw)
+    launch_router(router, x, router_w, k, True, None, 1e-6, scratch[:6], rc, forced_ids, {"lb_ptr": router_b},
+                  launch_kw)
     mod = load("moe_gptoss.py.jinja", pdl=pdl)
     bn, bk, split, nw = gc
     bk = min(bk, next_pow2(H))

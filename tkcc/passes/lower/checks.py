@@ -380,6 +380,33 @@ def check_moe_forced(device, dtype, g, shapes):
                            moe_ref(h, nw, 1e-5, rw, gu, dn, k, norm_topk, True, router))
         rows.append({"case": name + " own top-k", "dtype": str(dtype).replace("torch.", ""), "op": "moe_ref",
                      "rel_err": 0.0 if same else float("inf"), "tol": 0.0, "exact": True, "ok": same})
+    rows += _check_gptoss_forced(device, dtype, g, shapes[:2])
+    return rows
+
+
+def _check_gptoss_forced(device, dtype, g, shapes):
+    """``tkcc.moe_gptoss`` with ``forced_ids`` against ``moe_gptoss_ref`` given the same ids, and the reference
+    forced to the router's own top-k against it routing by itself."""
+    from tkcc.kernels.lowered import moe_gptoss_ref
+    from tkcc.kernels.moe_gptoss import counters_any
+
+    rows = []
+    for E, H, I, k in shapes:
+        w = (_rand((E, H), g, device, dtype, H ** -0.5), _rand((E,), g, device, dtype, 0.1),
+             _rand((E, H, 2 * I), g, device, dtype, 3 * H ** -0.5), _rand((E, 2 * I), g, device, dtype, 0.3),
+             _rand((E, I, H), g, device, dtype, I ** -0.5), _rand((E, H), g, device, dtype, 0.1))
+        xs = _rand((1, H), g, device, dtype)
+        ids = torch.randperm(E, generator=g)[:k].to(device=device, dtype=torch.int32)
+        count = torch.zeros(counters_any(H, I, k), device=device, dtype=torch.int32)
+        got = torch.ops.tkcc.moe_gptoss(xs, *w, k, 1.702, 7.0, count, forced_ids=ids)
+        err = rel_err(got, moe_gptoss_ref(xs, *w, k, 1.702, 7.0, ids))
+        name = f"moe forced[gpt-oss: E={E} top-{k}, {H}x{I}]"
+        rows.append({"case": name, "dtype": str(dtype).replace("torch.", ""), "op": "tkcc.moe_gptoss.default",
+                     "rel_err": err, "tol": TOL[dtype], "exact": False, "ok": bool(err <= TOL[dtype])})
+        own = torch.topk(torch.nn.functional.linear(xs, w[0], w[1]), k, -1).indices[0]
+        same = torch.equal(moe_gptoss_ref(xs, *w, k, 1.702, 7.0, own), moe_gptoss_ref(xs, *w, k, 1.702, 7.0))
+        rows.append({"case": name + " own top-k", "dtype": str(dtype).replace("torch.", ""), "op": "moe_gptoss_ref",
+                     "rel_err": 0.0 if same else float("inf"), "tol": 0.0, "exact": True, "ok": same})
     return rows
 
 
