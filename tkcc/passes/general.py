@@ -191,41 +191,49 @@ class CommonSubexpressionElimination(GraphPass):
     params = {"get_attr": ["merge", "keep"]}
 
     def rewrite(self, gm, info, phase, get_attr="merge"):
-        nodes = list(gm.graph.nodes)
-        written_roots = set()
-        for n in nodes:
-            for a in mutated_args(n):
-                written_roots.add(_root(a))
-        epoch: dict[torch.fx.Node, int] = {}
-        seen: dict[tuple, torch.fx.Node] = {}
-        canon: dict[torch.fx.Node, torch.fx.Node] = {}
-        merged = 0
-        for n in nodes:
-            for a in mutated_args(n):
-                r = _root(canon.get(a, a))
-                epoch[r] = epoch.get(r, 0) + 1
-            if not is_pure(n, gm) or n.op == "call_module":
-                continue
-            if n.op == "get_attr" and get_attr == "keep":
-                continue
-            if _root(n) in written_roots or n in written_roots:
-                continue
-            inputs = [a for a in n.all_input_nodes]
-            epochs = tuple(epoch.get(_root(canon.get(a, a)), 0) for a in inputs)
-            key = (n.op, _freeze(n.target, canon) if not callable(n.target) else ("fn", id(n.target)),
-                   _freeze(n.args, canon), _freeze(n.kwargs, canon), epochs)
-            prev = seen.get(key)
-            if prev is None:
-                seen[key] = n
-                continue
-            n.replace_all_uses_with(prev)
-            canon[n] = prev
-            gm.graph.erase_node(n)
-            merged += 1
+        merged = merge_duplicates(gm.graph, gm, keep_get_attr=get_attr == "keep")
         info.matched += merged
         info.replaced += merged
         if merged:
             info.notes.append(f"{phase}: merged {merged} duplicate nodes")
+
+
+def merge_duplicates(graph: torch.fx.Graph, gm: torch.fx.GraphModule | None = None, select=None,
+                     keep_get_attr: bool = False) -> int:
+    """``cse``'s merge (see its class), on ``graph``; returns how many nodes went. ``select(node)``: only the nodes
+    it accepts may merge (the lowering's canonical form merges views only)."""
+    nodes = list(graph.nodes)
+    written_roots = set()
+    for n in nodes:
+        for a in mutated_args(n):
+            written_roots.add(_root(a))
+    epoch: dict[torch.fx.Node, int] = {}
+    seen: dict[tuple, torch.fx.Node] = {}
+    canon: dict[torch.fx.Node, torch.fx.Node] = {}
+    merged = 0
+    for n in nodes:
+        for a in mutated_args(n):
+            r = _root(canon.get(a, a))
+            epoch[r] = epoch.get(r, 0) + 1
+        if not is_pure(n, gm) or n.op == "call_module" or (select is not None and not select(n)):
+            continue
+        if n.op == "get_attr" and keep_get_attr:
+            continue
+        if _root(n) in written_roots or n in written_roots:
+            continue
+        inputs = [a for a in n.all_input_nodes]
+        epochs = tuple(epoch.get(_root(canon.get(a, a)), 0) for a in inputs)
+        key = (n.op, _freeze(n.target, canon) if not callable(n.target) else ("fn", id(n.target)),
+               _freeze(n.args, canon), _freeze(n.kwargs, canon), epochs)
+        prev = seen.get(key)
+        if prev is None:
+            seen[key] = n
+            continue
+        n.replace_all_uses_with(prev)
+        canon[n] = prev
+        graph.erase_node(n)
+        merged += 1
+    return merged
 
 
 # ---- no-op casts and views -------------------------------------------------------------------

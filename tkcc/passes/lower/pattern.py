@@ -38,6 +38,7 @@ import torch
 import torch.fx
 from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
+from tkcc.passes.general import merge_duplicates
 from tkcc.passes.graph_pass import origin
 from tkcc.passes.lower import pattern_ops
 
@@ -72,39 +73,27 @@ def _is_noop(n: torch.fx.Node) -> bool:
     return src.dtype == out.dtype and src.device.type == out.device.type and src.shape == out.shape
 
 
-_VIEWS = {torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
-          torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
-          torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.t.default}
+VIEW_OPS = {torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+            torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+            torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+            torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.t.default}
 
 
-def _frozen(a):
-    if isinstance(a, (list, tuple)):
-        return tuple(_frozen(x) for x in a)
-    return a if isinstance(a, torch.fx.Node) else (type(a).__name__, repr(a))
+def _is_view(n: torch.fx.Node) -> bool:
+    """A call that returns a view of its input (a ``reshape`` only of a contiguous input: else it copies)."""
+    if n.op != "call_function" or n.target not in VIEW_OPS:
+        return False
+    if n.target is torch.ops.aten.reshape.default:
+        src = _val(n.args[0])
+        return isinstance(src, torch.Tensor) and src.is_contiguous()
+    return True
 
 
 def _merge_views(graph: torch.fx.Graph) -> int:
-    """Make one node of equal views of one tensor (what ``cse`` does to them), so that a graph matches a
-    pattern whether or not ``cse`` ran first: Hugging Face's code often takes ``x.view(-1, H)`` twice. Views
-    compute nothing and alias their input, so merging them is bit-exact; a ``reshape`` is merged only where it
-    is a view (a contiguous input)."""
-    seen: dict = {}
-    merged = 0
-    for n in list(graph.nodes):
-        if n.op != "call_function" or n.target not in _VIEWS:
-            continue
-        if n.target is torch.ops.aten.reshape.default:
-            src = _val(n.args[0])
-            if not isinstance(src, torch.Tensor) or not src.is_contiguous():
-                continue
-        key = (n.target, _frozen(n.args), _frozen(tuple(sorted(n.kwargs.items()))))
-        first = seen.setdefault(key, n)
-        if first is not n:
-            n.replace_all_uses_with(first)
-            graph.erase_node(n)
-            merged += 1
-    return merged
+    """Make one node of equal views of one tensor (``cse``'s merge, views only), so that a graph matches a pattern
+    whether or not ``cse`` ran first: Hugging Face's code often takes ``x.view(-1, H)`` twice. Views compute
+    nothing and alias their input, so merging them is bit-exact."""
+    return merge_duplicates(graph, select=_is_view)
 
 
 def canonicalize(graph: torch.fx.Graph) -> int:
@@ -257,7 +246,7 @@ def _shareable(pattern: torch.fx.Graph) -> set:
     out: set = set()
     returned = set(next(reversed(pattern.nodes)).all_input_nodes)  # (an output is replaced, never kept)
     for n in pattern.nodes:
-        if n.op == "call_function" and n.target in _VIEWS and n not in returned and all(
+        if n.op == "call_function" and n.target in VIEW_OPS and n not in returned and all(
                 a.op == "placeholder" or a in out for a in n.all_input_nodes):
             out.add(n)
     return out
