@@ -61,17 +61,16 @@ def check_gptoss_configs(dtype, g):
     has a share of (its last, shorter, too)."""
     from tkcc.kernels import moe_gptoss as mg
     from tkcc.kernels.lowered import moe_gptoss_ref
+    from tkcc.passes.lower.checks import gptoss_weights
 
     E, H, I, k = 6, 488, 488, 2
-    rnd = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dtype=dtype)  # noqa: E731
-    w = (rnd(E, H, sc=H ** -0.5), rnd(E, sc=0.1), rnd(E, H, 2 * I, sc=3 * H ** -0.5), rnd(E, 2 * I, sc=0.3),
-         rnd(E, I, H, sc=I ** -0.5), rnd(E, H, sc=0.1))
+    w = gptoss_weights(E, H, I, g, "cpu", dtype)
     count = torch.zeros(mg.counters_any(H, I, k), dtype=torch.int32)
     rows = []
     for gc, dc in zip(mg.GATE_UP_CONFIGS + [mg.INTERP[1]], mg.DOWN_CONFIGS + [mg.INTERP[2]]):
         errs = []
         for _ in range(2):
-            xs = rnd(1, H)
+            xs = torch.randn(1, H, generator=g).to(dtype)
             ref = moe_gptoss_ref(xs, *w, k, 1.702, 7.0)
             got = torch.ops.tkcc.moe_gptoss(xs, *w, k, 1.702, 7.0, count, [*mg.INTERP[0], *gc, *dc])
             errs.append(rel_err(got, ref))

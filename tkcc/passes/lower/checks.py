@@ -331,6 +331,14 @@ def check_moe(device, dtype, g, shapes=((8, 48, 20, 2), (12, 64, 32, 3), (16, 32
     return rows
 
 
+def gptoss_weights(E, H, I, g, device, dtype) -> tuple:
+    """A random gpt-oss MoE block's weights, in the op's order: router and its bias, gate_up [E, H, 2I] and its
+    bias, down [E, I, H] and its bias."""
+    return (_rand((E, H), g, device, dtype, H ** -0.5), _rand((E,), g, device, dtype, 0.1),
+            _rand((E, H, 2 * I), g, device, dtype, 3 * H ** -0.5), _rand((E, 2 * I), g, device, dtype, 0.3),
+            _rand((E, I, H), g, device, dtype, I ** -0.5), _rand((E, H), g, device, dtype, 0.1))
+
+
 def check_gptoss_moe(device, dtype, g, shapes):
     """gpt-oss's block (``biased_experts.biased_moe``): the router's bias, top-k then softmax, the transposed experts
     with their biases, the SwiGLU clamped at gpt-oss's limit and at one that binds on most columns."""
@@ -338,9 +346,7 @@ def check_gptoss_moe(device, dtype, g, shapes):
 
     rows = []
     for (E, H, I, k), limit in zip(shapes, (7.0, 1.5)):
-        t = {"rw": _rand((E, H), g, device, dtype, H ** -0.5), "rb": _rand((E,), g, device, dtype, 0.1),
-             "gu": _rand((E, H, 2 * I), g, device, dtype, 3 * H ** -0.5), "gub": _rand((E, 2 * I), g, device, dtype, 0.3),
-             "dn": _rand((E, I, H), g, device, dtype, I ** -0.5), "dnb": _rand((E, H), g, device, dtype, 0.1)}
+        t = dict(zip(("rw", "rb", "gu", "gub", "dn", "dnb"), gptoss_weights(E, H, I, g, device, dtype)))
 
         def logits(inputs, t=t):
             return torch.nn.functional.linear(inputs[0].float(), t["rw"].float(), t["rb"].float())
@@ -372,16 +378,23 @@ def check_moe_forced(device, dtype, g, shapes):
         ref = moe_ref(h, nw, 1e-5, rw, gu, dn, k, norm_topk, True, router, forced_ids=ids)
         err = rel_err(got, ref)
         name = f"moe forced[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if norm_topk else ''}]"
-        rows.append({"case": name, "dtype": str(dtype).replace("torch.", ""), "op": "tkcc.moe.default",
-                     "rel_err": err, "tol": TOL[dtype], "exact": False, "ok": bool(err <= TOL[dtype])})
         x = rms_norm_ref(h.view(1, H), nw, 1e-5)
         own = torch.topk(torch.softmax(torch.nn.functional.linear(x, rw).float(), -1), k, -1).indices[0]
         same = torch.equal(moe_ref(h, nw, 1e-5, rw, gu, dn, k, norm_topk, True, router, forced_ids=own),
                            moe_ref(h, nw, 1e-5, rw, gu, dn, k, norm_topk, True, router))
-        rows.append({"case": name + " own top-k", "dtype": str(dtype).replace("torch.", ""), "op": "moe_ref",
-                     "rel_err": 0.0 if same else float("inf"), "tol": 0.0, "exact": True, "ok": same})
+        rows += _forced_rows(name, dtype, "tkcc.moe.default", err, "moe_ref", same)
     rows += _check_gptoss_forced(device, dtype, g, shapes[:2])
     return rows
+
+
+def _forced_rows(name, dtype, op, err, ref, same) -> list[dict]:
+    """A forced-routing case's two rows: the op against its reference given the ids, and the reference forced to
+    its own top-k against it routing by itself (bit for bit)."""
+    dt = str(dtype).replace("torch.", "")
+    return [{"case": name, "dtype": dt, "op": op, "rel_err": err, "tol": TOL[dtype], "exact": False,
+             "ok": bool(err <= TOL[dtype])},
+            {"case": name + " own top-k", "dtype": dt, "op": ref, "rel_err": 0.0 if same else float("inf"),
+             "tol": 0.0, "exact": True, "ok": same}]
 
 
 def _check_gptoss_forced(device, dtype, g, shapes):
@@ -392,21 +405,16 @@ def _check_gptoss_forced(device, dtype, g, shapes):
 
     rows = []
     for E, H, I, k in shapes:
-        w = (_rand((E, H), g, device, dtype, H ** -0.5), _rand((E,), g, device, dtype, 0.1),
-             _rand((E, H, 2 * I), g, device, dtype, 3 * H ** -0.5), _rand((E, 2 * I), g, device, dtype, 0.3),
-             _rand((E, I, H), g, device, dtype, I ** -0.5), _rand((E, H), g, device, dtype, 0.1))
+        w = gptoss_weights(E, H, I, g, device, dtype)
         xs = _rand((1, H), g, device, dtype)
         ids = torch.randperm(E, generator=g)[:k].to(device=device, dtype=torch.int32)
         count = torch.zeros(counters_any(H, I, k), device=device, dtype=torch.int32)
         got = torch.ops.tkcc.moe_gptoss(xs, *w, k, 1.702, 7.0, count, forced_ids=ids)
         err = rel_err(got, moe_gptoss_ref(xs, *w, k, 1.702, 7.0, ids))
-        name = f"moe forced[gpt-oss: E={E} top-{k}, {H}x{I}]"
-        rows.append({"case": name, "dtype": str(dtype).replace("torch.", ""), "op": "tkcc.moe_gptoss.default",
-                     "rel_err": err, "tol": TOL[dtype], "exact": False, "ok": bool(err <= TOL[dtype])})
         own = torch.topk(torch.nn.functional.linear(xs, w[0], w[1]), k, -1).indices[0]
         same = torch.equal(moe_gptoss_ref(xs, *w, k, 1.702, 7.0, own), moe_gptoss_ref(xs, *w, k, 1.702, 7.0))
-        rows.append({"case": name + " own top-k", "dtype": str(dtype).replace("torch.", ""), "op": "moe_gptoss_ref",
-                     "rel_err": 0.0 if same else float("inf"), "tol": 0.0, "exact": True, "ok": same})
+        rows += _forced_rows(f"moe forced[gpt-oss: E={E} top-{k}, {H}x{I}]", dtype, "tkcc.moe_gptoss.default", err,
+                             "moe_gptoss_ref", same)
     return rows
 
 
