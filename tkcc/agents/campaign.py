@@ -608,8 +608,11 @@ def _search(run: _Run) -> None:
         st.stopped = run.budget.too_short(screen, done=True) or _no_room(run, f"candidate:{screen}")
         run.say(st.stopped)
         return
-    target = _aa_target(run, run.budget.left())
-    can_ship = st.noise.calibrated or target > len(st.noise.aa_diffs)
+    def reach():  # (A/A pairs to aim at, whether a ship is within the budget)
+        target = _aa_target(run, run.budget.left())
+        return target, st.noise.calibrated or target > len(st.noise.aa_diffs)
+
+    target, can_ship = reach()
     kind = f"reference:{screen}"
     if not can_ship and not run.screen_only and len(run.budget.seen.get(kind, ())) == 1 and run.budget.fits(kind):
         # the one measurement the estimate rests on paid the engine's one-time compiles: measure the serving
@@ -617,8 +620,7 @@ def _search(run: _Run) -> None:
         if not _aa_step(run, why="the first measurement also paid one-time compiles"):
             run.say(f"stopped: {st.stopped}")
             return
-        target = _aa_target(run, run.budget.left())
-        can_ship = st.noise.calibrated or target > len(st.noise.aa_diffs)
+        target, can_ship = reach()
     if not can_ship and not run.screen_only:
         st.stopped = f"{_ship_unreachable(run)}: nothing measured now could ship, so nothing is screened"
         run.say(st.stopped)
