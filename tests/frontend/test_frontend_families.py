@@ -36,6 +36,29 @@ def test_compile_references_only_then_generate_is_hf_generate(name, tmp_path):
     assert torch.equal(compiled.generate(ids, 8), ref)
 
 
+def test_a_causal_lm_not_named_for_causal_lm_compiles_as_one(tmp_path):
+    """GPT-2's head class is ``GPT2LMHeadModel``, which transformers' auto mapping names a causal LM: it is captured
+    as prefill and decode steps (before, it was taken for a plain module and refused for want of example inputs),
+    and its greedy tokens are HF's own. A multimodal ``*ForConditionalGeneration`` is not taken for one."""
+    import transformers
+
+    from tkcc.frontend.hf import is_hf_causal_lm
+
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=256,
+                                  initializer_range=0.3, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    assert is_hf_causal_lm(model)
+    assert not is_hf_causal_lm(transformers.GPT2Model(cfg))  # no head: a plain module
+    compiled = tkcc.compile(model, "azure-conv", budget=0, progress=False, out_dir=tmp_path / "o", max_cache_len=64,
+                            measure_max_context=32)
+    assert set(compiled.program.phases) == {"prefill", "decode"}
+    ids = _prompt()
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)[:, 5:]
+    assert len(set(ref[0].tolist())) > 1, "degenerate test: the model repeats one token"
+    assert torch.equal(compiled.generate(ids, 8), ref)
+
+
 def test_shell_compile_of_a_hybrid_linear_attention_model_then_load(tmp_path):
     """`tkcc compile --model minimax-tiny --budget 0`, then tkcc.load of what it wrote: HF's own greedy tokens."""
     out = tmp_path / "out"

@@ -41,14 +41,24 @@ _EXAMPLE_PROMPT = 8
 
 
 def is_hf_causal_lm(model) -> bool:
-    """True for a transformers ``*ForCausalLM`` (decoder-only LM with a head)."""
+    """True for a transformers causal LM with a head: a ``*ForCausalLM``, or a class transformers' own auto mapping
+    names as one (GPT-2's ``GPT2LMHeadModel``, ...; not the multimodal ``*ForConditionalGeneration``)."""
     import sys
 
     if "transformers" not in sys.modules:
         return False
     from transformers import PreTrainedModel
 
-    return isinstance(model, PreTrainedModel) and type(model).__name__.endswith("ForCausalLM")
+    if not isinstance(model, PreTrainedModel):
+        return False
+    name = type(model).__name__
+    return name.endswith("ForCausalLM") or (name.endswith("LMHeadModel") and name in _auto_causal_lm_names())
+
+
+def _auto_causal_lm_names() -> set:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
 
 
 def decoder_layers_path(model) -> str:
