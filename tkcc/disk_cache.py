@@ -27,11 +27,14 @@ def read(file: str) -> dict:
         return {}
 
 
-def merge(file: str, entries: dict) -> None:
-    """Add ``entries`` to the object in ``file`` (atomically; a read-only home loses them, nothing else)."""
+def merge(file: str, entries: dict, prune=None) -> None:
+    """Add ``entries`` to the object in ``file`` (atomically; a read-only home loses them, nothing else).
+    ``prune(merged) -> kept``: what of the merged object to write (``entries`` are always kept)."""
     try:
         os.makedirs(os.path.dirname(file), exist_ok=True)
         merged = {**read(file), **entries}
+        if prune is not None:
+            merged = {**prune(merged), **entries}
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), prefix=f".{os.path.basename(file)}-")
         with os.fdopen(fd, "w") as f:
             json.dump(merged, f, sort_keys=True)

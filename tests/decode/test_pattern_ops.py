@@ -23,6 +23,8 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setenv("TKCC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(pattern_ops, "_MEMO", {})
     monkeypatch.setattr(pattern_ops, "_LOADED", set())
+    monkeypatch.setattr(pattern_ops, "_PENDING", {})
+    monkeypatch.setattr(pattern_ops, "_USED", set())
     return Path(tmp_path) / pattern_ops.FILE
 
 
@@ -42,9 +44,13 @@ def test_skipping_rewrites_by_their_ops_lowers_the_same_graph_and_traces_fewer_p
     monkeypatch.setattr(pattern_ops, "ops", lambda rw, dt: set())  # every rewrite looks: nothing skipped
     code_all, notes_all = _lowered(prog)
     monkeypatch.setattr(pattern_ops, "ops", real_ops)
+    writes = []
+    real_merge = pattern_ops.disk_cache.merge
+    monkeypatch.setattr(pattern_ops.disk_cache, "merge", lambda *a, **k: (writes.append(a[1]), real_merge(*a, **k)))
     code, notes = _lowered(prog)  # fills the store
     assert code == code_all and notes == notes_all
     assert len(json.loads(store.read_text())) == len(rewrites)
+    assert len(writes) == 1, f"{len(writes)} writes of the store in one lowering"  # each rewrites the whole file
 
     # a fresh process: nothing traced in memory, the op sets read from the store
     for rw in rewrites:
@@ -67,7 +73,29 @@ def test_an_unreadable_store_is_ignored_and_rewritten(store):
     store.write_text("{not json")
     ops = pattern_ops.ops(rw, torch.float32)
     assert ops == pattern_ops.graph_ops(rw.pattern_graph(torch.float32)[0].graph) and "aten.rsqrt.default" in ops
+    assert store.read_text() == "{not json"  # written once the lowering ends
+    pattern_ops.flush()
     assert json.loads(store.read_text()) == {pattern_ops.key(rw, torch.float32): sorted(ops)}
+
+
+def test_a_store_past_its_size_keeps_only_what_this_process_used(store, monkeypatch):
+    """Every edit of the rewrites' code changes every key, so old op sets pile up; past ``MAX_ENTRIES`` a write
+    keeps the keys this process looked up or traced and drops the rest."""
+    from tkcc.passes.lower.norms import REWRITES
+
+    monkeypatch.setattr(pattern_ops, "MAX_ENTRIES", 8)
+    stale = {f"stale{i}": ["aten.mm.default"] for i in range(6)}
+    store.parent.mkdir(parents=True, exist_ok=True)
+    store.write_text(json.dumps(stale))
+    looked = pattern_ops.ops(REWRITES[0], torch.float32)  # traced: pending
+    pattern_ops.flush()
+    assert set(json.loads(store.read_text())) == set(stale) | {pattern_ops.key(REWRITES[0], torch.float32)}
+    for rw in REWRITES[1:4]:
+        pattern_ops.ops(rw, torch.float32)
+    pattern_ops.flush()  # 10 entries, past 8: only this process's 4 stay
+    kept = json.loads(store.read_text())
+    assert set(kept) == {pattern_ops.key(rw, torch.float32) for rw in REWRITES[:4]}
+    assert kept[pattern_ops.key(REWRITES[0], torch.float32)] == sorted(looked)
 
 
 def test_a_stored_op_set_is_read_back_by_its_key_only(store):

@@ -38,7 +38,7 @@ import torch
 
 from tkcc.errors import PlanError
 from tkcc.passes.base import Pass, RewriteInfo, register
-from tkcc.passes.lower import space
+from tkcc.passes.lower import pattern_ops, space
 from tkcc.passes.lower.pattern import VIEW_OPS, Context, apply as apply_rewrite, canonicalize
 
 # what the pass log's "left in aten" does not count: the views, and a split's outputs
@@ -202,6 +202,7 @@ def lower(gm, dtype: torch.dtype, options: dict, info: RewriteInfo | None = None
                 info.notes.append(f"{phase}: {stage}: {rw.name}: {out.replaced} region(s) lowered")
             for why, n in out.refused.items():
                 info.notes.append(f"{phase}: {stage}: {rw.name}: {n} region(s) left in aten: {why}")
+    pattern_ops.flush()
     gm.graph.eliminate_dead_code()
     _drop_unused_attrs(gm)
     gm.graph.lint()

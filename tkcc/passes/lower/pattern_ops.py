@@ -12,6 +12,11 @@ The op set of a pattern depends on its code, its example and torch, so its key h
 dtype, torch's version and a digest of the files that define the pattern, its example and the tracing (this
 package and ``tkcc.frontend.export``). A pattern whose source cannot be read is traced every time, never
 looked up. Kept in ``$TKCC_CACHE_DIR/pattern_ops.json`` (``tkcc.disk_cache``).
+
+What a process traces is written once, when its lowering ends (``flush``), not at each trace: a write rewrites
+the whole store, and a store grown over many versions of the code (every edit of this package changes every key)
+made each of a lowering's ~140 writes cost half a second. A store past ``MAX_ENTRIES`` keeps only the keys this
+process used, so the op sets of code no longer run are dropped.
 """
 from __future__ import annotations
 
@@ -26,8 +31,11 @@ import torch
 from tkcc import disk_cache
 
 FILE = "pattern_ops.json"
+MAX_ENTRIES = 4096
 _LOCK = threading.Lock()
 _MEMO: dict[str, list] = {}
+_PENDING: dict[str, list] = {}
+_USED: set[str] = set()
 _LOADED: set[str] = set()
 _DIGESTS: dict[str, str] = {}
 _KEYS: dict[tuple, str | None] = {}
@@ -93,11 +101,23 @@ def ops(rewrite, dtype: torch.dtype) -> set[str]:
                 _MEMO.update({n: v for n, v in disk_cache.read(path).items() if isinstance(v, list)})
                 _LOADED.add(path)
             hit = _MEMO.get(k)
+            _USED.add(k)
         if hit is not None:
             return set(hit)
     found = graph_ops(rewrite.pattern_graph(dtype)[0].graph)
     if k is not None:
         with _LOCK:
-            _MEMO[k] = sorted(found)
-        disk_cache.merge(path, {k: sorted(found)})
+            _MEMO[k] = _PENDING[k] = sorted(found)
     return found
+
+
+def flush() -> None:
+    """Write the op sets traced since the last flush to the store, in one write (the lowering calls this when it
+    ends; until then they serve this process from memory)."""
+    with _LOCK:
+        pending = dict(_PENDING)
+        _PENDING.clear()
+        used = set(_USED)
+    if pending:
+        disk_cache.merge(disk_cache.path(FILE), pending,
+                         prune=lambda d: d if len(d) <= MAX_ENTRIES else {k: v for k, v in d.items() if k in used})
