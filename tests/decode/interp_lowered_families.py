@@ -1,8 +1,9 @@
 """Run under TRITON_INTERPRET=1 (by test_lowered_families.py), every kernel live on the CPU:
 
 1. the sink and Gemma q/k-norm rewrites against their patterns (fresh random inputs, several shapes, fp32), and
-   the op itself with a Gemma norm under each rotation path of the kernel (fp32, fp16); gpt-oss's experts at
-   every config the tuner may pick (fp32);
+   the op itself with a Gemma norm under each rotation path of the kernel (fp32, fp16); Cohere's attention and
+   LayerNorm rewrites (fp32, fp16) and the op's rotation by the rounded table, key by key (fp16); gpt-oss's experts
+   at every config the tuner may pick (fp32);
 2. each family of ``lowered_families.FAMILIES`` captured, built through the ``lowered_decode`` plan into an
    artifact (codegen, load): its kernel ops and what stays in aten; the artifact's decode step bit-exact with the
    captured one while the ops take their references (``kernels_off``); its greedy tokens over a few steps with the
@@ -26,7 +27,7 @@ from tkcc.frontend.generate import greedy  # noqa: E402
 from tkcc.kernels.checks import TOL, rel_err  # noqa: E402
 from tkcc.kernels.common import fallbacks  # noqa: E402
 from tkcc.kernels.lowered import attention_rope_ref  # noqa: E402
-from tkcc.passes.lower.checks_variants import check_gemma_qk_norm, check_sink_attention  # noqa: E402
+from tkcc.passes.lower.checks_variants import check_cohere, check_gemma_qk_norm, check_sink_attention  # noqa: E402
 
 STEPS = 4
 
@@ -52,6 +53,38 @@ def check_norm_offset_op(dtype, g):
         err = max(rel_err(got, ref), rel_err(k2, kc), rel_err(v2, vc))
         rows.append({"case": f"norm_offset_op[{hq}/{hkv}x{D}, rotary {R}{', interleaved' if il else ''}]",
                      "dtype": str(dtype), "rel_err": err, "ok": err <= TOL[dtype] and int(count.sum()) == 0})
+    return rows
+
+
+def check_rounded_table_op(dtype, g):
+    """tkcc.attention_rope rotating in fp32 by the table rounded to the activations' dtype (Cohere's
+    ``rope_table_rounded``) against its reference: within tolerance, and in fp16 the new key as the reference writes
+    it, element for element but for a rare one whose cos the interpreter and torch round apart (at most 2%), where
+    the reference by the unrounded table differs on a twentieth or more (``unrounded``: the criterion can fail)."""
+    rows = []
+    for hq, hkv, D, S, chunk, window, rs in ((4, 2, 64, 40, 16, 0, 1.0), (4, 4, 128, 64, 16, 12, 0.75),
+                                             (8, 1, 64, 100, 64, 0, 1.0)):
+        rnd = lambda *s: torch.randn(*s, generator=g).to(dtype=dtype)  # noqa: E731
+        qkv, kc, vc = rnd(1, 1, (hq + 2 * hkv) * D) * 2, rnd(1, hkv, S, D), rnd(1, hkv, S, D)
+        inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        pos = torch.randint(S // 2, S, (1,), generator=g)  # (at position 0 the table is 1s and 0s: nothing rounds)
+        count = torch.zeros(hkv, dtype=torch.int32)
+        k2, v2, k3, v3 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        ref = attention_rope_ref(qkv, kc, vc, pos, inv, rs, None, None, 1e-6, D ** -0.5, hq, window, False, 0, True,
+                                 rope_fp32=True, rope_table_rounded=True)
+        attention_rope_ref(qkv, k3, v3, pos, inv, rs, None, None, 1e-6, D ** -0.5, hq, window, False, 0, True,
+                           rope_fp32=True)
+        got = torch.ops.tkcc.attention_rope(qkv, k2, v2, pos, inv, rs, None, None, 1e-6, D ** -0.5, hq, window, chunk,
+                                            16, 4, count, False, False, 0, True, rope_fp32=True,
+                                            rope_table_rounded=True)
+        err = max(rel_err(got, ref), rel_err(k2, kc), rel_err(v2, vc))
+        p = int(pos)
+        keys = float((k2[:, :, p] != kc[:, :, p]).float().mean())  # the new key, element by element
+        unrounded = float((k3[:, :, p] != kc[:, :, p]).float().mean())
+        sharp = dtype == torch.float32 or (keys <= 0.02 and unrounded >= 0.05)  # (fp32: the rounding is no rounding)
+        rows.append({"case": f"rounded_table_op[{hq}/{hkv}x{D}, S={S}, rope x{rs}, window {window}]",
+                     "dtype": str(dtype), "rel_err": err, "keys_off": keys, "unrounded": unrounded,
+                     "ok": err <= TOL[dtype] and sharp and int(count.sum()) == 0})
     return rows
 
 
@@ -85,10 +118,14 @@ def main():
     rows = []
     # the rewrites (fp32): GQA, MHA and MQA, one split and more than the kernel merges (the combine launch), sliding
     # windows, YaRN-scaled tables, the chunked and the partial rotation; the op (fp32 and fp16: the fp16 sink kernel
-    # is test_lowered_variants'): Gemma's norm under each of the kernel's rotation paths
+    # is test_lowered_variants'): Gemma's norm under each of the kernel's rotation paths; Cohere's rewrites (fp32 at
+    # every shape, fp16 at two) and its rotation by the rounded table in the op
     rows += check_sink_attention("cpu", torch.float32, g, shapes=((4, 4, 32, 64, 64, 12), (4, 2, 16, 300, 16, 8)))
     rows += check_gemma_qk_norm("cpu", torch.float32, g, shapes=((8, 1, 16, 100, 16, 24),))
     rows += check_norm_offset_op(torch.float32, g) + check_norm_offset_op(torch.float16, g)
+    rows += check_cohere("cpu", torch.float32, g) + check_cohere("cpu", torch.float16, g, shapes=(
+        (4, 2, 16, 40, 16, 0, 48), (2, 1, 64, 48, 16, 10, 1000)))
+    rows += check_rounded_table_op(torch.float32, g) + check_rounded_table_op(torch.float16, g)
     rows += check_gptoss_configs(torch.float32, g)
     print(json.dumps({"checks": rows, "fallbacks": fallbacks(), "seconds": round(time.perf_counter() - t0, 1)},
                      default=str), flush=True)

@@ -39,8 +39,11 @@ FAMILIES = {
                 {"aten.add.Tensor", "aten.div.Tensor", "aten.embedding.default", "aten.mul.Tensor"}),
     # LayerNorm, partial rotary, heads viewed by explicit counts
     "stablelm": (("StableLmConfig", "StableLmForCausalLM", dict()), {A: 2, G: 9, L: 5}, {"aten.embedding.default"}),
-    # q/k RMSNorms over each head after the heads are transposed; norms after attention and MLP (the residual adds stay)
-    "exaone4": (("Exaone4Config", "Exaone4ForCausalLM", dict()), {A: 2, G: 9, N: 4},
+    # q/k RMSNorms over each head after the heads are transposed (a sliding layer rotates; the global one does not:
+    # NoPE); norms after attention and MLP (the residual adds stay)
+    "exaone4": (("Exaone4Config", "Exaone4ForCausalLM", dict(sliding_window=8, layer_types=["sliding_attention",
+                                                                                          "full_attention"])),
+                {A: 2, G: 9, N: 4},
                 {"aten.add.Tensor", "aten.embedding.default"}),
     # GLM's interleaved pairs over the whole head, written without slices
     "helium": (("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16)), {A: 2, G: 8, GG: 1}, set()),
@@ -54,20 +57,30 @@ FAMILIES = {
     "gpt-neox": (("GPTNeoXConfig", "GPTNeoXForCausalLM", dict()), {A: 2, G: 9, L: 5},
                  {"aten.add.Tensor", "aten.embedding.default"}),
     # linears written ``x @ W.T`` (canonicalised to F.linear: its q|k|v and MLP up packed into one GEMV, both read
-    # the same norm), parallel attention; its multi-query attention (k and v indexed out of the fused heads) stays
-    "falcon": (("FalconConfig", "FalconForCausalLM", dict()), {G: 7, L: 3, "tkcc.causal_mask.default": 1,
-                                                               "tkcc.rotary_cos_sin.default": 1},
-               {"aten.add.Tensor", "aten.add_.Tensor", "aten.cat.default", "aten.embedding.default",
-                "aten.gelu.default", "aten.index.Tensor", "aten.index_copy_.default", "aten.lift_fresh_copy.default",
-                "aten.mul.Tensor", "aten.neg.default", "aten.scaled_dot_product_attention.default"}),
-    # interleaved rotary from a repeat_interleave'd table, computed in fp32, and its own LayerNorm: the attention and
-    # the norms stay in aten (correct, not fused); the projections lower
-    "cohere": (("CohereConfig", "CohereForCausalLM", dict()), {G: 9, "tkcc.causal_mask.default": 1},
-               {"aten.add.Tensor", "aten.cos.default", "aten.embedding.default", "aten.flatten.using_ints",
-                "aten.index_copy_.default", "aten.matmul.default", "aten.mean.dim", "aten.mul.Tensor",
-                "aten.neg.default", "aten.pow.Tensor_Scalar", "aten.repeat_interleave.self_int", "aten.rsqrt.default",
-                "aten.scaled_dot_product_attention.default", "aten.sin.default", "aten.stack.default",
-                "aten.sub.Tensor", "aten.to.dtype"}),
+    # the same norm, so the GELU stays), parallel attention; multi-query: the key and value heads indexed out of the
+    # fused heads by list constants, the one key head broadcast by sdpa
+    "falcon": (("FalconConfig", "FalconForCausalLM", dict()), {A: 2, G: 7, L: 3},
+               {"aten.add.Tensor", "aten.add_.Tensor", "aten.embedding.default", "aten.gelu.default"}),
+    # learned positions (no rotation: the fused attention given no frequencies), q|k|v split evenly; its Conv1D
+    # projections (addmm over a weight stored [in, out]) and written-out tanh-GELU stay
+    "gpt2": (("GPT2Config", "GPT2LMHeadModel", dict()), {A: 2, G: 1, L: 5},
+             {"aten.add.Tensor", "aten.addmm.default", "aten.embedding.default", "aten.mul.Tensor",
+              "aten.pow.Tensor_Scalar", "aten.tanh.default"}),
+    # multi-query with learned positions: the one key and value head split off an unsqueezed projection
+    "gpt-bigcode": (("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=True)), {A: 2, G: 9, L: 5},
+                    {"aten.add.Tensor", "aten.embedding.default"}),
+    # a NoPE layer (every second one here) beside rotary ones
+    "smollm3": (("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2)), {A: 2, G: 8, GG: 1}, set()),
+    # interleaved pairs rotated in fp32 by its own repeat_interleave'd table (in bf16 rounded to the activations' dtype:
+    # the attention's rope_fp32 and rope_table_rounded), its LayerNorm written out in fp32 (tkcc.layer_norm's
+    # two_pass) feeding both the packed q|k|v and the gated MLP (parallel attention); the logit scale stays
+    "cohere": (("CohereConfig", "CohereForCausalLM", dict()), {A: 2, G: 9, L: 3},
+               {"aten.embedding.default", "aten.mul.Tensor"}),
+    # the same with a sliding-window layer and a global one that rotates nothing (NoPE)
+    "cohere2": (("Cohere2Config", "Cohere2ForCausalLM", dict(sliding_window=8, layer_types=["sliding_attention",
+                                                                                          "full_attention"])),
+                {A: 2, G: 9, L: 3},
+                {"aten.embedding.default", "aten.mul.Tensor"}),
     # q/k norms over the whole projection (in bf16 w * norm(x) in fp32, and the rotation by its fp32 table in fp32: the
     # attention's norm_offset 0 and rope_fp32), norms after attention and MLP (the residual adds stay)
     "olmo2": (("Olmo2Config", "Olmo2ForCausalLM", dict()), {A: 2, G: 9, N: 4}, {"aten.add.Tensor", "aten.embedding.default"}),

@@ -1,14 +1,14 @@
 """lowered_decode on families it was not written for (``lowered_families.FAMILIES``: gpt-oss, Phi-3, Gemma 2 and 3,
-Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Falcon, Cohere, OLMo 2, Ernie
-4.5-MoE), by op pattern only.
+Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Falcon, Cohere and Cohere 2, OLMo 2,
+Ernie 4.5-MoE), by op pattern only.
 
-CPU under the Triton interpreter (one subprocess: it must be on before triton is imported): the sink and Gemma
-q/k-norm rewrites against their patterns on fresh random inputs and several shapes with the kernels live; each
+CPU under the Triton interpreter (one subprocess: it must be on before triton is imported): the sink, Gemma q/k-norm
+and Cohere rewrites against their patterns on fresh random inputs and several shapes with the kernels live; each
 family captured and built through the lowered_decode plan into an artifact, holding exactly the kernel ops claimed
 (counted by kind) and leaving in aten only what is listed, bit-exact with the captured step while the ops take their
 references, and keeping its greedy tokens over a few steps with the kernels live. CPU in-process (the ops take
 their references): gpt-oss's per-layer sinks and windows, and its bf16 graph bit-exact; the fp32 rotations of Ernie
-4.5-MoE and OLMo 2 in bf16. Bad input: a mask that is
+4.5-MoE, OLMo 2 and Cohere in bf16. Bad input: a mask that is
 not the step's, a context past the cache, a family whose capture is refused. GPU: the rewrites in bf16, greedy
 through tkcc.compile.
 """
@@ -88,15 +88,15 @@ def test_gpt_oss_bf16_lowers_and_stays_bit_exact():
     assert same_decode(prog, new.graphs["decode"]) is None
 
 
-@pytest.mark.parametrize("family", ["ernie4_5-moe", "olmo2"])
+@pytest.mark.parametrize("family", ["ernie4_5-moe", "olmo2", "cohere"])
 def test_bf16_rotations_in_fp32_lower(family):
     """Cast to bf16, Ernie 4.5-MoE and OLMo 2 keep their rotary tables fp32 and rotate q and k in fp32 (the
-    attention's ``rope_fp32``); OLMo 2's q/k norms are ``w * norm(x)`` in fp32 (``norm_offset`` 0 over the whole
-    projection); Ernie's router chooses on the softmax plus a correction bias (``softmax_biased``). Every attention
-    (and the MoE block) lowers. Off the kernel path the step is within bf16's rounding, not bit for bit: the packed
-    q|k|v projection's CPU bf16 matmul over all the rows can round a key differently from the k projection's own (it
-    does for one of Ernie's, by 5e-7). The fp32 step is bit-exact (the families test), and so is the rotation in
-    bf16 (the next test)."""
+    attention's ``rope_fp32``); Cohere rotates them in fp32 by its table rounded to bf16 (and ``rope_table_rounded``);
+    OLMo 2's q/k norms are ``w * norm(x)`` in fp32 (``norm_offset`` 0 over the whole projection); Ernie's router
+    chooses on the softmax plus a correction bias (``softmax_biased``). Every attention (and the MoE block) lowers.
+    Off the kernel path the step is within bf16's rounding, not bit for bit: the packed q|k|v projection's CPU bf16
+    matmul over all the rows can round a key differently from the k projection's own (it does for one of Ernie's, by
+    5e-7). The fp32 step is bit-exact (the families test), and so is the rotation in bf16 (the next test)."""
     from tkcc.passes.lower.pattern import _all_args
 
     prog = capture(family, torch.bfloat16)
@@ -107,7 +107,7 @@ def test_bf16_rotations_in_fp32_lower(family):
     assert left <= FAMILIES[family][2], notes[-1]
     nodes = [n for n in new.graphs["decode"].graph.nodes if n.op == "call_function"]
     for a in [_all_args(n) for n in nodes if n.target is torch.ops.tkcc.attention_rope.default]:
-        assert a[-1] is True, a[17:]  # rope_fp32
+        assert a[22] is True and a[23] is (family == "cohere"), a[17:]  # rope_fp32, rope_table_rounded
         if family == "olmo2":
             assert a[6] is not None and a[17] is False and a[21] == 0.0, a[17:]  # fp32 norms over the projection
         else:
@@ -119,26 +119,29 @@ def test_bf16_rotations_in_fp32_lower(family):
     assert same_decode(prog, new.graphs["decode"], tol=1e-2) is None
 
 
-@pytest.mark.parametrize("form", ["ernie", "olmo2", "olmo2-no-norm"])
+@pytest.mark.parametrize("form", ["ernie", "olmo2", "olmo2-no-norm", "cohere"])
 def test_fp32_rotation_is_bit_exact_off_the_kernels_in_bf16(form):
-    """The attention under an fp32 rotation (the table kept fp32, q and k rotated in fp32, rounded back once: Ernie
-    4.5's interleaved pairs, OLMo 2's rotate-half after its fp32 q/k norms over the whole projection) against its
-    region, bit for bit in bf16 with the op on its reference: positions, GQA and MHA, a scaled table, a window."""
+    """The attention under an fp32 rotation (q and k rotated in fp32, rounded back once: Ernie 4.5's interleaved pairs
+    and OLMo 2's rotate-half after its fp32 q/k norms over the whole projection, by the table kept fp32; Cohere's
+    interleaved pairs by its own interleaved table rounded to bf16) against its region, bit for bit in bf16 with the op
+    on its reference: positions, GQA and MHA, a scaled table, a window."""
     from tkcc.passes.lower import attention, rotary
     from tkcc.passes.lower.checks import Region, _capture, _options, attention_case
     from tkcc.passes.lower.decode import lower
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     qk_norm = "full_fp32" if form == "olmo2" else ""
-    pattern = attention._attention_pattern(qk_norm, rotary.rope_interleaved_fp32 if form == "ernie" else
-                                           rotary.rope_half_fp32)[0]
+    ropes = {"ernie": rotary.rope_interleaved_fp32, "cohere": rotary.rope_interleaved_upcast}
+    pattern = attention._attention_pattern(qk_norm, ropes.get(form, rotary.rope_half_fp32))[0]
+    table = dict(table=rotary.cos_sin_interleaved) if form == "cohere" else dict(table_dtype=torch.float32)
     for hq, hkv, D, S, window, rope_scale in ((4, 2, 16, 32, 0, 1.0), (4, 4, 32, 64, 12, 0.75), (8, 1, 64, 40, 0, 1.0)):
         t, fn, make = attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, D, g, "cpu", torch.bfloat16,
-                                     table_dtype=torch.float32)
+                                     **table)
         m = Region(fn, t)
         gm = _capture(m, make())
         info = lower(gm, torch.bfloat16, _options())
-        assert any("fp32 table" in n and "lowered" in n for n in info.notes), info.notes
+        lowered = "interleaved table]" if form == "cohere" else "fp32 table"
+        assert any(lowered in n and "lowered" in n for n in info.notes), info.notes
         for _ in range(4):
             x = make()
             before = m.kc.clone()
@@ -166,6 +169,15 @@ def _region_cases(dtype):
         name = "rotary_cos_sin[half table]" if inv_dtype == torch.float32 else \
             "rotary_cos_sin[half table, inv_freq in the model dtype]"
         cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
+    # Cohere's table, each frequency twice in place (widths whole vectors and not)
+    for R, inv_dtype in ((16, torch.float32), (128, torch.float32), (22, torch.float32)) + (
+            ((64, dtype),) if dtype != torch.float32 else ()):
+        def fn(s, pos):
+            return rotary.cos_sin_interleaved(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=dtype)
+        inv = (1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))).to(inv_dtype)
+        name = "rotary_cos_sin[interleaved table]" if inv_dtype == torch.float32 else \
+            "rotary_cos_sin[interleaved table, inv_freq in the model dtype]"
+        cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
     if dtype != torch.float32:  # Ernie 4.5 and OLMo 2 keep the table fp32 (in an fp32 graph it is rotary_cos_sin's)
         for R, inv_dtype in ((16, torch.float32), (64, dtype)):
             def fn(s, pos):
@@ -184,8 +196,9 @@ def _region_cases(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_rewrites_are_bit_exact(dtype):
-    """Each exact rewrite (the additive mask, gpt-oss's half table, Phi-3's chunked gate) on fresh random
-    inputs at several shapes: it lowers its region (the note says so) and the result is the region's, bit for bit."""
+    """Each exact rewrite (the additive mask, gpt-oss's half table, Cohere's interleaved one, Phi-3's chunked gate) on
+    fresh random inputs at several shapes: it lowers its region (the note says so) and the result is the region's, bit
+    for bit."""
     from tkcc.passes.lower.checks import Region, _capture, _options
     from tkcc.passes.lower.decode import lower
 
@@ -289,6 +302,9 @@ def test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter(interpre
     assert any("sinks, chunked" in r["case"] and "window" in r["case"] for r in rows), rows
     assert any("gemma" in r["case"] for r in rows) and any(r["case"].startswith("norm_offset_op") for r in rows)
     assert sum(r["case"].startswith("moe_gptoss configs") for r in rows) >= 5, rows
+    for dt in ("float32", "float16"):  # Cohere's rewrites and its rotation by the rounded table, in both dtypes
+        for case in ("interleaved table", "layer_norm_two_pass", "rounded_table_op"):
+            assert any(case in r["case"] and r["dtype"].endswith(dt) for r in rows), (case, dt)
     bad = [r for r in rows if not r["ok"]]
     assert not bad, json.dumps(bad, indent=1)
     assert not [k for k in checks["fallbacks"] if k.startswith("tkcc.")], checks["fallbacks"]  # the kernels ran
@@ -310,7 +326,8 @@ def test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter(interpre
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["gpt-oss", "phi3", "gemma3", "stablelm", "qwen3", "olmo2", "ernie4_5-moe"])
+@pytest.mark.parametrize("family", ["gpt-oss", "phi3", "gemma3", "stablelm", "qwen3", "olmo2", "ernie4_5-moe", "cohere",
+                                    "cohere2", "falcon", "gpt2", "gpt-bigcode", "smollm3"])
 def test_family_greedy_on_gpu_bf16(family, tmp_path):
     """Through the front door: the lowered step (PDL, replayed from the decode CUDA graph) keeps the captured
     graph's greedy tokens (the engine's tolerance-mode rule) over 32 steps."""

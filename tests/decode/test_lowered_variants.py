@@ -197,7 +197,7 @@ def test_bad_state_layout_is_refused_or_falls_back_with_its_reason():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["linear_attention", "rotary", "sinks", "gemma_qk_norm"])
+@pytest.mark.parametrize("family", ["linear_attention", "rotary", "sinks", "gemma_qk_norm", "cohere"])
 def test_rewrites_match_their_patterns_gpu_bf16(family):
     from tkcc.passes.lower.checks import run_checks
 

@@ -158,10 +158,15 @@ def lowered_variants():
         sig = {**rope[3], "pos_ptr": "*i64", **extra}
         out.append(("attention_rope.py.jinja", dict(pdl=True, **hooks), "attn_rope_kernel", sig,
                     dict(rope[4], QK_NORM="head_norm" in hooks, G=4, D=64, HALF=32)))
-    for hooks in (dict(pairs=True), dict(pairs=True, rope_fp32=True)):  # GLM's pairs; Ernie's, rotated in fp32
+    # GLM's pairs; Ernie's, rotated in fp32; Cohere's, rotated in fp32 by the table rounded to the activations' dtype;
+    # none (GPT-2's learned positions, NoPE layers: nothing paired)
+    for hooks in (dict(pairs=True), dict(pairs=True, rope_fp32=True), dict(pairs=True, rope_fp32=True,
+                                                                            rope_table_rounded=True),
+                  dict(pairs=True, rope=False)):
         sig = {**rope[3], "pos_ptr": "*i64", "ROT_DIM": "constexpr", "INTERLEAVED": "constexpr"}
         out.append(("attention_rope.py.jinja", dict(pdl=True, **hooks), "attn_rope_kernel", sig,
-                    dict(rope[4], QK_NORM=False, G=4, D=64, HALF=32, ROT_DIM=64, INTERLEAVED=True)))
+                    dict(rope[4], QK_NORM=False, G=4, D=64, HALF=32, ROT_DIM=64 if hooks.get("rope", True) else 0,
+                         INTERLEAVED=True)))
     sig = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": _P, "seqlen_ptr": "*i64", "chunk": "i32",
            "SPLITS": "i32", "D": "constexpr", "BLOCK_SP": "constexpr"}
     out.append(("attention.py.jinja", dict(pdl=True, from_pos=True), "attn_combine_kernel", sig,

@@ -101,7 +101,7 @@ class AttentionRope:
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
            head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None, dynamic=False,
-           rope_fp32=False):
+           rope_fp32=False, rope_table_rounded=False):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
@@ -115,7 +115,9 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     ``splits`` chunks are sized on the device to each step's context (``chunk`` unused), at most
     ``MERGE_MAX_SPLITS`` of them so that the kernel merges them itself. ``rope_fp32``: the table stays fp32 and
     the rotation is computed in fp32 from the upcast q and k, rounded once (Ernie 4.5, OLMo 2), not rounded at
-    each product and sum."""
+    each product and sum; with ``rope_table_rounded`` the table is rounded to the activations' dtype first (Cohere's
+    table, in the model's dtype, rotating the upcast q and k). ``inv_freq`` None: nothing rotates (learned
+    positions, NoPE layers)."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
@@ -130,11 +132,15 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         chunk = block_s  # not read: the kernel sizes its chunks from the position
     norm_fp32 = norm_offset is not None and qk_norm
     # (the paired path also takes the fp32 rotation and the fp32 q/k norms over the whole projection)
+    rope = inv_freq is not None
     pairs = (bool(interleaved) or bool(rotary_dim and rotary_dim != D) or bool(rope_fp32)
-             or (norm_fp32 and not head_norm))
+             or (norm_fp32 and not head_norm) or not rope)
+    if not rope:  # the paired path with nothing paired: every element passes through
+        inv_freq, rotary_dim, interleaved, rope_fp32, rope_scale = qkv, 0, False, False, None
     mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
                window=bool(window), pairs=pairs, sinks=sinks is not None, **({"rope_fp32": True} if rope_fp32 else {}),
-               **({"norm_fp32": True} if norm_fp32 else {}))
+               **({"rope_table_rounded": True} if rope_fp32 and rope_table_rounded else {}),
+               **({"norm_fp32": True} if norm_fp32 else {}), **({} if rope else {"rope": False}))
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
@@ -143,7 +149,7 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         SINGLE=splits == 1, BLOCK_SP=min(16, max(2, next_pow2(splits))), MERGE=merge, DYN=dynamic,
         num_warps=num_warps, **({"rope_scale": float(rope_scale)} if rope_scale is not None else {}),
         **({"window": int(window)} if window else {}),
-        **({"ROT_DIM": int(rotary_dim or D), "INTERLEAVED": bool(interleaved)} if pairs else {}),
+        **({"ROT_DIM": int(rotary_dim or D) if rope else 0, "INTERLEAVED": bool(interleaved)} if pairs else {}),
         **({"sinks_ptr": sinks} if sinks is not None else {}),
         **({"norm_offset": float(norm_offset)} if norm_fp32 else {}),
         **({"launch_pdl": True} if pdl else {}))

@@ -139,6 +139,16 @@ def rope_pairs_ref(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fals
     return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
 
 
+def layer_norm_two_pass_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """LayerNorm as Cohere writes it (``CohereLayerNorm.forward``): the mean and then the mean of the squared
+    deviations in fp32, the normalised x times the weight in fp32, rounded once; no bias."""
+    h = x.to(torch.float32)
+    mean = h.mean(-1, keepdim=True)
+    var = (h - mean).pow(2).mean(-1, keepdim=True)
+    h = (h - mean) * torch.rsqrt(var + eps)
+    return (weight.to(torch.float32) * h).to(x.dtype)
+
+
 def causal_mask_ref(cache_position: Tensor, kv_len: int, window: int = 0) -> Tensor:
     """[1, 1, T, kv_len] bool: query i (at ``cache_position[0] + i``) sees cache positions <= its own, and with
     ``window`` only the last ``window`` of them (``transformers.masking_utils.sdpa_mask``, no padding)."""
@@ -160,11 +170,12 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None, :, :].expand(B, H, n_rep, S, D).reshape(B, H * n_rep, S, D)
 
 
-def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
-                       rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float,
-                       scale: float, num_heads: int, window: int = 0, head_norm: bool = False, rotary_dim: int = 0,
-                       interleaved: bool = False, sinks: Optional[Tensor] = None,
-                       norm_offset: Optional[float] = None, rope_fp32: bool = False) -> Tensor:
+def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor,
+                       inv_freq: Optional[Tensor], rope_scale: float, q_norm: Optional[Tensor],
+                       k_norm: Optional[Tensor], eps: float, scale: float, num_heads: int, window: int = 0,
+                       head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
+                       sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None, rope_fp32: bool = False,
+                       rope_table_rounded: bool = False, kv_broadcast: bool = False) -> Tensor:
     """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
     [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
     rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
@@ -173,7 +184,12 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     logit per head in the softmax's denominator, as gpt-oss's eager attention computes it. ``norm_offset``: the q/k
     norms are ``norm(x) * (norm_offset + w)`` in fp32 rounded once (``rms_norm_ref``'s ``cast_first`` False: Gemma's
     per head, OLMo 2's over the whole projection with offset 0), None for the Llama form. ``rope_fp32``: the table is
-    kept fp32 and q and k are upcast to be rotated by it, then rounded back (Ernie 4.5, OLMo 2)."""
+    kept fp32 and q and k are upcast to be rotated by it, then rounded back (Ernie 4.5, OLMo 2); with
+    ``rope_table_rounded`` the table is rounded to the activations' dtype first, as Cohere's rotary embedding rounds it
+    (and its ``apply_rotary_pos_emb`` upcasts q and k to rotate them by it). ``inv_freq`` None: nothing rotates
+    (positions learned, GPT-2, or none, NoPE layers). ``kv_broadcast``: the one kv head is broadcast over the query
+    heads by sdpa itself, not repeated first (Falcon's multi-query block: the same attention, rounded as sdpa
+    rounds that form)."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q, k, v = torch.split(qkv, [num_heads * D, hkv * D, hkv * D], -1)
@@ -188,19 +204,20 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     q = q.transpose(1, 2)
     k = k.transpose(1, 2)
     v = v.view(B, T, -1, D).transpose(1, 2)
-    cos, sin = rotary_cos_sin_ref(inv_freq, cache_position.unsqueeze(0).expand(B, -1), rope_scale,
-                                  torch.float32 if rope_fp32 else qkv.dtype)
-    dt = q.dtype
-    if rope_fp32:
-        q, k = q.float(), k.float()
-    if rotary_dim or interleaved:
-        q, k = rope_pairs_ref(q, cos, sin, interleaved), rope_pairs_ref(k, cos, sin, interleaved)
-    else:
-        q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
-    q, k = q.to(dt), k.to(dt)
+    if inv_freq is not None:
+        cos, sin = rotary_cos_sin_ref(inv_freq, cache_position.unsqueeze(0).expand(B, -1), rope_scale,
+                                      torch.float32 if rope_fp32 and not rope_table_rounded else qkv.dtype)
+        dt = q.dtype
+        if rope_fp32:
+            q, k = q.float(), k.float()
+        if rotary_dim or interleaved:
+            q, k = rope_pairs_ref(q, cos, sin, interleaved), rope_pairs_ref(k, cos, sin, interleaved)
+        else:
+            q, k = rope_ref(q, cos, sin), rope_ref(k, cos, sin)
+        q, k = q.to(dt), k.to(dt)
     k_cache.index_copy_(2, cache_position, k)
     v_cache.index_copy_(2, cache_position, v)
-    n_rep = num_heads // hkv
+    n_rep = 1 if kv_broadcast else num_heads // hkv
     mask = causal_mask_ref(cache_position, S, window)
     if sinks is not None:
         return sink_attention_ref(q, repeat_kv(k_cache, n_rep), repeat_kv(v_cache, n_rep), mask, sinks, scale) \
@@ -323,13 +340,24 @@ def _(x, weight, eps, offset=0.0, cast_first=True):
 
 
 @torch.library.custom_op(f"{NS}::layer_norm", mutates_args=())
-def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
-    """LayerNorm over the last dim (``F.layer_norm``: its own fused kernel on every device)."""
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+               two_pass: bool = False) -> Tensor:
+    """LayerNorm over the last dim (``F.layer_norm``: its own fused kernel on every device). ``two_pass``: the region
+    writes it out (``layer_norm_two_pass_ref``): that arithmetic off a kernel, ``F.layer_norm``'s fused one (its own
+    statistic, within rounding) where a kernel runs."""
+    if not two_pass:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    if bias is not None:
+        raise ValueError("tkcc.layer_norm: the two-pass form has no bias")
+    reason = fallback_reason(x, weight)
+    if reason is None:
+        return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
+    note_fallback("tkcc.layer_norm", reason)
+    return layer_norm_two_pass_ref(x, weight, eps)
 
 
 @layer_norm.register_fake
-def _(x, weight, bias, eps):
+def _(x, weight, bias, eps, two_pass=False):
     return torch.empty_like(x)
 
 
@@ -438,7 +466,8 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
     R = rotary_dim or D
     if R % 2 or R > D:
         return f"rotary dim {R} of head dim {D}"
-    if not inv_freq.is_floating_point() or inv_freq.numel() != R // 2 or not inv_freq.is_contiguous():
+    if inv_freq is not None and (not inv_freq.is_floating_point() or inv_freq.numel() != R // 2
+                                 or not inv_freq.is_contiguous()):
         return f"inv_freq {tuple(inv_freq.shape)} {inv_freq.dtype} (needs a float vector of {R // 2})"
     if sinks is not None and (sinks.numel() != num_heads or not sinks.is_contiguous()):
         return f"sinks {tuple(sinks.shape)} for {num_heads} heads"
@@ -478,18 +507,21 @@ def attention_layout(S: int, chunk: int) -> tuple[int, int]:
 
 
 @torch.library.custom_op(f"{NS}::attention_rope", mutates_args=("k_cache", "v_cache", "count"))
-def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor, inv_freq: Tensor,
-                   rope_scale: float, q_norm: Optional[Tensor], k_norm: Optional[Tensor], eps: float, scale: float,
-                   num_heads: int, window: int, chunk: int, block_s: int, num_warps: int, count: Tensor,
+def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position: Tensor,
+                   inv_freq: Optional[Tensor], rope_scale: float, q_norm: Optional[Tensor],
+                   k_norm: Optional[Tensor], eps: float, scale: float, num_heads: int, window: int, chunk: int,
+                   block_s: int, num_warps: int, count: Tensor,
                    pdl: bool = False, head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
                    sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None,
-                   rope_fp32: bool = False) -> Tensor:
+                   rope_fp32: bool = False, rope_table_rounded: bool = False, kv_broadcast: bool = False) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split, or -N: N splits sized on the device to each step's context (one
     CUDA graph then spreads every context's work evenly); ``block_s`` x ``num_warps``: the kernel's tile. The
     position is read on the device (no host synchronisation; a replayed graph advances with its input). A
     position at or past the cache writes and reads nothing there: the greedy loop refuses such a context first."""
+    if kv_broadcast and k_cache.shape[1] != 1:
+        raise ValueError(f"tkcc.attention_rope: kv_broadcast is for one kv head, not {k_cache.shape[1]}")
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                               block_s, num_warps, count, window, head_norm, rotary_dim, interleaved, sinks,
                               norm_offset)
@@ -509,18 +541,19 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
                   rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window,
                   rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks, norm_offset=norm_offset,
-                  dynamic=ch < 0, rope_fp32=rope_fp32)
+                  dynamic=ch < 0, rope_fp32=rope_fp32, rope_table_rounded=rope_table_rounded)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     _check_context(cache_position, k_cache.shape[2])
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
-                              num_heads, window, head_norm, rotary_dim, interleaved, sinks, norm_offset, rope_fp32)
+                              num_heads, window, head_norm, rotary_dim, interleaved, sinks, norm_offset, rope_fp32,
+                              rope_table_rounded, kv_broadcast)
 
 
 @attention_rope.register_fake
 def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
       chunk, block_s, num_warps, count, pdl=False, head_norm=False, rotary_dim=0, interleaved=False, sinks=None,
-      norm_offset=None, rope_fp32=False):
+      norm_offset=None, rope_fp32=False, rope_table_rounded=False, kv_broadcast=False):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
 
 

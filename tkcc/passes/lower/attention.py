@@ -208,9 +208,66 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explic
                                              kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
                                              num_warps, count, pdl, qk_norm in PER_HEAD,
                                              kw.get("rotary_dim", 0), kw.get("interleaved", False), *tail,
-                                             **({"rope_fp32": True} if kw.get("rope_fp32") else {}))
+                                             **{k: True for k in ("rope_fp32", "rope_table_rounded", "kv_broadcast")
+                                                if kw.get(k)})
 
     return pattern, replacement
+
+
+def fused_heads_mqa(qkv, k_cache, v_cache, cache_position, cos, sin, mask, k_index, v_index):
+    """Falcon's multi-query block (``multi_query``, ``FalconAttention._split_heads``): the projection viewed as its
+    query heads and one key and one value head, ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]`` (the list
+    indices are constants of the graph: ``k_index``, ``v_index``), rotate-half, the cache writes, and sdpa with the
+    one key head broadcast over the query heads (no ``repeat_kv``), at sdpa's default scale. The projection is
+    [q | k | v] as the fused attention reads it, with one kv head."""
+    B, T, D = qkv.shape[0], qkv.shape[1], k_cache.shape[3]
+    hq = qkv.shape[-1] // D - 2
+    fused = qkv.view(B, T, hq + 2, D)
+    query, key, value = fused[..., :-2, :], fused[..., k_index, :], fused[..., v_index, :]
+    query = query.transpose(1, 2).reshape(B, hq, T, D)
+    key = key.transpose(1, 2).reshape(B, 1, T, D)
+    value = value.transpose(1, 2).reshape(B, 1, T, D)
+    query, key = rope_half(query, key, cos.unsqueeze(1), sin.unsqueeze(1))
+    keys = k_cache.index_copy_(2, cache_position, key)
+    values = v_cache.index_copy_(2, cache_position, value)
+    o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    o = o.view(B, hq, T, D).permute(0, 2, 1, 3)
+    return o.reshape(B, T, hq * D)
+
+
+def _fused_heads_mqa_replacement(qkv, k_cache, v_cache, cache_position, cos, sin, mask, k_index, v_index, *,
+                                 scale, **params):
+    _pattern, replacement = _attention_pattern("")
+    return replacement(qkv, k_cache, v_cache, cache_position, cos, sin, mask, scale=scale, **params)
+
+
+def _fused_heads_mqa_example(dt):
+    D, S, hq = 16, 40, 4
+    return ((torch.empty(1, 1, (hq + 2) * D, dtype=dt), torch.empty(1, 1, S, D, dtype=dt),
+             torch.empty(1, 1, S, D, dtype=dt), torch.empty(1, dtype=torch.int64), torch.empty(1, 1, D, dtype=dt),
+             torch.empty(1, 1, D, dtype=dt), torch.empty(1, 1, 1, S, dtype=torch.bool),
+             torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.int64)), {})
+
+
+def _fused_heads_mqa_check(m) -> str | None:
+    """``_check``, one kv head, and the list indices pick the key and the value head (the last two)."""
+    kc = m.val(1)
+    hq = m.val(0).shape[-1] // kc.shape[3] - 2
+    if kc.shape[1] != 1:
+        return f"a multi-query cache of {kc.shape[1]} heads"
+    for i, want in ((7, (-2, hq)), (8, (-1, hq + 1))):
+        got = _constant(m.inputs[i], m.gm)
+        if got not in want:
+            return (f"the {'key' if i == 7 else 'value'} head is index {got if got is None else int(got)}, not "
+                    f"{want[0]} of {hq + 2} heads")
+    return _check(m)
+
+
+def _fused_heads_mqa_params(m, ctx):
+    from tkcc.kernels.lowered import default_scale
+
+    # sdpa's own default scale; the one key head broadcast by sdpa (the reference rounds as that form does)
+    return {**_params(m, ctx), "scale": default_scale(int(m.val(1).shape[3])), "kv_broadcast": True}
 
 
 def _example(qk_norm: str, hq: int, hkv: int, sinks: bool = False, table: int | None = None):
@@ -257,7 +314,7 @@ def _is_positions_of(pos_ids, cache_position) -> bool:
             and pos_ids.args[1] == 0)
 
 
-def _check(m, half_table: bool = False) -> str | None:
+def _check(m, half_table: bool = False, interleaved_table: bool = False) -> str | None:
     qkv, kc, vc, pos = m.val(0), m.val(1), m.val(2), m.val(3)
     if qkv.shape[0] != 1 or qkv.shape[1] != 1:
         return f"qkv {tuple(qkv.shape)} is not one token of one sequence (the fused attention is batch-1 decode)"
@@ -265,15 +322,33 @@ def _check(m, half_table: bool = False) -> str | None:
         return f"caches {tuple(kc.shape)} / {tuple(vc.shape)} {kc.dtype} are not one [B, Hkv, S, D] layout"
     if m.tensor(1) is None or m.tensor(2) is None:
         return "the caches are not buffers of the graph"
-    return step_mask_and_rotary(m, pos=3, cos=4, sin=5, mask=6, kv_len=kc.shape[2], half_table=half_table)
+    return step_mask_and_rotary(m, pos=3, cos=4, sin=5, mask=6, kv_len=kc.shape[2], half_table=half_table,
+                                interleaved_table=interleaved_table)
 
 
 def step_mask_and_rotary(m, *, pos: int, cos: int, sin: int, mask: int, kv_len: int, whole: bool = False,
-                         half_table: bool = False):
+                         half_table: bool = False, interleaved_table: bool = False):
     """Why a matched region's mask and rotary table are not the step's own, or None: the mask is the step's
     causal mask over the ``kv_len``-position cache at the cache positions (``whole``: with no window), boolean or
     made additive (``additive_mask_of``), and cos/sin are one ``rotary_cos_sin`` at those positions (``half_table``:
-    their first halves, ``rotary_table_of``). Arguments are the region's input indices."""
+    their first halves; ``interleaved_table``: their first halves, each element twice; ``rotary_table_of``).
+    Arguments are the region's input indices."""
+    why = step_mask(m, pos=pos, mask=mask, kv_len=kv_len, whole=whole)
+    if why:
+        return why
+    rot = rotary_table_of(m.inputs[cos], 0, half_table, interleaved_table)
+    if rot is None or rotary_table_of(m.inputs[sin], 1, half_table, interleaved_table) is not rot:
+        form = "the first halves of " if half_table else "the first halves, each element twice, of " \
+            if interleaved_table else ""
+        return f"cos/sin are not {form}the step's rotary table"
+    if not _is_positions_of(rot.args[1], m.inputs[pos]):
+        return "the rotary positions are not the cache positions"
+    return None
+
+
+def step_mask(m, *, pos: int, mask: int, kv_len: int, whole: bool = False):
+    """Why a matched region's mask is not the step's causal mask over the ``kv_len``-position cache at the cache
+    positions (``whole``: with no window), boolean or made additive (``additive_mask_of``), or None."""
     mnode = m.inputs[mask]
     if _val(mnode) is not None and _val(mnode).dtype != torch.bool:
         mnode = additive_mask_of(mnode, m.gm)
@@ -285,11 +360,6 @@ def step_mask_and_rotary(m, *, pos: int, cos: int, sin: int, mask: int, kv_len: 
     if causal.args[0] is not m.inputs[pos] or causal.args[1] != kv_len or (
             whole and len(causal.args) > 2 and causal.args[2]):
         return f"the causal mask is not over the {'whole ' if whole else ''}cache at these positions"
-    rot = rotary_table_of(m.inputs[cos], 0, half_table)
-    if rot is None or rotary_table_of(m.inputs[sin], 1, half_table) is not rot:
-        return f"cos/sin are not {'the first halves of ' if half_table else ''}the step's rotary table"
-    if not _is_positions_of(rot.args[1], m.inputs[pos]):
-        return "the rotary positions are not the cache positions"
     return None
 
 
@@ -335,37 +405,67 @@ def additive_mask_of(node, gm):
     return cond
 
 
-def rotary_table_of(node, index: int, half: bool = False):
+def rotary_table_of(node, index: int, half: bool = False, interleaved: bool = False):
     """The ``rotary_cos_sin`` whose cos (``index`` 0) or sin (1) ``node`` is, or (``half``) whose first half along
-    the last dim it is (gpt-oss's table over half the head: ``rotary.cos_sin_half``), else None."""
-    if half:
-        if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
-                and node.target is torch.ops.aten.slice.Tensor):
-            return None
-        src, dim, start, end, step = _all_args(node)
-        val = _val(src)
-        if val is None or dim not in (-1, val.dim() - 1) or start not in (0, None) or step != 1 \
-                or end != val.shape[-1] // 2:
-            return None
-        node = src
+    the last dim it is (gpt-oss's table over half the head: ``rotary.cos_sin_half``), or (``interleaved``) whose
+    first half it repeats (Cohere's ``repeat_interleave``d table: ``rotary.cos_sin_interleaved``), else None."""
+    if interleaved:
+        node = repeated_half_of(node)
+    elif half:
+        node = _first_half_of(node)
     return _getitem_of(node, torch.ops.tkcc.rotary_cos_sin.default, index)
 
 
+def _first_half_of(node):
+    """The tensor whose first half along the last dim ``node`` is (a slice), else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target is torch.ops.aten.slice.Tensor):
+        return None
+    src, dim, start, end, step = _all_args(node)
+    val = _val(src)
+    if val is None or dim not in (-1, val.dim() - 1) or start not in (0, None) or step != 1 \
+            or end != val.shape[-1] // 2:
+        return None
+    return src
+
+
+def repeated_half_of(node):
+    """The tensor whose first half along the last dim ``node`` repeats, each element twice in place
+    (``x[..., :n // 2].repeat_interleave(2, -1)``), else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target is torch.ops.aten.repeat_interleave.self_int):
+        return None
+    src, repeats, dim, output_size = _all_args(node)
+    val = _val(src)
+    if val is None or repeats != 2 or dim not in (-1, val.dim() - 1) or output_size not in (None, 2 * val.shape[-1]):
+        return None
+    return _first_half_of(src)
+
+
 def _params(m, ctx):
+    node = m.inputs[4]
+    rot = rotary_table_of(node, 0) or rotary_table_of(node, 0, half=True) or \
+        rotary_table_of(node, 0, interleaved=True)
+    return {**_layout_params(m, ctx, mask=6), "inv_freq": rot.args[0], "rope_scale": float(rot.args[2])}
+
+
+def _layout_params(m, ctx, *, mask: int):
+    """The fused attention's parameters but the rotation's, for a region whose inputs are (qkv, k cache, v cache, ...)
+    and whose mask is input ``mask``: its tile and chunk for this device, the arrival counters, the heads, the
+    window, PDL."""
     kc = m.val(1)
     hkv, S, D = kc.shape[1], kc.shape[2], kc.shape[3]
     hq = m.val(0).shape[-1] // D - 2 * hkv
-    rot = rotary_table_of(m.inputs[4], 0) or rotary_table_of(m.inputs[4], 0, half=True)
-    mask = _producer(m.inputs[6], torch.ops.tkcc.causal_mask.default) or \
-        _producer(additive_mask_of(m.inputs[6], m.gm), torch.ops.tkcc.causal_mask.default)
+    mnode = _producer(m.inputs[mask], torch.ops.tkcc.causal_mask.default) or \
+        _producer(additive_mask_of(m.inputs[mask], m.gm), torch.ops.tkcc.causal_mask.default)
     chunk, (block_s, num_warps) = ctx.options["attention_layout"](hq, hkv, D, S)
     if block_s is None:
         raise Refused("no attention tile fits the device")
     count = ctx.tensor("count", torch.zeros(max(hkv, 1), dtype=torch.int32, device=kc.device),
                        share_key=("count", hkv, str(kc.device)))
-    return {"inv_freq": rot.args[0], "count": count, "rope_scale": float(rot.args[2]), "num_heads": int(hq),
-            "window": int(mask.args[2]) if len(mask.args) > 2 else 0, "chunk": int(chunk), "block_s": int(block_s),
-            "num_warps": int(num_warps), "pdl": bool(ctx.options.get("pdl"))}
+    return {"count": count, "num_heads": int(hq), "window": int(mnode.args[2]) if len(mnode.args) > 2 else 0,
+            "chunk": int(chunk), "block_s": int(block_s), "num_warps": int(num_warps),
+            "pdl": bool(ctx.options.get("pdl"))}
 
 
 def _check_sinks(m, half_table: bool = False) -> str | None:
@@ -394,6 +494,9 @@ def _attention_rewrites():
     for kind, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
         out.append(Rewrite(f"attention[{kind}, sinks]", pattern, replacement, _example("", hq, hkv, sinks=True),
                            region="attention", check=_check_sinks, params=_params))
+    out.append(Rewrite("attention[mqa, fused heads]", fused_heads_mqa, _fused_heads_mqa_replacement,
+                       _fused_heads_mqa_example, region="attention", check=_fused_heads_mqa_check,
+                       params=_fused_heads_mqa_params))
     return out
 
 

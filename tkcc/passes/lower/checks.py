@@ -195,10 +195,11 @@ def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
 
 
 def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_dim, g, device, dtype,
-                   table_dtype=None):
+                   table_dtype=None, table=None):
     """(tensors, fn, make) of one attention region's check: fresh caches, the rotary table over ``rotary_dim`` of
-    the head (in ``table_dtype``, default the activations'), the q/k norm weights; ``fn`` runs ``pattern`` under
-    the step's causal or sliding mask, ``make`` draws a q|k|v row and a position."""
+    the head (in ``table_dtype``, default the activations'; ``table``: the rotary embedding that makes it, default
+    ``rotary.cos_sin``), the q/k norm weights; ``fn`` runs ``pattern`` under the step's causal or sliding mask,
+    ``make`` draws a q|k|v row and a position."""
     from tkcc.passes.lower import attention, rotary
 
     R = rotary_dim
@@ -209,7 +210,8 @@ def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_d
         t["kn"] = _rand((D if qk_norm in attention.PER_HEAD else hkv * D,), g, device, dtype, 0.5) + 1
 
     def fn(s, qkv, pos):
-        cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=table_dtype or qkv.dtype)
+        cos, sin = (table or rotary.cos_sin)(s.inv_freq, pos.unsqueeze(0), scale=rope_scale,
+                                             dtype=table_dtype or qkv.dtype)
         mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
             attention.causal_mask(pos, kv_len=S)
         norms = (s.qn, s.kn) if qk_norm else ()
@@ -241,6 +243,56 @@ def check_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 32, 
                    f"{', rope x' + str(rope_scale) if rope_scale != 1.0 else ''}{f', window {window}' if window else ''}]"
             rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype,
                              _options(chunk=chunk), state=("kc", "vc"))
+    return rows + check_fused_heads_mqa(device, dtype, g) + check_plain_attention(device, dtype, g)
+
+
+def check_fused_heads_mqa(device, dtype, g, shapes=((4, 16, 40, 16, 0), (8, 32, 100, 16, 24), (2, 64, 300, 16, 0))):
+    """Falcon's multi-query block (``attention.fused_heads_mqa``: the heads indexed out of the projection by list
+    constants, one key head broadcast by sdpa): (hq, D, S, chunk, window); the third has more splits than the
+    in-kernel merge takes."""
+    from tkcc.passes.lower import attention, rotary
+
+    rows = []
+    for hq, D, S, chunk, window in shapes:
+        t, _fn, make = attention_case(None, hq, 1, D, S, window, "", 1.0, D, g, device, dtype)
+
+        def fn(s, qkv, pos, S=S, window=window):
+            cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=qkv.dtype)
+            mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
+                attention.causal_mask(pos, kv_len=S)
+            heads = (torch.tensor([-2], device=pos.device), torch.tensor([-1], device=pos.device))
+            return attention.fused_heads_mqa(qkv, s.kc, s.vc, pos, cos, sin, mask, *heads)
+
+        rows += run_case(f"attention[{hq}/1x{D}, S={S}, chunk={chunk}, fused heads (Falcon's multi-query)"
+                         f"{f', window {window}' if window else ''}]", Region(fn, t), make,
+                         "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk), state=("kc", "vc"))
+    return rows
+
+
+def check_plain_attention(device, dtype, g, shapes=((4, 4, 16, 40, 16, 0, "even", ""),
+                                                    (8, 1, 32, 100, 16, 24, "unsqueezed", ""),
+                                                    (4, 2, 16, 300, 16, 0, "split", "head_transposed"),
+                                                    (4, 2, 32, 64, 16, 0, "split", "head"))):
+    """The blocks with no rotation (``attention_plain``: GPT-2's even split, GPT-BigCode's multi-query, a NoPE
+    layer's, with per-head q/k norms or not): (hq, hkv, D, S, chunk, window, form, q/k norm); the third has more
+    splits than the in-kernel merge takes."""
+    from tkcc.passes.lower import attention, attention_plain
+
+    rows = []
+    for hq, hkv, D, S, chunk, window, form, qk_norm in shapes:
+        t, _fn, make = attention_case(None, hq, hkv, D, S, window, qk_norm, 1.0, D, g, device, dtype)
+        pattern = attention_plain._pattern(form, qk_norm)
+
+        def fn(s, qkv, pos, S=S, window=window, pattern=pattern, qk_norm=qk_norm):
+            mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
+                attention.causal_mask(pos, kv_len=S)
+            norms, kw = ((s.qn, s.kn), {"eps": 1e-5}) if qk_norm else ((), {})
+            return pattern(qkv, s.kc, s.vc, pos, mask, *norms, scale=D ** -0.5, **kw)
+
+        rows += run_case(f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, no rotary, {form}"
+                         f"{', ' + qk_norm + ' qk_norm' if qk_norm else ''}"
+                         f"{f', window {window}' if window else ''}]", Region(fn, t), make,
+                         "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk), state=("kc", "vc"))
     return rows
 
 

@@ -1,5 +1,5 @@
-"""Checks of the rotary, sink and linear-attention rewrites (``checks.py``'s machinery, on their own regions):
-each region written as the model's code writes it, captured, lowered, and compared with its eager run on
+"""Checks of the rotary, sink, linear-attention and Cohere rewrites (``checks.py``'s machinery, on their own
+regions): each region written as the model's code writes it, captured, lowered, and compared with its eager run on
 fresh random inputs and several shapes (caches and recurrent states compared too). ``checks.py`` imports
 this module, so it imports ``checks`` inside the functions."""
 from __future__ import annotations
@@ -157,5 +157,33 @@ def check_gemma_qk_norm(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 
     return rows
 
 
+def check_cohere(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0, 48), (4, 4, 32, 64, 64, 12, 200),
+                                           (8, 1, 16, 100, 16, 24, 2048), (4, 2, 16, 300, 16, 8, 64),
+                                           (2, 1, 64, 48, 16, 0, 1000))):
+    """Cohere's attention block (its own ``repeat_interleave``d table in the activations' dtype, the interleaved pairs
+    rotated in fp32: ``rotary.cos_sin_interleaved``, ``rotary.rope_interleaved_upcast``) over GQA, MHA and MQA, one
+    split and several (the fourth shape: more than the kernel merges), scaled tables, sliding windows; and its
+    LayerNorm written out in fp32 (``norms.layer_norm_two_pass``): (hq, hkv, D, S, chunk, window, norm width)."""
+    from tkcc.passes.lower import attention, norms, rotary
+    from tkcc.passes.lower.checks import Region, _options, _rand, attention_case, run_case
+
+    rows = []
+    pattern = attention._attention_pattern("", rotary.rope_interleaved_upcast)[0]
+    for i, (hq, hkv, D, S, chunk, window, H) in enumerate(shapes):
+        rope_scale = 1.0 if i % 2 == 0 else 0.75
+        t, fn, make = attention_case(pattern, hq, hkv, D, S, window, "", rope_scale, D, g, device, dtype,
+                                     table=rotary.cos_sin_interleaved)
+        name = f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, interleaved rotary in fp32 by an interleaved table" \
+               f"{', rope x0.75' if rope_scale != 1.0 else ''}{f', window {window}' if window else ''}]"
+        rows += run_case(name, Region(fn, t), make, "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk),
+                         state=("kc", "vc"))
+        w = _rand((H,), g, device, dtype, 0.5) + 1
+        rows += run_case(f"layer_norm_two_pass[{H}]",
+                         Region(lambda s, x: norms.layer_norm_two_pass(x, s.w, eps=1e-5), {"w": w}),
+                         lambda H=H: (_rand((1, 1, H), g, device, dtype, 2.0) + 0.5,), "tkcc.layer_norm.default",
+                         False, dtype)
+    return rows
+
+
 FAMILIES = {"linear_attention": check_linear_attention, "rotary": check_rotary, "sinks": check_sink_attention,
-            "gemma_qk_norm": check_gemma_qk_norm}
+            "gemma_qk_norm": check_gemma_qk_norm, "cohere": check_cohere}

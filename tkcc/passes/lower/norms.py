@@ -1,5 +1,5 @@
 """Normalisations: RMSNorm (Llama's ``w * norm(x)``, Gemma's ``norm(x) * (1 + w)``, gpt-oss's ``(w * norm(x))`` rounded
-once) and LayerNorm.
+once) and LayerNorm (``F.layer_norm``, or Cohere's written out in fp32).
 
 Each pattern is the module's forward as Hugging Face writes it; each replacement one ``tkcc.rms_norm`` /
 ``tkcc.layer_norm``. Most norms do not survive as ops: the projection rewrites (``projections.py``) match a
@@ -53,6 +53,19 @@ def layer_norm_nobias(x, weight, *, eps):
     return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
 
 
+def layer_norm_two_pass(x, weight, *, eps):
+    """``CohereLayerNorm.forward`` (Cohere 2's): the mean, then the mean of the squared deviations, in fp32; the fp32
+    weight times the normalised x, rounded once; no bias. Not ``F.layer_norm``'s arithmetic (its statistic is its
+    own), so its replacement is the op's ``two_pass`` form: this arithmetic off a kernel, not exact on one."""
+    input_dtype = x.dtype
+    hidden_states = x.to(torch.float32)
+    mean = hidden_states.mean(-1, keepdim=True)
+    variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+    hidden_states = (hidden_states - mean) * torch.rsqrt(variance + eps)
+    hidden_states = weight.to(torch.float32) * hidden_states
+    return hidden_states.to(input_dtype)
+
+
 def _to_rms_norm(x, weight, *, eps):
     return torch.ops.tkcc.rms_norm(x, weight, eps)
 
@@ -72,6 +85,10 @@ def _to_layer_norm(x, weight, bias, *, eps):
 
 def _to_layer_norm_nobias(x, weight, *, eps):
     return torch.ops.tkcc.layer_norm(x, weight, None, eps)
+
+
+def _to_layer_norm_two_pass(x, weight, *, eps):
+    return torch.ops.tkcc.layer_norm(x, weight, None, eps, True)
 
 
 def _x_w(dtype, H=48):
@@ -96,4 +113,6 @@ REWRITES = [
             lambda dt: ((*_x_w(dt), torch.empty(48, dtype=dt)), {"eps": EPS}), region="norm", exact=True),
     Rewrite("layer_norm_nobias", layer_norm_nobias, _to_layer_norm_nobias, lambda dt: (_x_w(dt), {"eps": EPS}),
             region="norm", exact=True),
+    Rewrite("layer_norm_two_pass", layer_norm_two_pass, _to_layer_norm_two_pass, lambda dt: (_x_w(dt), {"eps": EPS}),
+            region="norm", check=_same_width),
 ]

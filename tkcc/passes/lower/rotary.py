@@ -16,7 +16,8 @@ fused ``tkcc.attention_rope`` with its ``rotary_dim`` / ``interleaved``):
   ``rotary_dim / 2``); the rest passes through;
 - interleaved (GLM; GPT-J's pairs): pairs ``(2i, 2i + 1)`` rotate at frequency i (the table's first half
   ``repeat_interleave``d), full or partial; Helium writes the full one without GLM's slices
-  (``rope_interleaved_unsliced``).
+  (``rope_interleaved_unsliced``); Cohere's rotary embedding interleaves the table itself (``cos_sin_interleaved``,
+  named the step's table's first half repeated) and its rotation upcasts q and k (``rope_interleaved_upcast``).
 
 Only the packed-projection form of the block is matched: ``canonical_split`` first turns a projection's three
 slices that tile its last dim (Phi-3's ``qkv[..., :q]``, ...) into the one ``split`` the packer emits.
@@ -102,6 +103,25 @@ def _to_op_half(inv_freq, position_ids, *, scale, dtype):
     return cos[..., :n], sin[..., :n]
 
 
+def cos_sin_interleaved(inv_freq, position_ids, *, scale, dtype):
+    """Cohere's (and Cohere 2's) ``RotaryEmbedding.forward``: each frequency twice in place (``repeat_interleave``,
+    not ``cat``), for its rotation's pairs ``(2i, 2i + 1)``."""
+    inv_freq_expanded = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+    position_ids_expanded = position_ids[:, None, :].float()
+    freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
+    emb = torch.repeat_interleave(freqs, 2, dim=-1)
+    cos = emb.cos() * scale
+    sin = emb.sin() * scale
+    return cos.to(dtype=dtype), sin.to(dtype=dtype)
+
+
+def _to_op_interleaved(inv_freq, position_ids, *, scale, dtype):
+    """The step's table, first halves repeated in place: ``f.cos()`` at ``2i`` and ``2i + 1`` is
+    ``repeat_interleave(f, 2).cos()`` element for element (what ``attention.rotary_table_of`` reads as the table)."""
+    cos, sin = _to_op_half(inv_freq, position_ids, scale=scale, dtype=dtype)
+    return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+
+
 # inv_freq kept in fp32 (a model loaded in its dtype), or cast with the model (``model.to(torch.bfloat16)``)
 REWRITES = [
     Rewrite("rotary_cos_sin", cos_sin, _to_op, _example(torch.float32), region="rotary", exact=True, check=_check),
@@ -120,6 +140,10 @@ REWRITES = [
             exact=True, check=_check),
     Rewrite("rotary_cos_sin[half table, inv_freq in the model dtype]", cos_sin_half, _to_op_half, _example(None),
             region="rotary", exact=True, check=_check),
+    Rewrite("rotary_cos_sin[interleaved table]", cos_sin_interleaved, _to_op_interleaved, _example(torch.float32),
+            region="rotary", exact=True, check=_check),
+    Rewrite("rotary_cos_sin[interleaved table, inv_freq in the model dtype]", cos_sin_interleaved, _to_op_interleaved,
+            _example(None), region="rotary", exact=True, check=_check),
 ]
 
 
@@ -179,6 +203,18 @@ def rope_interleaved_fp32(q, k, cos, sin):
     q_embed = (q.float() * cos) + (rotate_pairs(q).float() * sin)
     k_embed = (k.float() * cos) + (rotate_pairs(k).float() * sin)
     return q_embed.to(original_dtype), k_embed.to(original_dtype)
+
+
+def rope_interleaved_upcast(q, k, cos, sin):
+    """Cohere's (and Cohere 2's) ``apply_rotary_pos_emb``: q and k upcast and rotated in GLM's interleaved pairs by the
+    table as its rotary embedding leaves it (interleaved already: ``cos_sin_interleaved``; rounded to the activations'
+    dtype), in fp32, then rounded back once. In an fp32 graph the casts are gone."""
+    dtype = q.dtype
+    q = q.float()
+    k = k.float()
+    q_embed = (q * cos) + (rotate_pairs(q) * sin)
+    k_embed = (k * cos) + (rotate_pairs(k) * sin)
+    return q_embed.to(dtype=dtype), k_embed.to(dtype=dtype)
 
 
 def rope_half_fp32(q, k, cos, sin):
@@ -244,6 +280,12 @@ def _attention_rewrites():
         out.append(Rewrite(f"attention[{heads}, interleaved rotary in fp32 by an fp32 table]", pattern, replacement,
                            _fp32_table(attention._example("", hq, hkv)), region="attention", check=_fp32_table_check,
                            params=_rotary_params(True, fp32=True)))
+    # Cohere: the interleaved pairs rotated in fp32 by its own interleaved table, in the activations' dtype
+    pattern, replacement = attention._attention_pattern("", rope_interleaved_upcast)
+    for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
+        out.append(Rewrite(f"attention[{heads}, interleaved rotary in fp32 by an interleaved table]", pattern,
+                           replacement, attention._example("", hq, hkv), region="attention",
+                           check=_interleaved_table_check, params=_interleaved_table_params))
     # OLMo 2: rotate-half by the fp32 table, after q/k norms over the whole projection in fp32 (or none)
     for qk_norm in ("full_fp32", ""):
         pattern, replacement = attention._attention_pattern(qk_norm, rope_half_fp32)
@@ -279,6 +321,24 @@ def _rotary_params(interleaved, fp32=False):
         return got
 
     return params
+
+
+def _interleaved_table_check(m) -> str | None:
+    """The step's table, its first halves repeated (``attention.step_mask_and_rotary``'s ``interleaved_table``), in
+    fp32 or the activations' dtype; the rest as ``attention._check`` has it."""
+    from tkcc.passes.lower import attention
+
+    if m.val(4).dtype not in (torch.float32, m.val(0).dtype):
+        return f"the rotary table is {m.val(4).dtype}, neither fp32 nor the activations' {m.val(0).dtype}"
+    return attention._check(m, interleaved_table=True)
+
+
+def _interleaved_table_params(m, ctx):
+    """The interleaved pairs over the whole head in fp32; the kernel rounds the table to the activations' dtype as
+    the model does, unless the model keeps it fp32."""
+    got = _rotary_params(True, fp32=True)(m, ctx)
+    got.update(rope_table_rounded=m.val(4).dtype != torch.float32)
+    return got
 
 
 def _fp32_table_check(m) -> str | None:

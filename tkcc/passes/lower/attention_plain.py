@@ -1,0 +1,107 @@
+"""Attention blocks with no rotation: positions learned and added to the embedding (GPT-2, GPT-BigCode) or none at
+all (the NoPE layers of SmolLM3 and Llama 4). Each becomes the same fused ``tkcc.attention_rope`` as a rotary
+block (``attention.py``), given no frequencies (``inv_freq`` None): the cache write, then attention over
+positions [0, pos] under the step's causal mask, with nothing rotated.
+
+The forms, as each model's code splits its packed projection into heads:
+
+- ``split``: ``torch.split(qkv, [Hq D, Hkv D, Hkv D], -1)``, heads by ``view(B, T, -1, D)``, ``repeat_kv`` (a
+  Llama-style layer whose rotation is switched off), with or without q/k RMSNorms over each head, before the heads
+  are transposed (Qwen3's form) or after (EXAONE 4's global layers);
+- ``even``: GPT-2's ``qkv.split(E, dim=2)`` into three equal parts (multi-head);
+- ``unsqueezed``: GPT-BigCode's multi-query ``qkv.unsqueeze(1).split((E, D, D), dim=3)``: the one key and value
+  head already [B, 1, T, D], ``repeat_kv`` over the query heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tkcc.passes.lower.attention import SCALE, _layout_params, repeat_kv, step_mask
+from tkcc.passes.lower.norms import EPS, rms_norm
+from tkcc.passes.lower.pattern import Rewrite
+
+
+def _heads(x, B, T, D):
+    return x.view(B, T, -1, D).transpose(1, 2)
+
+
+def _pattern(form: str, qk_norm: str = ""):
+    def pattern(qkv, k_cache, v_cache, cache_position, mask, *norms, scale, **kw):
+        B, T = qkv.shape[0], qkv.shape[1]
+        hkv, D = k_cache.shape[1], k_cache.shape[3]
+        if form == "even":
+            q, k, v = qkv.split(qkv.shape[-1] // 3, dim=2)
+            q, k, v = _heads(q, B, T, D), _heads(k, B, T, D), _heads(v, B, T, D)
+        elif form == "unsqueezed":
+            q, k, v = qkv.unsqueeze(1).split((qkv.shape[-1] - 2 * D, D, D), dim=3)
+            q = _heads(q, B, T, D)
+        else:
+            hq = qkv.shape[-1] // D - 2 * hkv
+            q, k, v = torch.split(qkv, [hq * D, hkv * D, hkv * D], -1)
+            if qk_norm == "head":
+                q = rms_norm(q.view(B, T, -1, D), norms[0], eps=kw["eps"]).transpose(1, 2)
+                k = rms_norm(k.view(B, T, -1, D), norms[1], eps=kw["eps"]).transpose(1, 2)
+            elif qk_norm == "head_transposed":
+                q = rms_norm(_heads(q, B, T, D), norms[0], eps=kw["eps"])
+                k = rms_norm(_heads(k, B, T, D), norms[1], eps=kw["eps"])
+            else:
+                q, k = _heads(q, B, T, D), _heads(k, B, T, D)
+            v = _heads(v, B, T, D)
+        keys = k_cache.index_copy_(2, cache_position, k)
+        values = v_cache.index_copy_(2, cache_position, v)
+        n_rep = q.shape[1] // hkv
+        o = F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask,
+                                           dropout_p=0.0, scale=scale, is_causal=False)
+        return o.transpose(1, 2).reshape(B, T, -1)
+
+    return pattern
+
+
+def _replacement(qkv, k_cache, v_cache, cache_position, mask, *norms, scale, count, num_heads, window, chunk, block_s,
+                 num_warps, pdl, **kw):
+    qn, kn = norms if norms else (None, None)
+    return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, None, 1.0, qn, kn, kw.get("eps", 1e-6),
+                                         scale, num_heads, window, chunk, block_s, num_warps, count, pdl, bool(norms))
+
+
+def _example(hq: int, hkv: int, qk_norm: str = ""):
+    D, S = 16, 40
+
+    def example(dt):
+        ts = (torch.empty(1, 1, (hq + 2 * hkv) * D, dtype=dt), torch.empty(1, hkv, S, D, dtype=dt),
+              torch.empty(1, hkv, S, D, dtype=dt), torch.empty(1, dtype=torch.int64),
+              torch.empty(1, 1, 1, S, dtype=torch.bool))
+        if qk_norm:
+            return ts + (torch.empty(D, dtype=dt), torch.empty(D, dtype=dt)), {"scale": SCALE, "eps": EPS}
+        return ts, {"scale": SCALE}
+
+    return example
+
+
+def _check(m) -> str | None:
+    qkv, kc, vc = m.val(0), m.val(1), m.val(2)
+    if qkv.shape[0] != 1 or qkv.shape[1] != 1:
+        return f"qkv {tuple(qkv.shape)} is not one token of one sequence (the fused attention is batch-1 decode)"
+    if kc.dim() != 4 or tuple(kc.shape) != tuple(vc.shape) or kc.dtype != qkv.dtype:
+        return f"caches {tuple(kc.shape)} / {tuple(vc.shape)} {kc.dtype} are not one [B, Hkv, S, D] layout"
+    if m.tensor(1) is None or m.tensor(2) is None:
+        return "the caches are not buffers of the graph"
+    norms = [m.val(i) for i in range(5, len(m.inputs))]
+    if any(tuple(n.shape) != (kc.shape[3],) for n in norms):
+        return f"q/k norm weights {[tuple(n.shape) for n in norms]} for heads of {kc.shape[3]}"
+    return step_mask(m, pos=3, mask=4, kv_len=kc.shape[2])
+
+
+def _params(m, ctx):
+    return _layout_params(m, ctx, mask=4)
+
+
+REWRITES = [Rewrite(f"attention[{name}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}, no rotary]",
+                    _pattern(form, qk_norm), _replacement, _example(hq, hkv, qk_norm), region="attention",
+                    check=_check, params=_params)
+            for name, form, (hq, hkv), qk_norm in (
+                ("gqa", "split", (4, 2), "head"), ("mha", "split", (4, 4), "head"),
+                ("gqa", "split", (4, 2), "head_transposed"), ("mha", "split", (4, 4), "head_transposed"),
+                ("gqa", "split", (4, 2), ""), ("mha", "split", (4, 4), ""), ("mha, split evenly", "even", (4, 4), ""),
+                ("mqa, unsqueezed", "unsqueezed", (4, 1), ""))]
