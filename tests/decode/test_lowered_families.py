@@ -216,6 +216,18 @@ def test_exact_rewrites_are_bit_exact(dtype):
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
+def test_a_region_another_rewrite_lowers_is_not_logged_as_left_in_aten():
+    """GPT-BigCode's up projection ends in a tanh-GELU: the exact GELU's GEMV pattern matches its ops and refuses it
+    on the ``approximate`` literal, then the tanh-GELU's takes it. The pass log says it was lowered, and does not
+    also say it was left in aten; a region no rewrite takes keeps its note (test_lowered.py's masked attention)."""
+    prog = capture("gpt-bigcode")
+    new, notes = _lower(prog)
+    assert any("gemv[bias+gelu_tanh]: 2 region(s) lowered" in n for n in notes), notes
+    assert not [n for n in notes if "region(s) left in aten" in n], notes
+    ops, left = op_counts(new.graphs["decode"])
+    assert "aten.gelu.default" not in left and ops["tkcc.gemv.default"] == 9
+
+
 def test_a_mask_that_is_not_the_steps_is_refused_with_its_reason():
     """gpt-oss's attention block under an additive mask the graph takes as input (padding, a custom mask): the
     kernel attends causally, so the rewrite refuses the region, says why, and the region computes as captured."""

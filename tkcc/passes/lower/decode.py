@@ -192,6 +192,7 @@ def lower(gm, dtype: torch.dtype, options: dict, info: RewriteInfo | None = None
     gm.graph.eliminate_dead_code()
     info.notes.append(f"{phase}: canonicalised ({dropped} no-op casts dropped)")
     ctx = Context(gm, options=options)
+    refusals = []  # (the note's index, the refused regions' nodes)
     for stage, rewrites in stages():
         for rw in rewrites:
             out = apply_rewrite(rw, gm, dtype, ctx)
@@ -202,13 +203,25 @@ def lower(gm, dtype: torch.dtype, options: dict, info: RewriteInfo | None = None
             if out.replaced:
                 info.notes.append(f"{phase}: {stage}: {rw.name}: {out.replaced} region(s) lowered")
             for why, n in out.refused.items():
+                refusals.append((len(info.notes), out.refused_at.get(why, set())))
                 info.notes.append(f"{phase}: {stage}: {rw.name}: {n} region(s) left in aten: {why}")
     pattern_ops.flush()
+    _drop_refusals_lowered_later(info, refusals, gm)
     gm.graph.eliminate_dead_code()
     _drop_unused_attrs(gm)
     gm.graph.lint()
     gm.recompile()
     return info
+
+
+def _drop_refusals_lowered_later(info: RewriteInfo, refusals: list, gm) -> None:
+    """A rewrite that refused a region logs it as left in aten; a later, other rewrite may lower that same region
+    (a GELU with ``approximate='tanh'`` is refused by the exact GELU's pattern and taken by the tanh one's). Such a
+    note is dropped: none of its regions' nodes is left in the graph. Where any is, the note stands."""
+    alive = set(gm.graph.nodes)
+    drop = {i for i, nodes in refusals if nodes and not (nodes & alive)}
+    if drop:
+        info.notes[:] = [n for i, n in enumerate(info.notes) if i not in drop]
 
 
 def _kind(n) -> str:

@@ -449,10 +449,13 @@ class Outcome:
     replaced: int = 0
     refused: dict = field(default_factory=dict)  # reason -> count
     new_nodes: dict = field(default_factory=dict)  # new node name -> names of the region's nodes
+    refused_at: dict = field(default_factory=dict)  # reason -> the refused regions' graph nodes
 
 
-def find(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype) -> tuple[list[Match], dict]:
-    """Every match of ``rewrite`` in ``gm`` (verified literal by literal), and why candidates were refused."""
+def find(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype, at: dict | None = None) \
+        -> tuple[list[Match], dict]:
+    """Every match of ``rewrite`` in ``gm`` (verified literal by literal), and why candidates were refused
+    (``at``, when given, gets each reason's regions' graph nodes)."""
     if not pattern_ops.ops(rewrite, dtype) <= pattern_ops.graph_ops(gm.graph):
         return [], {}  # an op of the pattern is not in the graph: no match, and no trace of the pattern
     pgm, matcher, where, fixed = rewrite.pattern_graph(dtype)
@@ -466,6 +469,9 @@ def find(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype) -> tupl
         got = _verify(rewrite, m, pnodes, p_inputs, p_outs, where, fixed, gm, matcher.shared)
         if isinstance(got, str):
             refused[got] = refused.get(got, 0) + 1
+            if at is not None:
+                at.setdefault(got, set()).update(gn for pn, gn in m.nodes_map.items()
+                                                 if pn.op not in ("placeholder", "output"))
             continue
         found.append(got)
     return found, refused
@@ -529,9 +535,11 @@ def apply(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype, ctx: C
     ctx = ctx or Context(gm)
     res = Outcome()
     while True:
-        matches, refused = find(rewrite, gm, dtype)
+        at: dict = {}
+        matches, refused = find(rewrite, gm, dtype, at)
         for k, v in refused.items():
             res.refused[k] = res.refused.get(k, 0) + v
+            res.refused_at.setdefault(k, set()).update(at.get(k, ()))
         done = 0
         erased: set = set()
         for match in matches:
@@ -545,6 +553,7 @@ def apply(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype, ctx: C
                 extra = rewrite.params(match, ctx) if rewrite.params is not None else {}
             except Refused as e:
                 res.refused[str(e)] = res.refused.get(str(e), 0) + 1
+                res.refused_at.setdefault(str(e), set()).update(match.nodes)
                 continue
             match.extra = extra
             new = _replace(match, ctx)
@@ -559,6 +568,7 @@ def apply(rewrite: Rewrite, gm: torch.fx.GraphModule, dtype: torch.dtype, ctx: C
             break
         # refused candidates are counted once per sweep they appear in; only the last sweep's stand
         res.refused = dict(refused)
+        res.refused_at = {k: set(at.get(k, ())) for k in refused}
     return res
 
 
