@@ -315,15 +315,21 @@ def _is_positions_of(pos_ids, cache_position) -> bool:
 
 
 def _check(m, half_table: bool = False, interleaved_table: bool = False) -> str | None:
-    qkv, kc, vc, pos = m.val(0), m.val(1), m.val(2), m.val(3)
+    return token_and_caches(m) or step_mask_and_rotary(m, pos=3, cos=4, sin=5, mask=6, kv_len=m.val(1).shape[2],
+                                                       half_table=half_table, interleaved_table=interleaved_table)
+
+
+def token_and_caches(m) -> str | None:
+    """Why a region whose inputs start (qkv, k cache, v cache) is not what the fused attention takes, or None: one
+    token of one sequence, the caches one [B, Hkv, S, D] layout in the activations' dtype, buffers of the graph."""
+    qkv, kc, vc = m.val(0), m.val(1), m.val(2)
     if qkv.shape[0] != 1 or qkv.shape[1] != 1:
         return f"qkv {tuple(qkv.shape)} is not one token of one sequence (the fused attention is batch-1 decode)"
     if kc.dim() != 4 or tuple(kc.shape) != tuple(vc.shape) or kc.dtype != qkv.dtype:
         return f"caches {tuple(kc.shape)} / {tuple(vc.shape)} {kc.dtype} are not one [B, Hkv, S, D] layout"
     if m.tensor(1) is None or m.tensor(2) is None:
         return "the caches are not buffers of the graph"
-    return step_mask_and_rotary(m, pos=3, cos=4, sin=5, mask=6, kv_len=kc.shape[2], half_table=half_table,
-                                interleaved_table=interleaved_table)
+    return None
 
 
 def step_mask_and_rotary(m, *, pos: int, cos: int, sin: int, mask: int, kv_len: int, whole: bool = False,

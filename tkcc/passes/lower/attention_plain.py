@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.attention import SCALE, _layout_params, repeat_kv, step_mask
+from tkcc.passes.lower.attention import SCALE, _layout_params, repeat_kv, step_mask, token_and_caches
 from tkcc.passes.lower.norms import EPS, rms_norm
 from tkcc.passes.lower.pattern import Rewrite
 
@@ -80,13 +80,10 @@ def _example(hq: int, hkv: int, qk_norm: str = ""):
 
 
 def _check(m) -> str | None:
-    qkv, kc, vc = m.val(0), m.val(1), m.val(2)
-    if qkv.shape[0] != 1 or qkv.shape[1] != 1:
-        return f"qkv {tuple(qkv.shape)} is not one token of one sequence (the fused attention is batch-1 decode)"
-    if kc.dim() != 4 or tuple(kc.shape) != tuple(vc.shape) or kc.dtype != qkv.dtype:
-        return f"caches {tuple(kc.shape)} / {tuple(vc.shape)} {kc.dtype} are not one [B, Hkv, S, D] layout"
-    if m.tensor(1) is None or m.tensor(2) is None:
-        return "the caches are not buffers of the graph"
+    why = token_and_caches(m)
+    if why:
+        return why
+    kc = m.val(1)
     norms = [m.val(i) for i in range(5, len(m.inputs))]
     if any(tuple(n.shape) != (kc.shape[3],) for n in norms):
         return f"q/k norm weights {[tuple(n.shape) for n in norms]} for heads of {kc.shape[3]}"
