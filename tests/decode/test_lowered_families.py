@@ -161,23 +161,19 @@ def _region_cases(dtype):
             m = attention.sliding_mask(pos, kv_len=S, window=window) if window else attention.causal_mask(pos, kv_len=S)
             return torch.where(m, torch.tensor(0.0, device=m.device, dtype=dtype), torch.finfo(dtype).min)
         cases.append(("additive_mask", fn, {}, lambda S=S: (torch.randint(0, S, (1,)),)))
-    # inv_freq kept in fp32, or cast with the model (in fp32 the two are one program: the first takes it)
-    for R, inv_dtype in ((8, torch.float32), (32, torch.float32)) + (((16, dtype),) if dtype != torch.float32 else ()):
-        def fn(s, pos):
-            return rotary.cos_sin_half(s.inv_freq, pos.unsqueeze(0), scale=1.3465735902799727, dtype=dtype)
-        inv = (1.0 / (150000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))).to(inv_dtype)
-        name = "rotary_cos_sin[half table]" if inv_dtype == torch.float32 else \
-            "rotary_cos_sin[half table, inv_freq in the model dtype]"
-        cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
-    # Cohere's table, each frequency twice in place (widths whole vectors and not)
-    for R, inv_dtype in ((16, torch.float32), (128, torch.float32), (22, torch.float32)) + (
-            ((64, dtype),) if dtype != torch.float32 else ()):
-        def fn(s, pos):
-            return rotary.cos_sin_interleaved(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=dtype)
-        inv = (1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))).to(inv_dtype)
-        name = "rotary_cos_sin[interleaved table]" if inv_dtype == torch.float32 else \
-            "rotary_cos_sin[interleaved table, inv_freq in the model dtype]"
-        cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
+    # gpt-oss's half table and Cohere's, each frequency twice in place (widths whole vectors and not); inv_freq kept
+    # in fp32, or cast with the model (in fp32 the two are one program: the first takes it)
+    for kind, table, base, scale, widths, cast_width in (
+            ("half", rotary.cos_sin_half, 150000, 1.3465735902799727, (8, 32), 16),
+            ("interleaved", rotary.cos_sin_interleaved, 10000, 1.0, (16, 128, 22), 64)):
+        for R, inv_dtype in tuple((R, torch.float32) for R in widths) + (
+                ((cast_width, dtype),) if dtype != torch.float32 else ()):
+            def fn(s, pos, table=table, scale=scale):
+                return table(s.inv_freq, pos.unsqueeze(0), scale=scale, dtype=dtype)
+            inv = (1.0 / (base ** (torch.arange(0, R, 2, dtype=torch.float32) / R))).to(inv_dtype)
+            name = f"rotary_cos_sin[{kind} table]" if inv_dtype == torch.float32 else \
+                f"rotary_cos_sin[{kind} table, inv_freq in the model dtype]"
+            cases.append((name, fn, {"inv_freq": inv}, lambda: (torch.randint(0, 5000, (1,)),)))
     if dtype != torch.float32:  # Ernie 4.5 and OLMo 2 keep the table fp32 (in an fp32 graph it is rotary_cos_sin's)
         for R, inv_dtype in ((16, torch.float32), (64, dtype)):
             def fn(s, pos):

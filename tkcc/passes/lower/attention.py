@@ -144,6 +144,35 @@ def sink_attention(q, keys, values, mask, sinks, *, scale):
 PER_HEAD = ("head", "head_transposed", "head_offset")  # q/k norms over each head (the kernel's per-head norm)
 
 
+def qk_heads(q, k, B, T, D, qk_norm: str, norms, kw, counts=None):
+    """q and k of a packed projection's split as [B, H, T, D] heads, normed as ``qk_norm`` says (see
+    ``_attention_pattern``; ``kw``: the pattern's ``eps`` and ``offset``); ``counts``: (Hq, Hkv) when the model views
+    the heads by their counts rather than ``view(B, T, -1, D)``."""
+    if qk_norm == "full":
+        q = rms_norm(q, norms[0], eps=kw["eps"])
+        k = rms_norm(k, norms[1], eps=kw["eps"])
+    elif qk_norm == "full_fp32":
+        q = rms_norm_weight_fp32(q, norms[0], eps=kw["eps"])
+        k = rms_norm_weight_fp32(k, norms[1], eps=kw["eps"])
+    hidden_shape = (B, T, -1, D)
+    if qk_norm == "head":
+        q = rms_norm(q.view(hidden_shape), norms[0], eps=kw["eps"]).transpose(1, 2)
+        k = rms_norm(k.view(hidden_shape), norms[1], eps=kw["eps"]).transpose(1, 2)
+    elif qk_norm == "head_transposed":
+        q = rms_norm(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"])
+        k = rms_norm(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"])
+    elif qk_norm == "head_offset":
+        q = rms_norm_offset(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"], offset=kw["offset"])
+        k = rms_norm_offset(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"], offset=kw["offset"])
+    elif counts is not None:
+        q = q.view(B, T, counts[0], D).transpose(1, 2)
+        k = k.view(B, T, counts[1], D).transpose(1, 2)
+    else:
+        q = q.view(hidden_shape).transpose(1, 2)
+        k = k.view(hidden_shape).transpose(1, 2)
+    return q, k
+
+
 def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explicit_heads: bool = False):
     """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "full_fp32" (OLMo 2: the same, the weight
     times the fp32 normed x, rounded once), "head" (Qwen3: over each head),
@@ -160,29 +189,8 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explic
         hkv, D = k_cache.shape[1], k_cache.shape[3]
         hq = qkv.shape[-1] // D - 2 * hkv
         q, k, v = torch.split(qkv, [hq * D, hkv * D, hkv * D], -1)
-        if qk_norm == "full":
-            q = rms_norm(q, norms[0], eps=kw["eps"])
-            k = rms_norm(k, norms[1], eps=kw["eps"])
-        elif qk_norm == "full_fp32":
-            q = rms_norm_weight_fp32(q, norms[0], eps=kw["eps"])
-            k = rms_norm_weight_fp32(k, norms[1], eps=kw["eps"])
-        hidden_shape = (B, T, -1, D)
-        if qk_norm == "head":
-            q = rms_norm(q.view(hidden_shape), norms[0], eps=kw["eps"]).transpose(1, 2)
-            k = rms_norm(k.view(hidden_shape), norms[1], eps=kw["eps"]).transpose(1, 2)
-        elif qk_norm == "head_transposed":
-            q = rms_norm(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"])
-            k = rms_norm(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"])
-        elif qk_norm == "head_offset":
-            q = rms_norm_offset(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"], offset=kw["offset"])
-            k = rms_norm_offset(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"], offset=kw["offset"])
-        elif explicit_heads:
-            q = q.view(B, T, hq, D).transpose(1, 2)
-            k = k.view(B, T, hkv, D).transpose(1, 2)
-        else:
-            q = q.view(hidden_shape).transpose(1, 2)
-            k = k.view(hidden_shape).transpose(1, 2)
-        v = v.view(B, T, hkv, D).transpose(1, 2) if explicit_heads else v.view(hidden_shape).transpose(1, 2)
+        q, k = qk_heads(q, k, B, T, D, qk_norm, norms, kw, (hq, hkv) if explicit_heads else None)
+        v = v.view(B, T, hkv, D).transpose(1, 2) if explicit_heads else v.view(B, T, -1, D).transpose(1, 2)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
         q, k = rope(q, k, cos, sin)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.attention import SCALE, _layout_params, repeat_kv, step_mask, token_and_caches
-from tkcc.passes.lower.norms import EPS, rms_norm
+from tkcc.passes.lower.attention import SCALE, _layout_params, qk_heads, repeat_kv, step_mask, token_and_caches
+from tkcc.passes.lower.norms import EPS
 from tkcc.passes.lower.pattern import Rewrite
 
 
@@ -39,14 +39,7 @@ def _pattern(form: str, qk_norm: str = ""):
         else:
             hq = qkv.shape[-1] // D - 2 * hkv
             q, k, v = torch.split(qkv, [hq * D, hkv * D, hkv * D], -1)
-            if qk_norm == "head":
-                q = rms_norm(q.view(B, T, -1, D), norms[0], eps=kw["eps"]).transpose(1, 2)
-                k = rms_norm(k.view(B, T, -1, D), norms[1], eps=kw["eps"]).transpose(1, 2)
-            elif qk_norm == "head_transposed":
-                q = rms_norm(_heads(q, B, T, D), norms[0], eps=kw["eps"])
-                k = rms_norm(_heads(k, B, T, D), norms[1], eps=kw["eps"])
-            else:
-                q, k = _heads(q, B, T, D), _heads(k, B, T, D)
+            q, k = qk_heads(q, k, B, T, D, qk_norm, norms, kw)
             v = _heads(v, B, T, D)
         keys = k_cache.index_copy_(2, cache_position, k)
         values = v_cache.index_copy_(2, cache_position, v)

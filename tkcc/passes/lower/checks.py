@@ -194,6 +194,13 @@ def check_packing(device, dtype, g, shapes=((48, 16, 16), (64, 32, 32))):
     return rows
 
 
+def step_mask(pos, S: int, window: int = 0):
+    """The step's mask over an S-position cache as transformers builds it: sliding with a window, else causal."""
+    from tkcc.passes.lower import attention
+
+    return attention.sliding_mask(pos, kv_len=S, window=window) if window else attention.causal_mask(pos, kv_len=S)
+
+
 def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_dim, g, device, dtype,
                    table_dtype=None, table=None):
     """(tensors, fn, make) of one attention region's check: fresh caches, the rotary table over ``rotary_dim`` of
@@ -212,8 +219,7 @@ def attention_case(pattern, hq, hkv, D, S, window, qk_norm, rope_scale, rotary_d
     def fn(s, qkv, pos):
         cos, sin = (table or rotary.cos_sin)(s.inv_freq, pos.unsqueeze(0), scale=rope_scale,
                                              dtype=table_dtype or qkv.dtype)
-        mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
-            attention.causal_mask(pos, kv_len=S)
+        mask = step_mask(pos, S, window)
         norms = (s.qn, s.kn) if qk_norm else ()
         kw = {"eps": 1e-5} if qk_norm else {}
         return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, *norms, scale=D ** -0.5, **kw)
@@ -258,8 +264,7 @@ def check_fused_heads_mqa(device, dtype, g, shapes=((4, 16, 40, 16, 0), (8, 32, 
 
         def fn(s, qkv, pos, S=S, window=window):
             cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=qkv.dtype)
-            mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
-                attention.causal_mask(pos, kv_len=S)
+            mask = step_mask(pos, S, window)
             heads = (torch.tensor([-2], device=pos.device), torch.tensor([-1], device=pos.device))
             return attention.fused_heads_mqa(qkv, s.kc, s.vc, pos, cos, sin, mask, *heads)
 
@@ -276,7 +281,7 @@ def check_plain_attention(device, dtype, g, shapes=((4, 4, 16, 40, 16, 0, "even"
     """The blocks with no rotation (``attention_plain``: GPT-2's even split, GPT-BigCode's multi-query, a NoPE
     layer's, with per-head q/k norms or not): (hq, hkv, D, S, chunk, window, form, q/k norm); the third has more
     splits than the in-kernel merge takes."""
-    from tkcc.passes.lower import attention, attention_plain
+    from tkcc.passes.lower import attention_plain
 
     rows = []
     for hq, hkv, D, S, chunk, window, form, qk_norm in shapes:
@@ -284,8 +289,7 @@ def check_plain_attention(device, dtype, g, shapes=((4, 4, 16, 40, 16, 0, "even"
         pattern = attention_plain._pattern(form, qk_norm)
 
         def fn(s, qkv, pos, S=S, window=window, pattern=pattern, qk_norm=qk_norm):
-            mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
-                attention.causal_mask(pos, kv_len=S)
+            mask = step_mask(pos, S, window)
             norms, kw = ((s.qn, s.kn), {"eps": 1e-5}) if qk_norm else ((), {})
             return pattern(qkv, s.kc, s.vc, pos, mask, *norms, scale=D ** -0.5, **kw)
 

@@ -85,7 +85,7 @@ def sink_region(hq, hkv, D, S, window, rope_scale, g, device, dtype, rope="chunk
     the step's boolean mask made additive as ``eager_mask`` does, the packed q|k|v (biases already added), the
     chunked rotation, the cache write and the eager attention with per-head sink logits."""
     from tkcc.passes.lower import attention, rotary
-    from tkcc.passes.lower.checks import _rand
+    from tkcc.passes.lower.checks import _rand, step_mask
 
     R = D if rope == "chunked" else D // 2
     t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
@@ -97,7 +97,7 @@ def sink_region(hq, hkv, D, S, window, rope_scale, g, device, dtype, rope="chunk
 
     def fn(s, qkv, pos):
         cos, sin = table(s.inv_freq, pos.unsqueeze(0), scale=rope_scale, dtype=qkv.dtype)
-        mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else attention.causal_mask(pos, kv_len=S)
+        mask = step_mask(pos, S, window)
         mask = torch.where(mask, torch.tensor(0.0, device=mask.device, dtype=qkv.dtype), torch.finfo(qkv.dtype).min)
         return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, s.sinks, scale=D ** -0.5)
 
@@ -132,7 +132,7 @@ def check_gemma_qk_norm(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 
     """The fused attention with Gemma 3's per-head q/k norms (``norm(x) * (1 + w)`` in fp32, on the transposed
     heads), rotate-half rotary, causal and sliding masks, one split and several: (hq, hkv, D, S, chunk, window)."""
     from tkcc.passes.lower import attention, rotary
-    from tkcc.passes.lower.checks import Region, _options, _rand, run_case
+    from tkcc.passes.lower.checks import Region, _options, _rand, run_case, step_mask
 
     rows = []
     pattern = attention._attention_pattern("head_offset")[0]
@@ -143,8 +143,7 @@ def check_gemma_qk_norm(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 
 
         def fn(s, qkv, pos, S=S, window=window, D=D):
             cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=qkv.dtype)
-            mask = attention.sliding_mask(pos, kv_len=S, window=window) if window else \
-                attention.causal_mask(pos, kv_len=S)
+            mask = step_mask(pos, S, window)
             return pattern(qkv, s.kc, s.vc, pos, cos, sin, mask, s.qn, s.kn, scale=D ** -0.5, eps=1e-6, offset=1.0)
 
         def make(S=S, hq=hq, hkv=hkv, D=D):
