@@ -3,7 +3,8 @@
     python benchmarks/families.py                          # every family in transformers' causal-LM auto mapping
     python benchmarks/families.py --types llama gpt2 falcon
 
-Each family is built from its own config made tiny (2 layers, 64 wide, vocab 256; random weights, fp32, CPU), in a
+Each family is built from its own config made tiny (2 layers, or one of each kind of a hybrid's layers; 64 wide,
+vocab 256; random weights, fp32, CPU), in a
 fresh process with a memory cap and a time limit, then:
 - its decode step is captured (``tkcc.frontend.capture``); a refusal is tkcc's ``CaptureError``, which names tkcc's
   frame and the reason;
@@ -46,6 +47,21 @@ def all_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def layer_kinds(model_type: str) -> dict:
+    """A hybrid family (its default ``layer_types`` name several kinds: linear attention and attention, sliding and
+    full) gets one tiny layer of each kind, in the order they first appear; the first two layers of its default
+    pattern could all be of one kind (Qwen3-Next's first attention layer is its fourth)."""
+    from transformers import AutoConfig
+
+    try:
+        kinds = list(dict.fromkeys(getattr(AutoConfig.for_model(model_type), "layer_types", None) or []))
+    except Exception:  # noqa: BLE001 - a config that cannot be built at its defaults: the plain tiny one
+        return {}
+    if len(kinds) < 2 or not all(isinstance(k, str) for k in kinds):
+        return {}
+    return dict(num_hidden_layers=len(kinds), layer_types=kinds)
+
+
 def one(model_type: str) -> dict:
     """The row of one family (run in its own process)."""
     import torch
@@ -60,10 +76,11 @@ def one(model_type: str) -> dict:
     row = {"type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
     stage = "config"
     try:
+        tiny = dict(TINY, **layer_kinds(model_type))
         try:
-            cfg = AutoConfig.for_model(model_type, **TINY)
+            cfg = AutoConfig.for_model(model_type, **tiny)
         except (AttributeError, TypeError, ValueError):  # a config that derives head_dim itself (Falcon's property)
-            cfg = AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if k != "head_dim"})
+            cfg = AutoConfig.for_model(model_type, **{k: v for k, v in tiny.items() if k != "head_dim"})
         if getattr(cfg, "qk_rope_head_dim", None):  # MLA: its head_dim is the rotary part's, a kv head per head
             cfg.head_dim, cfg.num_key_value_heads = cfg.qk_rope_head_dim, cfg.num_attention_heads
         if getattr(cfg, "rotary_dim", None):  # GPT-J, CodeGen: rotate a part of the tiny head

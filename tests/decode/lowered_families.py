@@ -81,6 +81,23 @@ FAMILIES = {
                                                                                           "full_attention"])),
                 {A: 2, G: 9, L: 3},
                 {"aten.embedding.default", "aten.mul.Tensor"}),
+    # hybrid: three gated DeltaNet layers (their conv windows and recurrent states through transformers' linear-attention
+    # cache API) and a gated attention layer stay in aten; its MoE with a shared expert, the GEMVs, the (1 + w) norms lower
+    "qwen3-next": ("qwen3next-tiny", {"tkcc.causal_mask.default": 1, "tkcc.rotary_cos_sin.default": 1, N: 14, G: 21,
+                                      "tkcc.moe.default": 4},
+                   {"aten.add.Tensor", "aten.cat.default", "aten.chunk.default", "aten.conv1d.default",
+                    "aten.copy_.default", "aten.div.Tensor", "aten.embedding.default", "aten.exp.default",
+                    "aten.gt.Scalar", "aten.index_copy_.default", "aten.index_select.default", "aten.mul.Tensor",
+                    "aten.neg.default", "aten.remainder.Scalar", "aten.repeat_interleave.self_int",
+                    "aten.rsqrt.default", "aten.scaled_dot_product_attention.default", "aten.sigmoid.default",
+                    "aten.silu.default", "aten.softplus.default", "aten.sub.Tensor", "aten.sum.dim_IntList",
+                    "aten.to.dtype", "aten.where.self", "aten.zeros.default", "aten.zeros_like.default"}),
+    # a short-convolution layer (its window through transformers' linear-attention cache API: the gated conv stays in
+    # aten) beside an attention layer with per-head q/k norms
+    "lfm2": (("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"])), {A: 1, G: 8, GG: 1},
+             {"aten.add.Tensor", "aten.cat.default", "aten.chunk.default", "aten.conv1d.default", "aten.gt.Scalar",
+              "aten.index_copy_.default", "aten.index_select.default", "aten.mul.Tensor", "aten.remainder.Scalar",
+              "aten.where.self", "aten.zeros.default"}),
     # q/k norms over the whole projection (in bf16 w * norm(x) in fp32, and the rotation by its fp32 table in fp32: the
     # attention's norm_offset 0 and rope_fp32), norms after attention and MLP (the residual adds stay)
     "olmo2": (("Olmo2Config", "Olmo2ForCausalLM", dict()), {A: 2, G: 9, N: 4}, {"aten.add.Tensor", "aten.embedding.default"}),

@@ -1,6 +1,6 @@
 """lowered_decode on families it was not written for (``lowered_families.FAMILIES``: gpt-oss, Phi-3, Gemma 2 and 3,
 Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Falcon, Cohere and Cohere 2, OLMo 2,
-Ernie 4.5-MoE), by op pattern only.
+Ernie 4.5-MoE, the hybrids Qwen3-Next and LFM2), by op pattern only.
 
 CPU under the Triton interpreter (one subprocess: it must be on before triton is imported): the sink, Gemma q/k-norm
 and Cohere rewrites against their patterns on fresh random inputs and several shapes with the kernels live; each
@@ -9,7 +9,7 @@ family captured and built through the lowered_decode plan into an artifact, hold
 references, and keeping its greedy tokens over a few steps with the kernels live. CPU in-process (the ops take
 their references): gpt-oss's per-layer sinks and windows, and its bf16 graph bit-exact; the fp32 rotations of Ernie
 4.5-MoE, OLMo 2 and Cohere in bf16. Bad input: a mask that is
-not the step's, a context past the cache, a family whose capture is refused. GPU: the rewrites in bf16, greedy
+not the step's, a context past the cache. GPU: the rewrites in bf16, greedy
 through tkcc.compile.
 """
 import json
@@ -266,23 +266,6 @@ def test_a_context_past_the_cache_is_an_error():
     inp[1] = torch.full_like(inp[1], 16)
     with pytest.raises(TkccError, match="longer than the static cache"):
         new.graphs["decode"](*inp)
-
-
-def test_a_family_capture_refuses_names_tkccs_frame_and_the_reason():
-    """LFM2's convolution layers keep a state tkcc has no adapter for: refused by tkcc's own probe, by name."""
-    import transformers
-
-    from tkcc.errors import CaptureError
-    from tkcc.frontend.capture import capture as capture_module
-    from lowered_families import SHAPE
-
-    cfg = transformers.Lfm2Config(**{**SHAPE, "layer_types": ["conv", "full_attention"]})
-    cfg._attn_implementation = "sdpa"
-    with pytest.raises(CaptureError) as e:
-        capture_module(transformers.Lfm2ForCausalLM(cfg).eval(), phases=["decode"], max_cache_len=16)
-    msg = str(e.value)
-    assert msg.startswith("tkcc.frontend.hf_cache.probe_layout: cannot capture Lfm2ForCausalLM"), msg
-    assert "layer 0 (conv) keeps a transformers.cache_utils.LinearAttentionLayer" in msg, msg
 
 
 def test_the_sink_check_detects_a_replacement_that_drops_the_sinks(monkeypatch):

@@ -59,17 +59,19 @@ def test_a_causal_lm_not_named_for_causal_lm_compiles_as_one(tmp_path):
     assert torch.equal(compiled.generate(ids, 8), ref)
 
 
-def test_shell_compile_of_a_hybrid_linear_attention_model_then_load(tmp_path):
-    """`tkcc compile --model minimax-tiny --budget 0`, then tkcc.load of what it wrote: HF's own greedy tokens."""
+@pytest.mark.parametrize("name", ["minimax-tiny", "qwen3next-tiny"])
+def test_shell_compile_of_a_hybrid_linear_attention_model_then_load(name, tmp_path):
+    """`tkcc compile --model <hybrid> --budget 0`, then tkcc.load of what it wrote: HF's own greedy tokens. MiniMax
+    keeps its own cache class; Qwen3-Next's gated DeltaNet layers keep transformers' linear-attention cache layers."""
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "tkcc.cli", "compile", "--model", "minimax-tiny", "--budget", "0",
+    p = subprocess.run([sys.executable, "-m", "tkcc.cli", "compile", "--model", name, "--budget", "0",
                         "--json", "--out", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(p.stdout)
-    assert res["model"] == "minimax-tiny" and res["golden"]["ok"]
-    model = build_model("minimax-tiny")
+    assert res["model"] == name and res["golden"]["ok"]
+    model = build_model(name)
     loaded = tkcc.load(out / "model", model)
     ids = _prompt(4)
     assert torch.equal(loaded.generate(ids, 6), model.generate(ids, max_new_tokens=6, do_sample=False)[:, 5:])

@@ -92,19 +92,16 @@ def test_hf_moe_with_eager_experts_names_tkcc_frame_module_and_setting():
 
 
 def test_a_family_tkcc_cannot_capture_is_refused_by_name_before_export(monkeypatch):
-    """Qwen3-Next's gated-delta-net layers keep conv and recurrent states (transformers' LinearAttentionLayer):
-    refused at the probe step, naming tkcc's frame, the layer, what it keeps and what tkcc captures; cheaply:
-    neither torch.export nor dynamo's explain runs."""
+    """Inkling's hybrid layers keep keys and values *and* conv windows in one cache layer (transformers'
+    LinearAttentionAndSlidingWindowAttentionLayer): refused at the probe step, naming tkcc's frame, the layer,
+    what it keeps and what tkcc captures; cheaply: neither torch.export nor dynamo's explain runs."""
     transformers = pytest.importorskip("transformers")
 
-    cfg = transformers.Qwen3NextConfig(
-        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=16, vocab_size=256, layer_types=["linear_attention", "full_attention"],
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg._experts_implementation = "batched_mm"
-    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    cfg = transformers.AutoConfig.for_model(
+        "inkling_text", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        vocab_size=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     called = []
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: called.append("export"))
     monkeypatch.setattr(torch._dynamo, "explain", lambda *a, **k: called.append("explain"))
@@ -112,7 +109,8 @@ def test_a_family_tkcc_cannot_capture_is_refused_by_name_before_export(monkeypat
         capture(model, max_cache_len=16)
     assert called == []  # refused at the probe's one eager step
     msg = str(info.value)
-    assert msg.startswith("tkcc.frontend.hf_cache.probe_layout: cannot capture Qwen3NextForCausalLM")
-    assert "layer 0 (linear_attention)" in msg and "LinearAttentionLayer" in msg
-    assert "recurrent_states[0] (1, 2, 16, 16)" in msg and "MiniMaxCache" in msg
-    assert "modeling_qwen3_next.py" not in msg
+    assert msg.startswith("tkcc.frontend.hf_cache.probe_layout: cannot capture InklingForCausalLM")
+    assert "layer 0 (hybrid_sliding)" in msg and "LinearAttentionAndSlidingWindowAttentionLayer" in msg
+    assert "conv_states[0] (1, 2048, 4)" in msg and "keys (1, 16, 1, 128)" in msg
+    assert "LinearAttentionLayer, or" in msg and "MiniMaxCache" in msg
+    assert "modeling_inkling.py" not in msg

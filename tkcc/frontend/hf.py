@@ -81,33 +81,42 @@ class StepModule(torch.nn.Module):
 
     def __init__(self, lm: torch.nn.Module, kv):
         super().__init__()
-        from tkcc.frontend.hf_adapters import module_forwards
+        from tkcc.frontend.hf_adapters import function_overrides, module_forwards
         from tkcc.frontend.hf_cache import positioned_cache
 
         self.lm = lm
         self.kv = kv
         self._cache = positioned_cache(kv)
         self._forwards = module_forwards(lm)
+        self._functions = function_overrides(lm)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         # Point the cache at this module's buffers (during export: the traced ones) and this step's positions.
         self._cache.bind(self.kv, cache_position)
-        with _registered_forwards(self._forwards):
+        with _registered_forwards(self._forwards, self._functions):
             out = self.lm(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
                           past_key_values=self._cache, use_cache=True)
         return out.logits
 
 
 @contextlib.contextmanager
-def _registered_forwards(pairs):
-    """Each module's registered forward as its instance ``forward`` for the duration of one step."""
+def _registered_forwards(pairs, functions=()):
+    """Each module's registered forward as its instance ``forward``, and each registered function in its modeling
+    file's namespace, for the duration of one step."""
+    from tkcc.frontend.hf_adapters import forward_globals
+
     for mod, fn in pairs:
         mod.forward = types.MethodType(fn, mod)
+    saved = [(forward_globals(cls), name, forward_globals(cls)[name]) for cls, name, _fn in functions]
+    for (ns, name, _was), (_cls, _name, fn) in zip(saved, functions):
+        ns[name] = fn
     try:
         yield
     finally:
         for mod, _fn in pairs:
             mod.__dict__.pop("forward", None)
+        for ns, name, was in saved:
+            ns[name] = was
 
 
 def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: int = 1, exact: bool = True,
@@ -244,11 +253,14 @@ def _truncated(parent: Program, container: str, k: int) -> Program:
 def _prefill_chunk(model) -> int | None:
     """Prompt tokens per prefill step when a whole prompt at once would not fit: the ``batched_mm`` experts
     (pinned for the built-in MoE models, so CPU and GPU capture one graph) gather every token's top-k expert
-    weights, tens of MB per token for OLMoE, so the prompt goes in chunks of this many tokens."""
+    weights, tens of MB per token for OLMoE, so the prompt goes in chunks of this many tokens; a registered
+    function may need fewer (``tkcc.frontend.hf_adapters.prefill_chunk``)."""
+    from tkcc.frontend.hf_adapters import prefill_chunk
+
     cfg = model.config.get_text_config()
-    if getattr(cfg, "_experts_implementation", None) == "batched_mm":
-        return 256
-    return None
+    chunks = [c for c in (256 if getattr(cfg, "_experts_implementation", None) == "batched_mm" else None,
+                          prefill_chunk(model)) if c]
+    return min(chunks) if chunks else None
 
 
 @contextlib.contextmanager

@@ -12,13 +12,16 @@ fake tensors over tkcc's cache. Two things cannot be generic, and live here:
   prompt length (a Python loop over the tokens), run while a step is traced or
   called as this registered forward instead: the same function, written
   without the loop. The model object itself is never changed.
+- ``FUNCTION_OVERRIDES``: the same for a module-level function of a modeling
+  file (transformers' chunked gated delta rule), replaced in that file's
+  namespace for the duration of a step, then put back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from tkcc.frontend import hf_minimax
+from tkcc.frontend import hf_gated_delta, hf_minimax
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,40 @@ MODULE_FORWARDS: dict[str, Callable] = {
     "MiniMaxLightningAttention": hf_minimax.lightning_forward,
 }
 
+FUNCTION_OVERRIDES: dict[str, Callable] = {
+    "torch_chunk_gated_delta_rule": hf_gated_delta.chunk_gated_delta_rule,
+}
+# Prompt tokens per prefill step a model whose modeling file defines the function must take (its override's
+# memory grows with the square of a step's tokens).
+PREFILL_CHUNKS: dict[str, int] = {"torch_chunk_gated_delta_rule": hf_gated_delta.PREFILL_CHUNK}
+
 
 def module_forwards(model) -> list[tuple[object, Callable]]:
     """(module, registered forward) for every module of ``model`` whose class has one."""
     return [(m, MODULE_FORWARDS[type(m).__name__]) for m in model.modules() if type(m).__name__ in MODULE_FORWARDS]
+
+
+def function_overrides(model) -> list[tuple[type, str, Callable]]:
+    """(module class, function name, override) for every registered function that the forward of a module of
+    ``model`` resolves by name, one class per modeling file. A class, not its namespace: a deep copy of the step
+    (which copies a dict it holds) must still patch the globals the forward reads (``forward_globals``)."""
+    classes = {}
+    for m in model.modules():
+        ns = forward_globals(type(m))
+        if any(name in ns for name in FUNCTION_OVERRIDES):
+            classes.setdefault(id(ns), type(m))
+    return [(cls, name, fn) for cls in classes.values() for name, fn in FUNCTION_OVERRIDES.items()
+            if name in forward_globals(cls)]
+
+
+def forward_globals(cls: type) -> dict:
+    """The globals a module class's forward resolves names in: its modeling file's, under any decorator."""
+    import inspect
+
+    return getattr(inspect.unwrap(cls.forward), "__globals__", {})
+
+
+def prefill_chunk(model) -> int | None:
+    """The fewest prompt tokens per prefill step any registered function of ``model``'s modeling files needs."""
+    chunks = [PREFILL_CHUNKS[name] for _ns, name, _fn in function_overrides(model) if name in PREFILL_CHUNKS]
+    return min(chunks) if chunks else None

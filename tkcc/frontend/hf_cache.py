@@ -26,7 +26,8 @@ from tkcc.frontend.kv_cache import KVCache, LayerState
 
 _WHERE = "tkcc.frontend.hf_cache.probe_layout"
 SUPPORTED = ("decoder layers that keep attention keys and values (any shape per layer and per tensor, sliding "
-             "windows) or the recurrent state of a cache class in tkcc.frontend.hf_adapters.CACHE_APIS")
+             "windows), the states of transformers' LinearAttentionLayer, or the recurrent state of a cache class in "
+             "tkcc.frontend.hf_adapters.CACHE_APIS")
 
 
 def refuse(model, reason: str, where: str = _WHERE) -> CaptureError:
@@ -41,6 +42,7 @@ def probe_layout(model, batch: int) -> tuple[list[LayerState], str | None]:
 
     Runs the model once, eagerly, on ``batch`` rows of one token."""
     from tkcc.frontend.hf_adapters import CACHE_APIS
+    from tkcc.frontend.hf_linear_state import is_linear_layer, layer_state
 
     cfg = model.config.get_text_config()
     param = next(model.parameters())
@@ -73,6 +75,8 @@ def probe_layout(model, batch: int) -> tuple[list[LayerState], str | None]:
                                      states=tuple((n, tuple(t.shape[1:])) for n, t in states.items())))
         elif layer is None or (type(layer) is DynamicLayer and not layer.is_initialized):
             layout.append(LayerState("none"))
+        elif is_linear_layer(layer):
+            layout.append(layer_state(layer))
         elif type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
             k, v = layer.keys, layer.values
             if k.dim() != 4 or v.dim() != 4 or k.shape[2] != 1 or k.shape[0] != batch:
@@ -162,11 +166,20 @@ class StateLayer:
 
 
 class PositionedCache(StaticCache):
-    """A ``StaticCache`` over a ``KVCache``: ``PositionedLayer`` s for attention layers, ``StateLayer`` s else."""
+    """A ``StaticCache`` over a ``KVCache``: ``PositionedLayer`` s for attention layers, ``LinearStateLayer`` s for
+    transformers' linear-attention layers, ``StateLayer`` s else."""
 
     def __init__(self, kv: KVCache):  # noqa: D107 - StaticCache.__init__ needs a config; not used here
-        layers = [PositionedLayer(kv.max_cache_len) if kv.kind(i) == "attention" else StateLayer(i)
-                  for i in range(kv.num_layers)]
+        from tkcc.frontend.hf_linear_state import CACHE_LAYER, LinearStateLayer
+
+        def layer(i: int, ls: LayerState):
+            if ls.kind == "attention":
+                return PositionedLayer(kv.max_cache_len)
+            if ls.cache_layer == CACHE_LAYER:
+                return LinearStateLayer(i, self, [n for n, _s in ls.states])
+            return StateLayer(i)
+
+        layers = [layer(i, ls) for i, ls in enumerate(kv.layout)]
         Cache.__init__(self, layers=layers)
         self.max_len = kv.max_cache_len
         self.position: torch.Tensor | None = None
@@ -178,7 +191,7 @@ class PositionedCache(StaticCache):
             if isinstance(layer, PositionedLayer):
                 layer.bind(kv.key(i), kv.value(i))
                 layer.position = cache_position
-            else:
+            else:  # StateLayer, LinearStateLayer
                 layer.states = {n: kv.state(i, n) for n, _s in kv.layout[i].states}
 
     def __len__(self) -> int:
@@ -217,8 +230,7 @@ class PositionedCache(StaticCache):
         return buf
 
     def _state_buffer(self, layer_idx: int, name: str) -> torch.Tensor | None:
-        layer = self.layers[layer_idx]
-        return layer.states.get(name) if isinstance(layer, StateLayer) else None
+        return getattr(self.layers[layer_idx], "states", {}).get(name)
 
 
 _CLASSES: dict[str, type] = {}

@@ -51,10 +51,18 @@ class LayerState:
     value: tuple[int, int] | None = None
     window: int | None = None               # sliding-window attention: positions a query sees
     states: tuple[tuple[str, tuple[int, ...]], ...] = ()  # recurrent: (name, shape) of each state tensor
+    state_dtypes: tuple[tuple[str, torch.dtype], ...] = ()  # recurrent: a state whose dtype is not ``dtype``
+    cache_layer: str | None = None  # recurrent: "linear_attention" where the model reads it through transformers'
+    # linear-attention cache layer API (``tkcc.frontend.hf_linear_state``)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"LayerState kind {self.kind!r}: one of {KINDS}")
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype of recurrent state ``name`` (a gated-delta layer keeps its conv window in the model's dtype and
+        its state in float32, as transformers does)."""
+        return dict(self.state_dtypes).get(name, self.dtype)
 
     def describe(self) -> dict:
         """JSON-ready (``Program.meta["state_layout"]``)."""
@@ -63,6 +71,8 @@ class LayerState:
             d.update(key=list(self.key), value=list(self.value), window=self.window)
         elif self.kind == "recurrent":
             d["states"] = {n: list(s) for n, s in self.states}
+            if self.state_dtypes:
+                d["state_dtypes"] = {n: str(t).replace("torch.", "") for n, t in self.state_dtypes}
         return d
 
 
@@ -78,7 +88,7 @@ def state_bytes(layout: list[LayerState], context: int, batch: int = 1) -> int:
             seen = min(context, ls.window) if ls.window else context
             total += batch * seen * (ls.key[0] * ls.key[1] + ls.value[0] * ls.value[1]) * size
         elif ls.kind == "recurrent":
-            total += 2 * batch * sum(_numel(s) for _n, s in ls.states) * size
+            total += 2 * batch * sum(_numel(s) * ls.dtype_of(n).itemsize for n, s in ls.states)
     return total
 
 
@@ -121,7 +131,8 @@ class KVCache(torch.nn.Module):
                                                     dtype=ls.dtype, device=device)
             elif ls.kind == "recurrent":
                 for name, shape in ls.states:
-                    tensors[f"state_{i}_{name}"] = torch.zeros((2, batch, *shape), dtype=ls.dtype, device=device)
+                    tensors[f"state_{i}_{name}"] = torch.zeros((2, batch, *shape), dtype=ls.dtype_of(name),
+                                                               device=device)
         return cls(layout, tensors, max_cache_len, batch, cache_api)
 
     @classmethod

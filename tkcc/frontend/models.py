@@ -29,6 +29,7 @@ FAMILIES: dict[str, tuple[str, str, bool]] = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", True),
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", True),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", True),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", True),
 }
 
 # The attention implementation each family is captured with: sdpa, except where the family's own arithmetic

@@ -1,0 +1,156 @@
+"""transformers' linear-attention cache layers (gated DeltaNet, short convolutions) captured over Program.state:
+Qwen3-Next's state layout, its prompt in transformers' chunks, HF's own greedy tokens and cache states, replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tkcc.frontend import capture, greedy, reset_state
+from tkcc.frontend.models import build_model
+
+pytest.importorskip("transformers")
+
+INIT = dict(initializer_range=0.3)
+MAX_LEN = 160
+
+
+def rand_ids(n, seed):
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    return capture(build_model("qwen3next-tiny", **INIT), max_cache_len=MAX_LEN)
+
+
+@pytest.mark.parametrize("b,t,h,dk,dv,l2,start", [(1, 1, 2, 8, 8, True, True), (1, 7, 2, 8, 16, True, False),
+                                                    (2, 33, 3, 16, 8, False, True), (1, 70, 2, 8, 8, True, True)])
+def test_one_chunk_gated_delta_rule_is_the_token_recurrence(b, t, h, dk, dv, l2, start):
+    """The whole step as one chunk against transformers' per-token recurrence (its decode form), fresh inputs, from a
+    random state and from none; T past transformers' chunk of 64 too. Both compute in float32 whatever the inputs."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    from tkcc.frontend.hf_gated_delta import chunk_gated_delta_rule
+
+    g = torch.Generator().manual_seed(t)
+    q, k = (torch.randn(b, t, h, dk, generator=g) for _ in range(2))
+    v = torch.randn(b, t, h, dv, generator=g)
+    decay = -torch.rand(b, t, h, generator=g)
+    beta = torch.rand(b, t, h, generator=g)
+    state = torch.randn(b, h, dk, dv, generator=g) if start else None
+    out, new = chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2)
+    ref, ref_state = torch_recurrent_gated_delta_rule(q, k, v, decay, beta, initial_state=state,
+                                                      output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(new, ref_state, rtol=1e-4, atol=1e-5)
+    assert chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=state)[1] is None
+
+
+def test_linear_layers_keep_conv_window_and_recurrent_state_each_in_its_dtype():
+    """A gated DeltaNet layer keeps its conv window in the model's dtype and its recurrent state in float32 (as
+    transformers' cache does); an attention layer keeps keys and values."""
+    prog = capture(build_model("qwen3next-tiny", dtype=torch.bfloat16), max_cache_len=32, phases=["decode"])
+    cfg = prog.model.config
+    assert [prog.state.kind(i) for i in range(4)] == ["recurrent"] * 3 + ["attention"]
+    conv, rec = prog.state.state(0, "conv_0"), prog.state.state(0, "recurrent_0")
+    channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * \
+        cfg.linear_value_head_dim
+    assert conv.shape == (2, 1, channels, cfg.linear_conv_kernel_dim) and conv.dtype == torch.bfloat16
+    assert rec.shape == (2, 1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    assert rec.dtype == torch.float32
+    assert prog.meta["state_layout"][0]["state_dtypes"] == {"recurrent_0": "float32"}
+
+
+def test_prompts_go_in_transformers_chunks_and_tokens_are_hf_generate(qwen3_next):
+    """Prompts shorter than a chunk, across one chunk boundary and two: HF's own greedy tokens."""
+    prog = qwen3_next
+    assert prog.meta["prefill_chunk"] == 64
+    model = prog.model
+    for n, seed in ((5, 3), (70, 4), (130, 5)):
+        ids = rand_ids(n, seed)
+        ref = model.generate(ids, max_new_tokens=10, do_sample=False)[:, n:]
+        assert len(set(ref[0].tolist())) > 1, "degenerate test: the model repeats one token"
+        assert torch.equal(greedy(prog, ids, 10), ref), n
+
+
+def test_the_state_a_prompt_leaves_is_the_one_hf_caches_and_decode_replays(qwen3_next):
+    prog = qwen3_next
+    ids = rand_ids(9, 7)
+    with torch.no_grad():
+        reset_state(prog)
+        prog.graphs["prefill"](ids, torch.arange(9))
+        own = prog.model(input_ids=ids, use_cache=True).past_key_values
+        for i in range(3):  # slot 9 % 2 holds the state after 9 tokens
+            torch.testing.assert_close(prog.state.state(i, "conv_0")[1], own.layers[i].conv_states[0])
+            torch.testing.assert_close(prog.state.state(i, "recurrent_0")[1], own.layers[i].recurrent_states[0],
+                                       atol=1e-5, rtol=1e-5)
+        before = [b.clone() for b in prog.state.buffers()]
+        got = prog.graphs["decode"](ids[:, :1], torch.tensor([9]))
+        assert not torch.equal(prog.state.state(0, "recurrent_0")[0], before_buffer(prog, before, 0)[0])
+        again = prog.graphs["decode"](ids[:, :1], torch.tensor([9]))  # reads the slot it read the first time
+        assert torch.equal(again, got)
+        for b, s in zip(prog.state.buffers(), before):
+            b.copy_(s)
+        assert torch.equal(prog.eager(ids[:, :1], torch.tensor([9])), got)  # the graph is the eager step
+
+
+def test_a_fresh_prompt_ignores_what_the_linear_state_holds(qwen3_next):
+    prog = qwen3_next
+    ids = rand_ids(6, 8)
+    with torch.no_grad():
+        reset_state(prog)
+        ref = prog.graphs["prefill"](ids, torch.arange(6))
+        prog.state.fill_random(9, torch.Generator().manual_seed(1))
+        assert torch.equal(prog.graphs["prefill"](ids, torch.arange(6)), ref)
+
+
+def before_buffer(prog, before, layer):
+    names = [n for n, _b in prog.state.named_buffers()]
+    return before[names.index(f"state_{layer}_recurrent_0")]
+
+
+def test_the_override_is_in_place_during_a_step_only(qwen3_next):
+    """The chunked rule the gated DeltaNet's forward resolves (in its modeling file's globals) is tkcc's inside a
+    step and transformers' own after it."""
+    import inspect
+
+    from tkcc.frontend.hf_gated_delta import chunk_gated_delta_rule
+
+    prog = qwen3_next
+    mod = prog.model.model.layers[0].linear_attn
+    ns = inspect.unwrap(type(mod).forward).__globals__
+    own = ns["torch_chunk_gated_delta_rule"]
+    seen = []
+    hook = mod.register_forward_pre_hook(lambda m, a: seen.append(ns["torch_chunk_gated_delta_rule"]))
+    try:
+        with torch.no_grad():
+            prog.eager(rand_ids(4, 1), torch.arange(4))
+    finally:
+        hook.remove()
+    assert seen == [chunk_gated_delta_rule]
+    assert ns["torch_chunk_gated_delta_rule"] is own
+
+
+@pytest.mark.parametrize("model_type,layer_types,chunk", [
+    ("lfm2", ["conv", "full_attention"], None),  # a short convolution's window only: prompts in one step
+    ("olmo_hybrid", ["linear_attention", "full_attention"], 64),  # gated DeltaNet in another modeling file
+])
+def test_other_families_through_the_same_layer_give_hf_tokens(model_type, layer_types, chunk):
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types), layer_types=layer_types,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    prog = capture(model, max_cache_len=MAX_LEN)
+    assert prog.state.kind(0) == "recurrent" and prog.state.kind(1) == "attention"
+    assert prog.meta["prefill_chunk"] == chunk
+    for n, seed in ((5, 3), (70, 4)):
+        ids = rand_ids(n, seed)
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False)[:, n:]
+        assert len(set(ref[0].tolist())) > 1, "degenerate test: the model repeats one token"
+        assert torch.equal(greedy(prog, ids, 8), ref), n
