@@ -154,3 +154,28 @@ def test_other_families_through_the_same_layer_give_hf_tokens(model_type, layer_
         ref = model.generate(ids, max_new_tokens=8, do_sample=False)[:, n:]
         assert len(set(ref[0].tolist())) > 1, "degenerate test: the model repeats one token"
         assert torch.equal(greedy(prog, ids, 8), ref), n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qwen3_next_bf16_on_gpu_is_hf_teacher_forced():
+    """bf16 on the GPU: fed HF's own greedy tokens, each step's logits (a prompt over two of transformers' chunks,
+    then decode steps) are HF's full forward's within bf16 rounding, and the token each chooses is HF's wherever
+    HF's top-2 gap is beyond that rounding."""
+    from tkcc.frontend.generate import greedy_steps
+
+    model = build_model("qwen3next-tiny", dtype=torch.bfloat16, device="cuda", **INIT)
+    prog = capture(model, max_cache_len=MAX_LEN)
+    n, steps = 70, 12
+    ids = rand_ids(n, 4).cuda()
+    with torch.no_grad():
+        full = model.generate(ids, max_new_tokens=steps, do_sample=False)
+        ref = model(full).logits[0, n - 1:n - 1 + steps].float()
+        got = torch.stack([last[0].float().clone() for _tok, last in
+                           greedy_steps(prog, ids, steps, force=full[:, n:])])
+    err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(err.max()) < 0.05, err
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.03 * ref.abs().amax(-1)
+    assert int(clear.sum()) >= steps // 2, clear
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
