@@ -16,7 +16,9 @@ A layer keeps one of (``LayerState.kind``):
   layer has the same full-length buffers; the attention mask hides what lies
   outside its window, so any context up to ``max_cache_len`` is exact.
 - ``recurrent``: buffers ``state_<i>_<name>`` [2, batch, ...] (a linear-attention
-  layer's running ``K^T V``): slot ``p % 2`` holds the state after p tokens.
+  layer's running ``K^T V``, a convolution's last ``kernel`` inputs; each in its
+  own dtype where ``LayerState.state_dtypes`` says so): slot ``p % 2`` holds the
+  state after p tokens.
   A step from position p reads slot ``p % 2`` and writes slot ``(p + T) % 2``
   in place, so a decode step read one slot and wrote the other: replayed, it
   reads what it read the first time and gives the same logits, as a step over
