@@ -179,3 +179,34 @@ def test_qwen3_next_bf16_on_gpu_is_hf_teacher_forced():
     clear = (top2[:, 0] - top2[:, 1]) > 0.03 * ref.abs().amax(-1)
     assert int(clear.sum()) >= steps // 2, clear
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_a_state_mamba_updates_in_place_is_written_and_decode_gives_hf_tokens():
+    """Nemotron-H's Mamba2 layer updates its recurrent state in place on a one-token step (transformers'
+    ``selective_state_update``) and never hands it back: the step writes it all the same, so decoding a prompt
+    token by token, then generating, gives HF's own greedy tokens (its chunked prompt scan has no override yet, so
+    the decode step only)."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "nemotron_h", hidden_size=64, intermediate_size=128, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=1, vocab_size=256, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    prog = capture(model, phases=["decode"], max_cache_len=32)
+    assert [prog.state.kind(i) for i in range(2)] == ["recurrent", "attention"]
+    ids = rand_ids(6, 3)
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)[0, 6:].tolist()
+    assert len(set(ref)) > 1, "degenerate test: the model repeats one token"
+    reset_state(prog)
+    got, tok = [], None
+    with torch.no_grad():
+        for p in range(6 + 8 - 1):
+            logits = prog.graphs["decode"](ids[:, p:p + 1] if p < 6 else tok, torch.tensor([p]))
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+            if p >= 5:
+                got.append(int(tok))
+    assert got == ref

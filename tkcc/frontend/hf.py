@@ -96,6 +96,7 @@ class StepModule(torch.nn.Module):
         with _registered_forwards(self._forwards, self._functions):
             out = self.lm(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
                           past_key_values=self._cache, use_cache=True)
+        self._cache.finish()
         return out.logits
 
 

@@ -193,9 +193,17 @@ class PositionedCache(StaticCache):
                 layer.position = cache_position
             else:  # StateLayer, LinearStateLayer
                 layer.states = {n: kv.state(i, n) for n, _s in kv.layout[i].states}
+                if hasattr(layer, "begin"):
+                    layer.begin()
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def finish(self) -> None:
+        """The step's forward returned: each linear-attention layer writes what it read and changed in place."""
+        for layer in self.layers:
+            if hasattr(layer, "finish"):
+                layer.finish()
 
     # Every layer sees the same positions: the step's, over the whole max_cache_len (masked past the step).
     def get_seq_length(self, layer_idx: int = 0):

@@ -78,10 +78,30 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
         self.conv_kernel_size = {i: None for i in ids}
         self.record_past = True
         self.device = self.dtype = None
+        self.begin()
+
+    def begin(self) -> None:
+        """A step starts: nothing read or written yet."""
+        self._read_states: dict[str, torch.Tensor] = {}
+        self._written: set[str] = set()
+
+    def finish(self) -> None:
+        """A step ends: a state the model read but did not hand back through ``update_*_state`` is written as it is
+        now, since Mamba's one-token update (``selective_state_update``) changes the tensor it was given in place,
+        and a state the step left alone must be in the slot the next step reads too."""
+        for name, t in self._read_states.items():
+            if name not in self._written:
+                self._cache.write_state(self.index, name, t)
+        self.begin()
+
+    def _get(self, name: str) -> torch.Tensor:
+        """State ``name`` as this step started, one tensor per step (in-place changes to it are seen by ``finish``)."""
+        if name not in self._read_states:
+            self._read_states[name] = self._cache.recurrent_state(self.index, name)
+        return self._read_states[name]
 
     def _read(self, kind: str) -> dict[int, torch.Tensor | None]:
-        return {i: (self._cache.recurrent_state(self.index, f"{kind}_{i}") if f"{kind}_{i}" in self._names else None)
-                for i in self.has_previous_state}
+        return {i: (self._get(f"{kind}_{i}") if f"{kind}_{i}" in self._names else None) for i in self.has_previous_state}
 
     @property
     def conv_states(self) -> dict[int, torch.Tensor | None]:
@@ -99,13 +119,16 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
         """The cached window followed by the step's columns (what the model convolves); the last ``kernel``
         columns of it become the cached window."""
         name = f"conv_{state_idx}"
-        window = self._cache.recurrent_state(self.index, name)
+        window = self._get(name)
         full = torch.cat([window.to(conv_states.dtype), conv_states], dim=-1)
         self._cache.write_state(self.index, name, full[..., -window.shape[-1]:])
+        self._written.add(name)
         return full
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        self._cache.write_state(self.index, f"recurrent_{state_idx}", recurrent_states)
+        name = f"recurrent_{state_idx}"
+        self._cache.write_state(self.index, name, recurrent_states)
+        self._written.add(name)
         return recurrent_states
 
     def update(self, key_states, value_states, *args, **kwargs):
