@@ -1,5 +1,6 @@
-"""transformers' linear-attention cache layers (gated DeltaNet, short convolutions) captured over Program.state:
-Qwen3-Next's state layout, its prompt in transformers' chunks, HF's own greedy tokens and cache states, replay."""
+"""transformers' linear-attention cache layers (gated DeltaNet, short convolutions, Mamba2) captured over
+Program.state: Qwen3-Next's state layout, its prompt in transformers' chunks, HF's own greedy tokens and cache
+states, replay; OLMo hybrid, LFM2, Nemotron-H and Bamba through the same layer."""
 from __future__ import annotations
 
 import pytest
@@ -132,17 +133,22 @@ def test_the_override_is_in_place_during_a_step_only(qwen3_next):
     assert ns["torch_chunk_gated_delta_rule"] is own
 
 
-@pytest.mark.parametrize("model_type,layer_types,chunk", [
-    ("lfm2", ["conv", "full_attention"], None),  # a short convolution's window only: prompts in one step
-    ("olmo_hybrid", ["linear_attention", "full_attention"], 64),  # gated DeltaNet in another modeling file
+@pytest.mark.parametrize("model_type,extra,chunk", [
+    ("lfm2", dict(layer_types=["conv", "full_attention"]), None),  # a short convolution's window: prompts in one step
+    ("olmo_hybrid", dict(layer_types=["linear_attention", "full_attention"]), 64),  # gated DeltaNet, another file
+    # Mamba2 (its chunked scan as one chunk of the step; prompts in steps of the layer's chunk_size)
+    ("nemotron_h", dict(layer_types=["linear_attention", "full_attention"], mamba_num_heads=4, mamba_head_dim=16,
+                        ssm_state_size=16, n_groups=1, chunk_size=32), 32),
+    ("bamba", dict(num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                   mamba_chunk_size=32), 32),
 ])
-def test_other_families_through_the_same_layer_give_hf_tokens(model_type, layer_types, chunk):
+def test_other_families_through_the_same_layer_give_hf_tokens(model_type, extra, chunk):
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(
-        model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types), layer_types=layer_types,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, initializer_range=0.3,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=len(extra.get("layer_types", ())),
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, initializer_range=0.3,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = transformers.AutoConfig.for_model(model_type, **{**kw, **extra})
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -184,8 +190,8 @@ def test_qwen3_next_bf16_on_gpu_is_hf_teacher_forced():
 def test_a_state_mamba_updates_in_place_is_written_and_decode_gives_hf_tokens():
     """Nemotron-H's Mamba2 layer updates its recurrent state in place on a one-token step (transformers'
     ``selective_state_update``) and never hands it back: the step writes it all the same, so decoding a prompt
-    token by token, then generating, gives HF's own greedy tokens (its chunked prompt scan has no override yet, so
-    the decode step only)."""
+    token by token, then generating, gives HF's own greedy tokens (the decode step alone: a prompt step hands its
+    state back)."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(

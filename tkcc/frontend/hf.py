@@ -108,9 +108,9 @@ def _registered_forwards(pairs, functions=()):
 
     for mod, fn in pairs:
         mod.forward = types.MethodType(fn, mod)
-    saved = [(forward_globals(cls), name, forward_globals(cls)[name]) for cls, name, _fn in functions]
-    for (ns, name, _was), (_cls, _name, fn) in zip(saved, functions):
-        ns[name] = fn
+    saved = [(forward_globals(cls), name, forward_globals(cls)[name]) for cls, name, _make in functions]
+    for (ns, name, own), (_cls, _name, make) in zip(saved, functions):
+        ns[name] = make(own)
     try:
         yield
     finally:

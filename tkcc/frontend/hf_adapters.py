@@ -13,15 +13,15 @@ fake tensors over tkcc's cache. Two things cannot be generic, and live here:
   called as this registered forward instead: the same function, written
   without the loop. The model object itself is never changed.
 - ``FUNCTION_OVERRIDES``: the same for a module-level function of a modeling
-  file (transformers' chunked gated delta rule), replaced in that file's
-  namespace for the duration of a step, then put back.
+  file (transformers' chunked gated delta rule, Mamba2's chunked scan),
+  replaced in that file's namespace for the duration of a step, then put back.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from tkcc.frontend import hf_gated_delta, hf_minimax
+from tkcc.frontend import hf_gated_delta, hf_mamba2, hf_minimax
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,17 @@ MODULE_FORWARDS: dict[str, Callable] = {
     "MiniMaxLightningAttention": hf_minimax.lightning_forward,
 }
 
-FUNCTION_OVERRIDES: dict[str, Callable] = {
-    "torch_chunk_gated_delta_rule": hf_gated_delta.chunk_gated_delta_rule,
+# function name -> (the modeling file's own function -> its replacement during a step)
+FUNCTION_OVERRIDES: dict[str, Callable[[Callable], Callable]] = {
+    "torch_chunk_gated_delta_rule": lambda own: hf_gated_delta.chunk_gated_delta_rule,
+    "mamba2_chunk_scan": hf_mamba2.one_chunk,
 }
-# Prompt tokens per prefill step a model whose modeling file defines the function must take (its override's
-# memory grows with the square of a step's tokens).
-PREFILL_CHUNKS: dict[str, int] = {"torch_chunk_gated_delta_rule": hf_gated_delta.PREFILL_CHUNK}
+# Prompt tokens per prefill step a module whose modeling file defines the function takes (None: that module does not
+# say): each override's memory grows with the square of a step's tokens.
+PREFILL_CHUNKS: dict[str, Callable[[object], int | None]] = {
+    "torch_chunk_gated_delta_rule": lambda module: hf_gated_delta.PREFILL_CHUNK,
+    "mamba2_chunk_scan": hf_mamba2.prefill_chunk,
+}
 
 
 def module_forwards(model) -> list[tuple[object, Callable]]:
@@ -55,7 +60,7 @@ def module_forwards(model) -> list[tuple[object, Callable]]:
 
 
 def function_overrides(model) -> list[tuple[type, str, Callable]]:
-    """(module class, function name, override) for every registered function that the forward of a module of
+    """(module class, function name, its override's maker) for every registered function that the forward of a module of
     ``model`` resolves by name, one class per modeling file. A class, not its namespace: a deep copy of the step
     (which copies a dict it holds) must still patch the globals the forward reads (``forward_globals``)."""
     classes = {}
@@ -76,5 +81,9 @@ def forward_globals(cls: type) -> dict:
 
 def prefill_chunk(model) -> int | None:
     """The fewest prompt tokens per prefill step any registered function of ``model``'s modeling files needs."""
-    chunks = [PREFILL_CHUNKS[name] for _ns, name, _fn in function_overrides(model) if name in PREFILL_CHUNKS]
+    chunks = []
+    for m in model.modules():
+        ns = forward_globals(type(m))
+        chunks += [PREFILL_CHUNKS[name](m) for name in FUNCTION_OVERRIDES if name in ns]
+    chunks = [c for c in chunks if c]
     return min(chunks) if chunks else None
