@@ -82,16 +82,18 @@ FAMILIES = {
                 {A: 2, G: 9, L: 3},
                 {"aten.embedding.default", "aten.mul.Tensor"}),
     # hybrid: three gated DeltaNet layers (their conv windows and recurrent states through transformers' linear-attention
-    # cache API) and a gated attention layer stay in aten; its MoE with a shared expert, the GEMVs, the (1 + w) norms lower
-    "qwen3-next": ("qwen3next-tiny", {"tkcc.causal_mask.default": 1, "tkcc.rotary_cos_sin.default": 1, N: 14, G: 21,
-                                      "tkcc.moe.default": 4},
+    # cache API; the delta-rule recurrence as tkcc.gated_delta, its conv and gated norm in aten) and a gated attention
+    # layer (in aten, its q norm on a strided view of the projection too); its MoE with a shared expert, the GEMVs,
+    # the other (1 + w) norms lower
+    "qwen3-next": ("qwen3next-tiny", {"tkcc.causal_mask.default": 1, "tkcc.rotary_cos_sin.default": 1, N: 13, G: 21,
+                                      "tkcc.moe.default": 4, "tkcc.gated_delta.default": 3},
                    {"aten.add.Tensor", "aten.cat.default", "aten.chunk.default", "aten.conv1d.default",
-                    "aten.copy_.default", "aten.div.Tensor", "aten.embedding.default", "aten.exp.default",
-                    "aten.gt.Scalar", "aten.index_copy_.default", "aten.index_select.default", "aten.mul.Tensor",
-                    "aten.neg.default", "aten.remainder.Scalar", "aten.repeat_interleave.self_int",
+                    "aten.embedding.default", "aten.exp.default", "aten.gt.Scalar", "aten.index_copy_.default",
+                    "aten.index_select.default", "aten.mean.dim", "aten.mul.Tensor", "aten.neg.default",
+                    "aten.pow.Tensor_Scalar", "aten.remainder.Scalar", "aten.repeat_interleave.self_int",
                     "aten.rsqrt.default", "aten.scaled_dot_product_attention.default", "aten.sigmoid.default",
-                    "aten.silu.default", "aten.softplus.default", "aten.sub.Tensor", "aten.sum.dim_IntList",
-                    "aten.to.dtype", "aten.where.self", "aten.zeros.default", "aten.zeros_like.default"}),
+                    "aten.silu.default", "aten.softplus.default", "aten.type_as.default", "aten.where.self",
+                    "aten.zeros.default"}),
     # a short-convolution layer (its window through transformers' linear-attention cache API: the gated conv stays in
     # aten) beside an attention layer with per-head q/k norms
     "lfm2": (("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"])), {A: 1, G: 8, GG: 1},

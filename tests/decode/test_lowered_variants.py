@@ -193,11 +193,68 @@ def test_bad_state_layout_is_refused_or_falls_back_with_its_reason():
     assert any("the recurrent state is not a buffer of the graph" in n for n in info.notes), info.notes
 
 
+def test_gated_delta_state_the_kernel_cannot_take_runs_the_reference_with_its_reason():
+    """A state that is not float32 (or not contiguous) runs transformers' arithmetic with the reason logged, never
+    a wrong result; a state that is not a buffer of the graph is refused by the rewrite."""
+    from tkcc.kernels.common import fallbacks
+    from tkcc.kernels.gated_delta import gated_delta_ref, gated_delta_step
+    from tkcc.passes.lower.checks import Region, _capture
+    from tkcc.passes.lower.decode import lower
+
+    g = torch.Generator().manual_seed(0)
+    H, DK, DV = 2, 16, 16
+    q, k = torch.randn(1, 1, H, DK, generator=g), torch.randn(1, 1, H, DK, generator=g)
+    v, beta = torch.randn(1, 1, H, DV, generator=g), torch.rand(1, 1, H, generator=g)
+    decay, pos = -torch.rand(1, 1, H, generator=g), torch.tensor([3])
+    state = torch.randn(2, 1, H, DK, DV, generator=g, dtype=torch.float64)
+    s2 = state.clone()
+    got = torch.ops.tkcc.gated_delta(q, k, v, decay, beta, state, pos, True, 16, False)
+    assert torch.equal(got, gated_delta_ref(q, k, v, decay, beta, s2, pos)) and torch.equal(state, s2)
+    assert any(k_.startswith("tkcc.gated_delta:") for k_ in fallbacks())
+
+    m = Region(lambda s, q, k, v, decay, beta, st, pos: gated_delta_step(q, k, v, decay, beta, st, pos)[0], {})
+    gm = _capture(m, (q, k, v, decay, beta, torch.zeros(2, 1, H, DK, DV), pos))
+    info = lower(gm, torch.float32, {"pdl": False, "attention_layout": None, "gemv_configs": {}})
+    assert "tkcc.gated_delta.default" not in _ops(gm)
+    assert any("the recurrent state is not a buffer of the graph" in n for n in info.notes), info.notes
+
+
+def test_a_copy_that_overwrites_a_fresh_tensor_whole_becomes_data_flow():
+    """transformers' one-token loop writes its output as ``out = zeros_like(v); out[:, :, 0] = x``: the canonical
+    form reads ``x.unsqueeze(2)`` instead (so a pattern's output depends on its inputs by data flow), bit for bit;
+    a reader of the zeros before the copy keeps the graph as it was."""
+    from tkcc.passes.lower import pattern
+    from tkcc.passes.lower.checks import Region, _capture
+
+    def write_whole(s, v, x):
+        out = torch.zeros_like(v)
+        out[:, :, 0] = x * 2
+        return out.transpose(1, 2) + 1
+
+    def read_first(s, v, x):
+        out = torch.zeros_like(v)
+        before = out.sum()
+        out[:, :, 0] = x * 2
+        return out.transpose(1, 2) + before
+
+    g = torch.Generator().manual_seed(0)
+    v, x = torch.randn(1, 3, 1, 4, generator=g), torch.randn(1, 3, 4, generator=g)
+    for fn, rewritten in ((write_whole, True), (read_first, False)):
+        gm = _capture(Region(fn, {}), (v, x))
+        ref = gm(v, x)
+        pattern.canonicalize(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        ops = _ops(gm)
+        assert ("aten.copy_.default" not in ops) == rewritten, ops
+        assert torch.equal(gm(v, x), ref)
+
+
 # ---- GPU -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["linear_attention", "rotary", "sinks", "gemma_qk_norm", "cohere"])
+@pytest.mark.parametrize("family", ["linear_attention", "gated_delta", "rotary", "sinks", "gemma_qk_norm", "cohere"])
 def test_rewrites_match_their_patterns_gpu_bf16(family):
     from tkcc.passes.lower.checks import run_checks
 
@@ -255,7 +312,7 @@ def test_kernels_match_their_references_under_the_interpreter(interpreter_run):
     res = interpreter_run.lines()[0]
     rows = res["rows"]
     kinds = {r["case"].split("[")[0] for r in rows}
-    assert kinds == {"linear_attention", "attention", "sinks", "dynamic"}, kinds
+    assert kinds == {"linear_attention", "gated_delta", "attention", "sinks", "dynamic"}, kinds
     assert any("interleaved" in r["case"] for r in rows) and any("partial" in r["case"] for r in rows)
     assert {r["dtype"].replace("torch.", "") for r in rows} == {"float32", "float16"}
     bad = [r for r in rows if not r["ok"]]

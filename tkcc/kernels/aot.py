@@ -128,7 +128,7 @@ def lowered_variants():
     activations over a non-gated up projection, the per-head q|k|v rows stored split,
     scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations in the fused attention, the
     combine reading the position, the routed MoE on an input normed already, with fp32 routing weights, and under
-    the grouped and the biased routers."""
+    the grouped and the biased routers; the gated DeltaNet step."""
     out = []
     base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
             "stride_wn": "i32", "eps": "fp32"}
@@ -188,6 +188,14 @@ def lowered_variants():
             out += _gptoss_experts()
             out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
             break
+    # the gated DeltaNet step at Qwen3-Next's head dims (fp32 state, any strides of q / k / v)
+    sig = {"q_ptr": _P, "k_ptr": _P, "v_ptr": _P, "g_ptr": "*fp32", "beta_ptr": _P, "s_ptr": "*fp32", "out_ptr": _P,
+           "pos_ptr": "*i64", "stride_slot": "i32", "stride_h": "i32", "sq": "i32", "eq": "i32", "sk": "i32",
+           "ek": "i32", "sv": "i32", "ev": "i32", "sg": "i32", "sb": "i32", "DK": "constexpr", "DV": "constexpr",
+           "BLOCK_V": "constexpr", "L2": "constexpr"}
+    for pdl, bv in ((False, 32), (True, 64)):
+        out.append(("gated_delta.py.jinja", dict(pdl=pdl), "gated_delta_kernel", sig,
+                    dict(DK=128, DV=128, BLOCK_V=bv, L2=True)))
     return out
 
 

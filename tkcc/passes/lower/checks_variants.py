@@ -1,4 +1,4 @@
-"""Checks of the rotary, sink, linear-attention and Cohere rewrites (``checks.py``'s machinery, on their own
+"""Checks of the rotary, sink, linear-attention, gated-delta and Cohere rewrites (``checks.py``'s machinery, on their own
 regions): each region written as the model's code writes it, captured, lowered, and compared with its eager run on
 fresh random inputs and several shapes (caches and recurrent states compared too). ``checks.py`` imports
 this module, so it imports ``checks`` inside the functions."""
@@ -31,6 +31,38 @@ def check_linear_attention(device, dtype, g, shapes=((3, 16, 16), (4, 32, 16), (
             opts = dict(_options(), linear_block_v=bv)
             rows += run_case(f"linear_attention[{H}x{D}, block_v={bv}{', ' + act if act else ''}]", Region(fn, t),
                              make, "tkcc.linear_attention.default", False, dtype, opts, state=("state",))
+    return rows
+
+
+def check_gated_delta(device, dtype, g, shapes=((3, 16, 16, 16), (4, 32, 48, 32), (2, 64, 128, 64))):
+    """Gated DeltaNet's decode step over the [2, B, H, DK, DV] float32 state double buffer (transformers' recurrent
+    rule for one token, as the model's code writes it): both slots, position 0 (a fresh sequence reads zeros), one
+    and several column blocks per head, a value head dim that is not a power of two, q / k / v as strided views of
+    the convolution's output (where DV != DK): (H, DK, DV, block_v)."""
+    from tkcc.kernels.gated_delta import gated_delta_step
+    from tkcc.passes.lower.checks import Region, _options, _rand, run_case
+
+    rows = []
+    for H, DK, DV, bv in shapes:
+        t = {"state": _rand((2, 1, H, DK, DV), g, device, torch.float32, 0.5)}
+
+        def fn(s, q, k, v, decay, beta, pos):
+            return gated_delta_step(q, k, v, decay, beta, s.state, pos)[0]
+
+        def make(H=H, DK=DK, DV=DV, strided=DV != DK):
+            pos = torch.randint(0, 3, (1,), generator=g).to(device)
+            decay = -torch.rand(1, 1, H, generator=g).to(device)
+            beta = torch.rand(1, 1, H, generator=g).to(device=device, dtype=dtype)
+            if strided:  # views of the convolution's output, its last column transposed, as Qwen3-Next's graph has
+                conv = _rand((1, H * (2 * DK + DV), 5), g, device, dtype)[:, :, -1:].transpose(1, 2)
+                q, k, v = torch.split(conv, [H * DK, H * DK, H * DV], dim=-1)
+                return (q.reshape(1, 1, H, DK), k.reshape(1, 1, H, DK), v.reshape(1, 1, H, DV), decay, beta, pos)
+            return (_rand((1, 1, H, DK), g, device, dtype), _rand((1, 1, H, DK), g, device, dtype),
+                    _rand((1, 1, H, DV), g, device, dtype), decay, beta, pos)
+
+        opts = dict(_options(), gated_delta_block_v=bv)
+        rows += run_case(f"gated_delta[{H}x{DK}x{DV}, block_v={bv}]", Region(fn, t), make, "tkcc.gated_delta.default",
+                         False, dtype, opts, state=("state",))
     return rows
 
 
@@ -184,5 +216,5 @@ def check_cohere(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0, 48), (4, 4, 32,
     return rows
 
 
-FAMILIES = {"linear_attention": check_linear_attention, "rotary": check_rotary, "sinks": check_sink_attention,
+FAMILIES = {"linear_attention": check_linear_attention, "gated_delta": check_gated_delta, "rotary": check_rotary, "sinks": check_sink_attention,
             "gemma_qk_norm": check_gemma_qk_norm, "cohere": check_cohere}

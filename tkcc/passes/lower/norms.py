@@ -102,13 +102,21 @@ def _same_width(m) -> str | None:
     return None
 
 
+def _rows(m) -> str | None:
+    """The RMSNorm row kernel reads contiguous rows: a strided view (Qwen3-Next's per-head q/k norms on a chunk of
+    the projection) stays in aten with its reason, rather than reaching the op and falling back there."""
+    why = _same_width(m)
+    if why is None and not m.val(0).is_contiguous():
+        why = f"x {tuple(m.val(0).shape)} is a strided view (the row kernel reads contiguous rows)"
+    return why
+
+
 REWRITES = [
-    Rewrite("rms_norm", rms_norm, _to_rms_norm, lambda dt: (_x_w(dt), {"eps": EPS}), region="norm",
-            check=_same_width),
+    Rewrite("rms_norm", rms_norm, _to_rms_norm, lambda dt: (_x_w(dt), {"eps": EPS}), region="norm", check=_rows),
     Rewrite("rms_norm_offset", rms_norm_offset, _to_rms_norm_offset,
-            lambda dt: (_x_w(dt), {"eps": EPS, "offset": OFFSET}), region="norm", check=_same_width),
+            lambda dt: (_x_w(dt), {"eps": EPS, "offset": OFFSET}), region="norm", check=_rows),
     Rewrite("rms_norm_weight_fp32", rms_norm_weight_fp32, _to_rms_norm_weight_fp32, lambda dt: (_x_w(dt), {"eps": EPS}),
-            region="norm", check=_same_width),
+            region="norm", check=_rows),
     Rewrite("layer_norm", layer_norm, _to_layer_norm,
             lambda dt: ((*_x_w(dt), torch.empty(48, dtype=dt)), {"eps": EPS}), region="norm", exact=True),
     Rewrite("layer_norm_nobias", layer_norm_nobias, _to_layer_norm_nobias, lambda dt: (_x_w(dt), {"eps": EPS}),

@@ -96,16 +96,63 @@ def _merge_views(graph: torch.fx.Graph) -> int:
     return merge_duplicates(graph, select=_is_view)
 
 
+_FRESH = {torch.ops.aten.zeros_like.default, torch.ops.aten.empty_like.default, torch.ops.aten.zeros.default,
+          torch.ops.aten.empty.memory_format}
+
+
+def _whole_writes(graph: torch.fx.Graph) -> int:
+    """``z = zeros_like(v); z.select(d, 0).copy_(src)`` where z's dim d has size 1 (transformers' per-token loops,
+    run for one token, write their output so): the copy overwrites all of z, so z's later readers read
+    ``src.unsqueeze(d)`` instead, bit for bit. Written as data flow, a pattern's output is reachable from the
+    inputs it was computed from (the copy is a side effect no output depends on). Returns the nodes dropped."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    dropped = 0
+    for c in list(graph.nodes):
+        if c.op != "call_function" or c.target is not torch.ops.aten.copy_.default or c.users or len(c.args) < 2:
+            continue
+        sel, src = c.args[0], c.args[1]
+        if not isinstance(sel, torch.fx.Node) or sel.target is not torch.ops.aten.select.int or len(sel.users) != 1:
+            continue
+        z, dim, idx = sel.args
+        if not isinstance(z, torch.fx.Node) or z.op != "call_function" or z.target not in _FRESH:
+            continue
+        zv, sv = _val(z), _val(src)
+        if not isinstance(zv, torch.Tensor) or not isinstance(sv, torch.Tensor):
+            continue
+        dim = dim % zv.dim()
+        if zv.shape[dim] != 1 or idx not in (0, -1) or sv.dtype != zv.dtype or \
+                tuple(sv.shape) != tuple(zv.shape[:dim]) + tuple(zv.shape[dim + 1:]):
+            continue
+        readers = [u for u in z.users if u is not sel]
+        if any(order[u] < order[c] for u in readers):
+            continue  # a reader of the zeros
+        with graph.inserting_after(c):
+            new = graph.call_function(torch.ops.aten.unsqueeze.default, (src, dim))
+        mode = getattr(sv, "fake_mode", None)
+        if mode is not None:
+            with mode:
+                new.meta["val"] = sv.unsqueeze(dim)
+        else:
+            new.meta["val"] = sv.unsqueeze(dim)
+        for u in readers:
+            u.replace_input_with(z, new)
+        for n in (c, sel, z):
+            graph.erase_node(n)
+        dropped += 2
+    return dropped
+
+
 def canonicalize(graph: torch.fx.Graph) -> int:
-    """Drop casts to what a tensor already is and aliases (eager returns the tensor itself), and merge equal
-    views of one tensor; returns how many nodes went. Bit-exact: the ops dropped compute nothing."""
+    """Drop casts to what a tensor already is and aliases (eager returns the tensor itself), write a copy that
+    overwrites a fresh tensor whole as the value copied (``_whole_writes``), and merge equal views of one tensor;
+    returns how many nodes went. Bit-exact: the ops dropped compute nothing."""
     dropped = 0
     for n in list(graph.nodes):
         if _is_noop(n):
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
             dropped += 1
-    return dropped + _merge_views(graph)
+    return dropped + _whole_writes(graph) + _merge_views(graph)
 
 
 def stable_toposort(graph: torch.fx.Graph) -> None:
