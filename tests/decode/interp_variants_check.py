@@ -10,7 +10,8 @@ import torch
 from tkcc.kernels.checks import TOL, rel_err
 from tkcc.kernels.common import fallbacks
 from tkcc.kernels.lowered import attention_rope_ref
-from tkcc.passes.lower.checks_variants import check_gated_delta, check_linear_attention, check_rotary
+from tkcc.passes.lower.checks_variants import check_causal_conv, check_gated_delta, check_linear_attention, \
+    check_rotary
 
 SINK_SHAPES = ((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 0), (2, 1, 16, 300, 16, 0), (4, 2, 16, 64, 16, 12))
 
@@ -96,6 +97,7 @@ if __name__ == "__main__":
         fp32 = dt == torch.float32
         rows += check_linear_attention("cpu", dt, g, shapes=((3, 16, 16), (4, 32, 16)) if fp32 else ((2, 64, 32),))
         rows += check_gated_delta("cpu", dt, g, shapes=((3, 16, 16, 16), (4, 32, 48, 32)) if fp32 else ((2, 64, 128, 64),))
+        rows += check_causal_conv("cpu", dt, g, **({} if fp32 else {"shapes": ((300, 4, False, "silu", 128),)}))
         rows += check_rotary("cpu", dt, g, shapes=((4, 2, 32, 300, 16, 8, 0),) if fp32 else ((2, 1, 64, 48, 16, 32, 10),))
         rows += check_sinks(dt, g, SINK_SHAPES if fp32 else SINK_SHAPES[1::2])
         rows += check_dynamic_splits(dt, g, DYN_SHAPES if fp32 else DYN_SHAPES[1::2])

@@ -219,6 +219,20 @@ def test_gated_delta_state_the_kernel_cannot_take_runs_the_reference_with_its_re
     assert any("the recurrent state is not a buffer of the graph" in n for n in info.notes), info.notes
 
 
+def test_a_window_the_conv_kernel_cannot_take_runs_the_reference_with_its_reason():
+    from tkcc.kernels.causal_conv import causal_conv_ref
+    from tkcc.kernels.common import fallbacks
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 40, generator=g).transpose(1, 2)
+    state = torch.randn(2, 1, 40, 4, generator=g, dtype=torch.float64)  # not the activations' dtype
+    w, pos = torch.randn(40, 4, generator=g), torch.tensor([2])
+    s2 = state.clone()
+    got = torch.ops.tkcc.causal_conv(x, state, w, None, pos, "silu", 16, False)
+    assert torch.equal(got, causal_conv_ref(x, s2, w, None, pos, "silu")) and torch.equal(state, s2)
+    assert any(k.startswith("tkcc.causal_conv:") for k in fallbacks())
+
+
 def test_a_copy_that_overwrites_a_fresh_tensor_whole_becomes_data_flow():
     """transformers' one-token loop writes its output as ``out = zeros_like(v); out[:, :, 0] = x``: the canonical
     form reads ``x.unsqueeze(2)`` instead (so a pattern's output depends on its inputs by data flow), bit for bit;
@@ -254,7 +268,8 @@ def test_a_copy_that_overwrites_a_fresh_tensor_whole_becomes_data_flow():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", ["linear_attention", "gated_delta", "rotary", "sinks", "gemma_qk_norm", "cohere"])
+@pytest.mark.parametrize("family", ["linear_attention", "gated_delta", "causal_conv", "rotary", "sinks", "gemma_qk_norm",
+                                    "cohere"])
 def test_rewrites_match_their_patterns_gpu_bf16(family):
     from tkcc.passes.lower.checks import run_checks
 
@@ -312,7 +327,7 @@ def test_kernels_match_their_references_under_the_interpreter(interpreter_run):
     res = interpreter_run.lines()[0]
     rows = res["rows"]
     kinds = {r["case"].split("[")[0] for r in rows}
-    assert kinds == {"linear_attention", "gated_delta", "attention", "sinks", "dynamic"}, kinds
+    assert kinds == {"linear_attention", "gated_delta", "causal_conv", "attention", "sinks", "dynamic"}, kinds
     assert any("interleaved" in r["case"] for r in rows) and any("partial" in r["case"] for r in rows)
     assert {r["dtype"].replace("torch.", "") for r in rows} == {"float32", "float16"}
     bad = [r for r in rows if not r["ok"]]

@@ -128,7 +128,7 @@ def lowered_variants():
     activations over a non-gated up projection, the per-head q|k|v rows stored split,
     scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations in the fused attention, the
     combine reading the position, the routed MoE on an input normed already, with fp32 routing weights, and under
-    the grouped and the biased routers; the gated DeltaNet step."""
+    the grouped and the biased routers; the gated DeltaNet step and the short convolution before it."""
     out = []
     base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
             "stride_wn": "i32", "eps": "fp32"}
@@ -196,6 +196,13 @@ def lowered_variants():
     for pdl, bv in ((False, 32), (True, 64)):
         out.append(("gated_delta.py.jinja", dict(pdl=pdl), "gated_delta_kernel", sig,
                     dict(DK=128, DV=128, BLOCK_V=bv, L2=True)))
+    # the short convolution over its cached window (Qwen3-Next: 8192 channels, kernel 4, no bias; Mamba2: a bias)
+    sig = {"x_ptr": _P, "s_ptr": _P, "w_ptr": _P, "b_ptr": _P, "out_ptr": _P, "pos_ptr": "*i64", "C": "i32",
+           "stride_x": "i32", "stride_slot": "i32", "K": "constexpr", "K_PAD": "constexpr", "BLOCK_C": "constexpr",
+           "HAS_BIAS": "constexpr", "ACT": "constexpr"}
+    for pdl, bias in ((False, False), (True, True)):
+        out.append(("causal_conv.py.jinja", dict(pdl=pdl), "causal_conv_kernel", sig,
+                    dict(K=4, K_PAD=4, BLOCK_C=128, HAS_BIAS=bias, ACT=1)))
     return out
 
 

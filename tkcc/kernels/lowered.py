@@ -780,6 +780,7 @@ def _(table, ids, weight, norm_weight=None, eps=1e-6, config=None, pdl=False, bi
 
 
 # ops whose kernels live in their own modules (registered with the rest: an artifact imports only this module)
+from tkcc.kernels import causal_conv as _causal_conv  # noqa: E402,F401
 from tkcc.kernels import gated_delta as _gated_delta  # noqa: E402,F401
 from tkcc.kernels import linear_attention as _linear_attention  # noqa: E402,F401
 from tkcc.kernels import lowered_mla  # noqa: E402,F401 - registers tkcc.mla_attention (DeepSeek's latent attention)

@@ -1,4 +1,4 @@
-"""Checks of the rotary, sink, linear-attention, gated-delta and Cohere rewrites (``checks.py``'s machinery, on their own
+"""Checks of the rotary, sink, linear-attention, gated-delta, causal-convolution and Cohere rewrites (``checks.py``'s machinery, on their own
 regions): each region written as the model's code writes it, captured, lowered, and compared with its eager run on
 fresh random inputs and several shapes (caches and recurrent states compared too). ``checks.py`` imports
 this module, so it imports ``checks`` inside the functions."""
@@ -63,6 +63,34 @@ def check_gated_delta(device, dtype, g, shapes=((3, 16, 16, 16), (4, 32, 48, 32)
         opts = dict(_options(), gated_delta_block_v=bv)
         rows += run_case(f"gated_delta[{H}x{DK}x{DV}, block_v={bv}]", Region(fn, t), make, "tkcc.gated_delta.default",
                          False, dtype, opts, state=("state",))
+    return rows
+
+
+def check_causal_conv(device, dtype, g, shapes=((40, 4, True, "silu", 16), (300, 4, False, "silu", 128),
+                                                (64, 3, True, "", 64))):
+    """A short causal convolution's decode step over its [2, B, C, K] window double buffer (tkcc's update_conv_state,
+    then transformers' causal_conv1d_fn and the slice to the token): both slots, position 0 (a fresh sequence
+    reads zeros), one and several channel blocks, with and without a bias and the SiLU: (C, K, bias, act,
+    block_c)."""
+    from tkcc.kernels.causal_conv import causal_conv_step
+    from tkcc.passes.lower.checks import Region, _options, _rand, run_case
+
+    rows = []
+    for C, K, bias, act, bc in shapes:
+        t = {"state": _rand((2, 1, C, K), g, device, dtype), "w": _rand((C, K), g, device, dtype, 0.5)}
+        if bias:
+            t["b"] = _rand((C,), g, device, dtype, 0.5)
+
+        def fn(s, x, pos, act=act, bias=bias):
+            return causal_conv_step(x, s.state, s.w, s.b if bias else None, pos, act)[0]
+
+        def make(C=C):
+            pos = torch.randint(0, 3, (1,), generator=g).to(device)
+            return _rand((1, 1, C), g, device, dtype).transpose(1, 2), pos
+
+        opts = dict(_options(), causal_conv_block_c=bc)
+        rows += run_case(f"causal_conv[{C}x{K}{', bias' if bias else ''}{', ' + act if act else ''}, block_c={bc}]",
+                         Region(fn, t), make, "tkcc.causal_conv.default", False, dtype, opts, state=("state",))
     return rows
 
 
@@ -216,5 +244,6 @@ def check_cohere(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0, 48), (4, 4, 32,
     return rows
 
 
-FAMILIES = {"linear_attention": check_linear_attention, "gated_delta": check_gated_delta, "rotary": check_rotary, "sinks": check_sink_attention,
+FAMILIES = {"linear_attention": check_linear_attention, "gated_delta": check_gated_delta,
+            "causal_conv": check_causal_conv, "rotary": check_rotary, "sinks": check_sink_attention,
             "gemma_qk_norm": check_gemma_qk_norm, "cohere": check_cohere}

@@ -50,14 +50,15 @@ DEFAULT_TILE = "64x4"  # the fused attention's tile when a plan names none
 def stages():
     """The rewrites, stage by stage (see the module docstring)."""
     import tkcc.kernels.lowered  # noqa: F401 - registers torch.ops.tkcc (no triton needed until a kernel runs)
-    from tkcc.passes.lower import attention, attention_plain, biased_experts, gated_delta, linear_attention, mla, moe, \
-        norms, projections, rotary, routed_experts
+    from tkcc.passes.lower import attention, attention_plain, biased_experts, causal_conv, gated_delta, \
+        linear_attention, mla, moe, norms, projections, rotary, routed_experts
 
     return [("shared", attention.MASKS + rotary.REWRITES + rotary.CANONICAL),
             ("moe", moe.REWRITES + routed_experts.REWRITES + biased_experts.REWRITES), ("packing", projections.PACK),
             ("gemv", projections.GEMV),
             ("attention", attention.ATTENTION + rotary.ATTENTION + attention_plain.REWRITES + mla.REWRITES),
-            ("linear_attention", linear_attention.REWRITES + gated_delta.REWRITES), ("norms", norms.REWRITES)]
+            ("linear_attention", linear_attention.REWRITES + gated_delta.REWRITES + causal_conv.REWRITES),
+            ("norms", norms.REWRITES)]
 
 
 def _device(program) -> torch.device:
