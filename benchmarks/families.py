@@ -76,11 +76,18 @@ def one(model_type: str) -> dict:
     row = {"type": model_type, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}
     stage = "config"
     try:
-        tiny = dict(TINY, **layer_kinds(model_type))
-        try:
-            cfg = AutoConfig.for_model(model_type, **tiny)
-        except (AttributeError, TypeError, ValueError):  # a config that derives head_dim itself (Falcon's property)
-            cfg = AutoConfig.for_model(model_type, **{k: v for k, v in tiny.items() if k != "head_dim"})
+        cfg = None
+        for tiny in (dict(TINY, **layer_kinds(model_type)), TINY):  # (a config that derives its layer kinds itself)
+            for kw in (tiny, {k: v for k, v in tiny.items() if k != "head_dim"}):  # (... or head_dim: Falcon)
+                try:
+                    cfg = AutoConfig.for_model(model_type, **kw)
+                    break
+                except (AttributeError, TypeError, ValueError):
+                    continue
+            if cfg is not None:
+                break
+        if cfg is None:
+            cfg = AutoConfig.for_model(model_type, **TINY)  # its own error, as the row's
         if getattr(cfg, "qk_rope_head_dim", None):  # MLA: its head_dim is the rotary part's, a kv head per head
             cfg.head_dim, cfg.num_key_value_heads = cfg.qk_rope_head_dim, cfg.num_attention_heads
         if getattr(cfg, "rotary_dim", None):  # GPT-J, CodeGen: rotate a part of the tiny head
