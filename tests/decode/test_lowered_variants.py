@@ -233,6 +233,25 @@ def test_a_window_the_conv_kernel_cannot_take_runs_the_reference_with_its_reason
     assert any(k.startswith("tkcc.causal_conv:") for k in fallbacks())
 
 
+def test_a_negative_position_is_a_clear_error_in_every_recurrent_op():
+    """A recurrent step at a negative position would read the wrong slot: each op says which op and position."""
+    from tkcc.errors import TkccError
+
+    H, D, pos = 2, 16, torch.tensor([-1])
+    calls = {
+        "gated delta": lambda: torch.ops.tkcc.gated_delta(
+            torch.randn(1, 1, H, D), torch.randn(1, 1, H, D), torch.randn(1, 1, H, D), -torch.rand(1, 1, H),
+            torch.rand(1, 1, H), torch.zeros(2, 1, H, D, D), pos, True, 16, False),
+        "causal conv": lambda: torch.ops.tkcc.causal_conv(torch.randn(1, 8, 1), torch.zeros(2, 1, 8, 4),
+                                                          torch.randn(8, 4), None, pos, "silu", 16, False),
+        "linear attention": lambda: torch.ops.tkcc.linear_attention(
+            torch.randn(1, 1, 3 * H * D), torch.zeros(2, 1, H, D, D), pos, torch.rand(H, 1, 1), "silu", 16, False),
+    }
+    for op, call in calls.items():
+        with pytest.raises(TkccError, match=f"{op}: negative position -1"):
+            call()
+
+
 def test_a_copy_that_overwrites_a_fresh_tensor_whole_becomes_data_flow():
     """transformers' one-token loop writes its output as ``out = zeros_like(v); out[:, :, 0] = x``: the canonical
     form reads ``x.unsqueeze(2)`` instead (so a pattern's output depends on its inputs by data flow), bit for bit;

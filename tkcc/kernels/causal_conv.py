@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
-from tkcc.kernels.linear_attention import read_state
+from tkcc.kernels.linear_attention import check_position, read_state
 
 ACTS = {"": 0, "silu": 1}
 BLOCK_C = (128, 64, 256)  # channels per program (the kernel's configs; the first is the default)
@@ -93,10 +93,7 @@ def causal_conv(x: Tensor, state: Tensor, weight: Tensor, bias: Optional[Tensor]
     """``causal_conv_ref`` as one launch per layer (one decode token of one sequence on a kernel device; anything
     else runs the reference, with the reason logged once)."""
     reason = causal_conv_reason(x, state, weight, bias, cache_position, act, block_c)
-    if cache_position.device.type == "cpu" and int(cache_position.min()) < 0:
-        from tkcc.errors import TkccError
-
-        raise TkccError(f"causal conv: negative position {int(cache_position.min())}")
+    check_position(cache_position, "causal conv")
     if reason is None:
         from tkcc.kernels.lowered import _pdl_ok
 

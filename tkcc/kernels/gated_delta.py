@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from tkcc.kernels.common import fallback_reason, next_pow2, note_fallback
-from tkcc.kernels.linear_attention import read_state
+from tkcc.kernels.linear_attention import check_position, read_state
 
 BLOCK_V = (32, 16, 64, 128)  # value columns per program (the kernel's configs; the first is the default)
 
@@ -111,10 +111,7 @@ def gated_delta(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state:
     """``gated_delta_ref`` as one launch per layer (one decode token of one sequence on a kernel device; anything
     else runs the reference, with the reason logged once)."""
     reason = gated_delta_reason(q, k, v, g, beta, state, cache_position, block_v)
-    if cache_position.device.type == "cpu" and int(cache_position.min()) < 0:
-        from tkcc.errors import TkccError
-
-        raise TkccError(f"gated delta: negative position {int(cache_position.min())}")
+    check_position(cache_position, "gated delta")
     if reason is None:
         from tkcc.kernels.lowered import _pdl_ok
 

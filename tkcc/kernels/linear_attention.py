@@ -87,11 +87,13 @@ def launch(qkv: Tensor, state: Tensor, cache_position: Tensor, slope: Tensor, ou
     return out
 
 
-def _check_context(cache_position: Tensor) -> None:
+def check_position(cache_position: Tensor, op: str) -> None:
+    """A recurrent step's position must not be negative (on the CPU, where reading it costs no sync): its slot
+    would be read from the wrong parity. Shared by the recurrent-state ops."""
     from tkcc.errors import TkccError
 
     if cache_position.device.type == "cpu" and int(cache_position.min()) < 0:
-        raise TkccError(f"linear attention: negative position {int(cache_position.min())}")
+        raise TkccError(f"{op}: negative position {int(cache_position.min())}")
 
 
 @torch.library.custom_op("tkcc::linear_attention", mutates_args=("state",))
@@ -100,7 +102,7 @@ def linear_attention(qkv: Tensor, state: Tensor, cache_position: Tensor, slope: 
     """``linear_attention_ref`` as one launch per layer (one decode token of one sequence on a kernel device;
     anything else runs the reference, with the reason logged once)."""
     reason = linear_attention_reason(qkv, state, cache_position, slope, act, block_v)
-    _check_context(cache_position)
+    check_position(cache_position, "linear attention")
     if reason is None:
         from tkcc.kernels.lowered import _pdl_ok
 
