@@ -153,3 +153,30 @@ def test_bytes_per_token_reads_active_weights_once(name):
     prog = capture(model, max_cache_len=MAX_LEN, phases=["decode"])
     assert got["state"] == prog.state.decode_bytes(10) > 0
     assert got["total"] == got["weights"] + got["state"]
+
+
+def test_sparse_attention_indexer_keys_live_in_the_state_and_tokens_are_hf_generate():
+    """DeepSeek V3.2's sparse attention (DSA) caches its indexer's keys per position beside the MLA latent: they are
+    a buffer of Program.state written at the step's positions, and with the indexer choosing 8 of the positions
+    (fewer than the prompt) the greedy tokens are HF's own."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "deepseek_v32", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=256, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, index_topk=8, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    cfg.head_dim = cfg.qk_rope_head_dim  # MLA: the rotary part's
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    prog = capture(model, max_cache_len=64)
+    dim = prog.state.layout[0].indexer
+    assert dim == cfg.index_head_dim and prog.state.indexer(0).shape == (1, 64, dim)
+    for n, seed in ((5, 3), (40, 4)):
+        ids = rand_ids((1, n), seed=seed)
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False)[:, n:]
+        assert len(set(ref[0].tolist())) > 1, "degenerate test: the model repeats one token"
+        assert torch.equal(greedy(prog, ids, 8), ref), n
+    written = prog.state.indexer(0)[0, :47].abs().sum(-1)
+    assert (written > 0).all() and prog.state.indexer(0)[0, 47:].abs().sum() == 0

@@ -18,8 +18,8 @@ methods on tkcc's buffers (``tkcc.frontend.hf_adapters``).
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticCache, \
-    StaticLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicIndexedLayer, DynamicLayer, \
+    DynamicSlidingWindowLayer, StaticCache, StaticLayer
 
 from tkcc.errors import CaptureError
 from tkcc.frontend.kv_cache import KVCache, LayerState
@@ -77,14 +77,19 @@ def probe_layout(model, batch: int) -> tuple[list[LayerState], str | None]:
             layout.append(LayerState("none"))
         elif is_linear_layer(layer):
             layout.append(layer_state(layer))
-        elif type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
+        elif type(layer) in (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer):
             k, v = layer.keys, layer.values
             if k.dim() != 4 or v.dim() != 4 or k.shape[2] != 1 or k.shape[0] != batch:
                 raise refuse(model, f"layer {i} cached keys {tuple(k.shape)} / values {tuple(v.shape)} for one "
                                     f"token of a batch of {batch}; tkcc expects [batch, heads, 1, dim]")
             window = int(layer.sliding_window) if getattr(layer, "is_sliding", False) else None
+            idx = getattr(layer, "indexer_keys", None)
+            if idx is not None and (idx.dim() != 3 or tuple(idx.shape[:2]) != (batch, 1)):
+                raise refuse(model, f"layer {i} cached indexer keys {tuple(idx.shape)} for one token of a batch of "
+                                    f"{batch}; tkcc expects [batch, 1, dim]")
             layout.append(LayerState("attention", dtype=k.dtype, key=(k.shape[1], k.shape[3]),
-                                     value=(v.shape[1], v.shape[3]), window=window))
+                                     value=(v.shape[1], v.shape[3]), window=window,
+                                     indexer=int(idx.shape[2]) if idx is not None else None))
         else:
             kinds = getattr(cfg, "layer_types", None)
             kind = f" ({kinds[i]})" if isinstance(kinds, list) and i < len(kinds) else ""
@@ -123,9 +128,10 @@ class PositionedLayer(StaticLayer):
     def __init__(self, max_cache_len: int):
         super().__init__(max_cache_len=max_cache_len)
         self.position: torch.Tensor | None = None
+        self.indexer_keys: torch.Tensor | None = None
 
-    def bind(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys, self.values = keys, values
+    def bind(self, keys: torch.Tensor, values: torch.Tensor, indexer_keys: torch.Tensor | None = None) -> None:
+        self.keys, self.values, self.indexer_keys = keys, values, indexer_keys
         self.dtype, self.device = keys.dtype, keys.device
         self.batch_size, self.num_heads = keys.shape[:2]
         self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
@@ -142,6 +148,15 @@ class PositionedLayer(StaticLayer):
     def get_seq_length(self):
         # Tokens before this step = the first position written (a 0-dim tensor, as StaticLayer returns).
         return self.position[0]
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """A sparse-attention layer's indexer keys [B, T, dim] written at the step's positions; the whole buffer
+        back (positions past the step are masked by the indexer's mask, as transformers' StaticIndexedLayer)."""
+        if self.indexer_keys is None:
+            raise CaptureError("tkcc.frontend.hf_cache.PositionedLayer.update_indexer: this layer wrote indexer keys, "
+                               "but the probe step saw it keep none (its cache layout differs between steps)")
+        self.indexer_keys.index_copy_(1, self.position, indexer_key_states)
+        return self.indexer_keys
 
 
 class StateLayer:
@@ -189,7 +204,7 @@ class PositionedCache(StaticCache):
         self.position = cache_position
         for i, layer in enumerate(self.layers):
             if isinstance(layer, PositionedLayer):
-                layer.bind(kv.key(i), kv.value(i))
+                layer.bind(kv.key(i), kv.value(i), kv.indexer(i))
                 layer.position = cache_position
             else:  # StateLayer, LinearStateLayer
                 layer.states = {n: kv.state(i, n) for n, _s in kv.layout[i].states}

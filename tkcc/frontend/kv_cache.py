@@ -14,7 +14,9 @@ A layer keeps one of (``LayerState.kind``):
   values may differ in shape (MLA keeps its compressed latent as the "key" and
   the shared rotary key as the "value"), and so may layers. A sliding-window
   layer has the same full-length buffers; the attention mask hides what lies
-  outside its window, so any context up to ``max_cache_len`` is exact.
+  outside its window, so any context up to ``max_cache_len`` is exact. A sparse-attention layer (DeepSeek
+  V3.2's DSA) also keeps its indexer's keys, ``indexer_<i>`` [batch, max_cache_len, dim], written at the step's
+  positions as keys and values are.
 - ``recurrent``: buffers ``state_<i>_<name>`` [2, batch, ...] (a linear-attention
   layer's running ``K^T V``, a convolution's last ``kernel`` inputs; each in its
   own dtype where ``LayerState.state_dtypes`` says so): slot ``p % 2`` holds the
@@ -52,6 +54,7 @@ class LayerState:
     key: tuple[int, int] | None = None      # (heads, dim) per position
     value: tuple[int, int] | None = None
     window: int | None = None               # sliding-window attention: positions a query sees
+    indexer: int | None = None              # sparse attention (DeepSeek V3.2's DSA): its indexer's key dim per position
     states: tuple[tuple[str, tuple[int, ...]], ...] = ()  # recurrent: (name, shape) of each state tensor
     state_dtypes: tuple[tuple[str, torch.dtype], ...] = ()  # recurrent: a state whose dtype is not ``dtype``
     cache_layer: str | None = None  # recurrent: "linear_attention" where the model reads it through transformers'
@@ -71,6 +74,8 @@ class LayerState:
         d = {"kind": self.kind, "dtype": str(self.dtype).replace("torch.", "") if self.dtype else None}
         if self.kind == "attention":
             d.update(key=list(self.key), value=list(self.value), window=self.window)
+            if self.indexer:
+                d["indexer"] = self.indexer
         elif self.kind == "recurrent":
             d["states"] = {n: list(s) for n, s in self.states}
             if self.state_dtypes:
@@ -88,7 +93,7 @@ def state_bytes(layout: list[LayerState], context: int, batch: int = 1) -> int:
         size = ls.dtype.itemsize if ls.dtype is not None else 0
         if ls.kind == "attention":
             seen = min(context, ls.window) if ls.window else context
-            total += batch * seen * (ls.key[0] * ls.key[1] + ls.value[0] * ls.value[1]) * size
+            total += batch * seen * (ls.key[0] * ls.key[1] + ls.value[0] * ls.value[1] + (ls.indexer or 0)) * size
         elif ls.kind == "recurrent":
             total += 2 * batch * sum(_numel(s) * ls.dtype_of(n).itemsize for n, s in ls.states)
     return total
@@ -131,6 +136,9 @@ class KVCache(torch.nn.Module):
                                                   device=device)
                 tensors[f"value_{i}"] = torch.zeros((batch, ls.value[0], max_cache_len, ls.value[1]),
                                                     dtype=ls.dtype, device=device)
+                if ls.indexer:
+                    tensors[f"indexer_{i}"] = torch.zeros((batch, max_cache_len, ls.indexer), dtype=ls.dtype,
+                                                          device=device)
             elif ls.kind == "recurrent":
                 for name, shape in ls.states:
                     tensors[f"state_{i}_{name}"] = torch.zeros((2, batch, *shape), dtype=ls.dtype_of(name),
@@ -164,6 +172,11 @@ class KVCache(torch.nn.Module):
     def value(self, i: int) -> torch.Tensor:
         self._need(i, "attention", "values")
         return getattr(self, f"value_{i}")
+
+    def indexer(self, i: int) -> torch.Tensor | None:
+        """Layer i's sparse-attention indexer keys [B, max_cache_len, dim], or None where it keeps none."""
+        self._need(i, "attention", "indexer keys")
+        return getattr(self, f"indexer_{i}", None)
 
     def state(self, i: int, name: str) -> torch.Tensor:
         self._need(i, "recurrent", f"a recurrent state {name!r}")
