@@ -291,7 +291,7 @@ def _shareable(pattern: torch.fx.Graph) -> set:
     node may also feed the graph outside the region: after ``cse``, every layer reads one ``unsqueeze`` of the
     rotary table. The replacement reads the inputs themselves, so the view stays for its other readers."""
     out: set = set()
-    returned = set(next(reversed(pattern.nodes)).all_input_nodes)  # (an output is replaced, never kept)
+    returned = set(list(pattern.nodes)[-1].all_input_nodes)  # (an output is replaced, never kept)
     for n in pattern.nodes:
         if n.op == "call_function" and n.target in VIEW_OPS and n not in returned and all(
                 a.op == "placeholder" or a in out for a in n.all_input_nodes):
