@@ -166,14 +166,22 @@ class StateLayer:
     is_sliding = False
     supports_early_init = False
     is_initialized = True
+    keeps = "none"  # what the probe step saw the layer keep, for update's error
 
     def __init__(self, index: int):
         self.index = index
         self.states: dict[str, torch.Tensor] = {}
 
+    def begin(self) -> None:
+        """A step starts (the cache bound ``states`` to this step's buffers)."""
+
+    def finish(self) -> None:
+        """The step's forward returned."""
+
     def update(self, key_states, value_states, *args, **kwargs):
-        raise CaptureError(f"tkcc.frontend.hf_cache.StateLayer.update: layer {self.index} wrote keys and values, but "
-                           "the probe step saw it keep none (its cache layout differs between steps)")
+        raise CaptureError(f"{type(self).__module__}.{type(self).__qualname__}.update: layer {self.index} wrote keys "
+                           f"and values, but the probe step saw it keep {self.keeps} (its cache layout differs "
+                           "between steps)")
 
     def reset(self) -> None:
         for t in self.states.values():
@@ -206,10 +214,9 @@ class PositionedCache(StaticCache):
             if isinstance(layer, PositionedLayer):
                 layer.bind(kv.key(i), kv.value(i), kv.indexer(i))
                 layer.position = cache_position
-            else:  # StateLayer, LinearStateLayer
+            else:  # a StateLayer
                 layer.states = {n: kv.state(i, n) for n, _s in kv.layout[i].states}
-                if hasattr(layer, "begin"):
-                    layer.begin()
+                layer.begin()
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -217,7 +224,7 @@ class PositionedCache(StaticCache):
     def finish(self) -> None:
         """The step's forward returned: each linear-attention layer writes what it read and changed in place."""
         for layer in self.layers:
-            if hasattr(layer, "finish"):
+            if isinstance(layer, StateLayer):
                 layer.finish()
 
     # Every layer sees the same positions: the step's, over the whole max_cache_len (masked past the step).
@@ -253,7 +260,8 @@ class PositionedCache(StaticCache):
         return buf
 
     def _state_buffer(self, layer_idx: int, name: str) -> torch.Tensor | None:
-        return getattr(self.layers[layer_idx], "states", {}).get(name)
+        layer = self.layers[layer_idx]
+        return layer.states.get(name) if isinstance(layer, StateLayer) else None
 
 
 _CLASSES: dict[str, type] = {}

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from tkcc.kernels.gated_delta import l2norm
+
 PREFILL_CHUNK = 64  # transformers' chunk_size
-
-
-def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
-    """transformers' (and FLA's) l2norm."""
-    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
 def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,

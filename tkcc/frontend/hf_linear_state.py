@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
+from tkcc.frontend.hf_cache import StateLayer
 from tkcc.frontend.kv_cache import LayerState
 
 CACHE_LAYER = "linear_attention"
@@ -53,22 +54,18 @@ def layer_state(layer) -> LayerState:
                       cache_layer=CACHE_LAYER)
 
 
-class LinearStateLayer(LinearAttentionCacheLayerMixin):
+class LinearStateLayer(StateLayer, LinearAttentionCacheLayerMixin):
     """``LinearAttentionLayer``'s API over the slots of a ``PositionedCache`` (see the module docstring).
 
     ``states`` are the layer's buffers (bound by the cache before each step); reads and writes go through the
     cache, which knows the step's positions."""
 
-    is_compileable = True
-    is_sliding = False
-    is_initialized = True
-    supports_early_init = False
+    keeps = "a linear-attention state only"
 
     def __init__(self, index: int, cache, names: list[str]):
         # not LinearAttentionCacheLayerMixin.__init__: its state dicts are properties here
-        self.index = index
+        StateLayer.__init__(self, index)
         self._cache = cache
-        self.states: dict[str, torch.Tensor] = {}
         ids = sorted({int(n.rsplit("_", 1)[1]) for n in names})
         self.number_of_states = len(ids)
         self._names = set(names)
@@ -130,13 +127,3 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
         self._cache.write_state(self.index, name, recurrent_states)
         self._written.add(name)
         return recurrent_states
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        from tkcc.errors import CaptureError
-
-        raise CaptureError(f"tkcc.frontend.hf_linear_state.LinearStateLayer.update: layer {self.index} wrote keys "
-                           "and values, but the probe step saw it keep a linear-attention state only")
-
-    def reset(self) -> None:
-        for t in self.states.values():
-            t.zero_()
