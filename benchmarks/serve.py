@@ -517,7 +517,8 @@ def drift_run(args, model_name, vocab, service: dict) -> dict:
 
 def watch_experiments(db: Path) -> list[dict]:
     """What the watcher's campaigns tried, from the server's experiment store: per experiment its campaign, tier,
-    plan (pass names), verdict, objective and reason (why one was invalid or not promoted)."""
+    plan (pass names), verdict, objective, reason (why one was invalid or not promoted), and its seconds per phase
+    (render, compile wait, validate, capture, measure: a 77 s experiment beside the traffic says which)."""
     if not db.exists():
         return []
     from tkcc.agents.store import ExperimentStore
@@ -528,7 +529,7 @@ def watch_experiments(db: Path) -> list[dict]:
         return [{"campaign": names.get(e.campaign_id, e.campaign_id), "tier": e.tier, "proposer": e.proposer,
                  "candidate": e.candidate[:16], "plan": [s.get("name") for s in e.plan or []], "verdict": e.verdict,
                  "objective": e.objective, "reason": (e.reason or "")[:300],
-                 "seconds": round(e.finished - e.started, 1)} for e in store.experiments()]
+                 "seconds": round(e.finished - e.started, 1), "timing": e.timing} for e in store.experiments()]
     finally:
         store.close()
 

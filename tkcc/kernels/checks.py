@@ -257,13 +257,18 @@ def check_attention_rope(device, dtype, g, pdl=False, shapes=((4, 4, 32, 100, 76
                                                                 (32, 8, 64, 4100, 4000, 128),
                                                                 (4, 2, 32, 300, 250, 32, 64),
                                                                 (8, 2, 16, 600, 599, 16, 48),
-                                                                (4, 4, 32, 200, 150, 64, 64))):
+                                                                (4, 4, 32, 200, 150, 64, 64),
+                                                                (4, 2, 16, 200, 9, 16),
+                                                                (4, 2, 16, 520, 20, 16))):
     """Norm + rotary + cache write + split-KV + combine (in the kernel up to MERGE_MAX_SPLITS splits, else
     attention's combine launch: shapes with 4, 20, 5, 1 and 33 splits) against rope_ref then attention_ref.
     Cache positions from pos on are NaN before the launch (pos must be written, never read; later ones
     never touched); two launches in a row (the self-resetting per-head counters). A 7th number is the span
     the layout is built for, shorter than the context: its last split takes the positions past the grid
-    (2 splits over 250 positions, 3 over 599 with the in-kernel merge, one split of a 64-position span)."""
+    (2 splits over 250 positions, 3 over 599 with the in-kernel merge, one split of a 64-position span). The
+    last two are a long cache at a short context, as a static split over the front door's one cache is: 13 splits
+    merged in the kernel and 33 by the combine, of which 1 and 2 hold positions (the rest return at once and
+    must not arrive at the counter or be merged)."""
     from tkcc.kernels.attention_rope import AttentionRope, attention_rope_ref, tile_fits
 
     rows = []
