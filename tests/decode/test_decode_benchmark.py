@@ -37,6 +37,19 @@ def test_decode_benchmark_smoke(tmp_path):
     assert res["meta"]["torch"] and res["meta"]["command"]
 
 
+def test_moe_gptoss_explore_smoke_checks_every_config_against_the_reference(tmp_path):
+    """benchmarks/moe_gptoss_explore.py --smoke: its plumbing (the op's configs argument, forced experts, the
+    reference) on CPU under the interpreter; each config's error is the kernels' against moe_gptoss_ref."""
+    out = tmp_path / "moe.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_gptoss_explore.py"), "--smoke", "--out",
+                        str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["configs"]) == 2 and all(r["ok"] and 0 < r["rel_err"] < 1e-5 for r in res["configs"])
+    assert res["measured_on"]["commit"] and res["bytes_per_block"] > 0
+
+
 def test_a_deleted_variant_is_refused():
     """--variants names front-door variants only: a FusedDecoder variant of older commands (tkcc_v4) is refused
     before any model is built, not run as nothing."""
