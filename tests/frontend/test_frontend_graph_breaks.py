@@ -114,3 +114,47 @@ def test_a_family_tkcc_cannot_capture_is_refused_by_name_before_export(monkeypat
     assert "conv_states[0] (1, 2048, 4)" in msg and "keys (1, 16, 1, 128)" in msg
     assert "LinearAttentionLayer, or" in msg and "MiniMaxCache" in msg
     assert "modeling_inkling.py" not in msg
+
+
+def test_a_data_dependent_failure_outside_experts_gets_no_moe_advice():
+    """XGLM's sinusoidal positions branch on a tensor's value: the refusal names the model's module and line, and
+    says tkcc does not capture that code; the MoE experts setting is offered only where the failure is an experts'."""
+    transformers = pytest.importorskip("transformers")
+
+    cfg = transformers.XGLMConfig(d_model=64, ffn_dim=128, num_layers=2, attention_heads=4, vocab_size=256,
+                                  max_position_embeddings=256)
+    cfg._attn_implementation = "eager"  # (XGLM has no sdpa form)
+    model = transformers.XGLMForCausalLM(cfg).eval()
+    with pytest.raises(CaptureError) as info:
+        capture(model, max_cache_len=16, phases=["decode"])
+    msg = str(info.value)
+    assert "data-dependent" in msg and "XGLMSinusoidalPositionalEmbedding" in msg
+    assert "experts" not in msg and "tkcc does not capture this model's code yet" in msg
+
+
+@pytest.mark.parametrize("family", ["opt", "bloom"])
+def test_a_model_that_sizes_its_mask_by_the_cache_is_captured_and_generates_as_hf(family, tmp_path):
+    """OPT and BLOOM build ``ones(batch, past_seen_tokens + T)`` as their mask when given none, which over tkcc's
+    cache is data-dependent: the step gives them an all-ones mask over the whole cache instead (only them: Llama is
+    captured without one), and the front door's greedy tokens are the model's own ``generate``'s."""
+    transformers = pytest.importorskip("transformers")
+    import tkcc
+    from tkcc.frontend.models import build_model
+
+    if family == "opt":
+        cfg = transformers.OPTConfig(hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2,
+                                     num_attention_heads=4, vocab_size=256, max_position_embeddings=256)
+    else:
+        cfg = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=256)
+    cfg._attn_implementation = "sdpa" if family == "opt" else "eager"  # BLOOM's alibi attention has no sdpa form
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    prog = capture(model, max_cache_len=32, phases=["prefill", "decode"])
+    assert prog.meta["static_mask"] is True
+    assert capture(build_model("llama-tiny"), max_cache_len=16, phases=["decode"]).meta["static_mask"] is False
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    compiled = tkcc.compile(model, plan=[], measure=False, max_cache_len=32, out_dir=tmp_path, progress=False)
+    got = compiled.generate(ids, 6)
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(got.reshape(-1)[-6:], want.reshape(-1)[-6:]), (got, want)

@@ -151,14 +151,20 @@ def capture_error_from_failure(module, args: tuple, exc: BaseException, what: st
     return err
 
 
-# (pattern in the failure, what to configure): a library model is configured, never rewritten.
+# (pattern in the failure, what to configure, whether it applies only where the failure is in MoE experts' code): a
+# library model is configured, never rewritten.
 _LIBRARY_FIXES = [
     (r"nonzero|DynamicOutputShape|dynamic shape operator|data-dependent|GuardOnDataDependent",
-     "a data-dependent op inside the model's code; for a Hugging Face MoE model set "
-     "config._experts_implementation = 'batched_mm' (a fixed-shape experts implementation) before capture"),
+     "a data-dependent op inside the model's MoE experts; set config._experts_implementation = 'batched_mm' (a "
+     "fixed-shape experts implementation) before capture", True),
     (r"flash_attn|flex_attention|BlockMask",
-     "set config._attn_implementation = 'sdpa' before capture"),
+     "set config._attn_implementation = 'sdpa' before capture", False),
 ]
+
+
+def _in_experts(frame, module: str | None) -> bool:
+    """Whether export stopped in a mixture of experts' code (the module or the function says so)."""
+    return "expert" in f"{module or ''} {frame.name if frame else ''}".lower()
 
 
 def library_failure(model, what: str, exc: BaseException, where: str, supported: str) -> CaptureError:
@@ -172,7 +178,8 @@ def library_failure(model, what: str, exc: BaseException, where: str, supported:
     module = _failing_module(model, exc)
     at = f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else "an unknown line"
     inside = f" (module {module})" if module else ""
-    fix = next((f for pat, f in _LIBRARY_FIXES if re.search(pat, str(exc))), None)
+    fix = next((f for pat, f, moe in _LIBRARY_FIXES
+                if re.search(pat, str(exc)) and (not moe or _in_experts(frame, module))), None)
     cfg = getattr(model, "config", None)
     kind = getattr(cfg.get_text_config(), "model_type", "?") if cfg is not None else "?"
     msg = (f"{where}: cannot capture {what} {type(model).__name__} (model_type {kind!r}) as one graph: "

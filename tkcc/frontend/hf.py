@@ -89,15 +89,36 @@ class StepModule(torch.nn.Module):
         self._cache = positioned_cache(kv)
         self._forwards = module_forwards(lm)
         self._functions = function_overrides(lm)
+        self.static_mask = False  # see ``mask_sized_by_the_cache``
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         # Point the cache at this module's buffers (during export: the traced ones) and this step's positions.
         self._cache.bind(self.kv, cache_position)
+        mask = {}
+        if self.static_mask:  # no padding, over the whole cache: the causal mask from the positions does the rest
+            mask["attention_mask"] = torch.ones(input_ids.shape[0], self._cache.max_len, dtype=torch.long,
+                                                device=input_ids.device)
         with _registered_forwards(self._forwards, self._functions):
             out = self.lm(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
-                          past_key_values=self._cache, use_cache=True)
+                          past_key_values=self._cache, use_cache=True, **mask)
         self._cache.finish()
         return out.logits
+
+
+def mask_sized_by_the_cache(exc: BaseException | None) -> bool:
+    """Whether export stopped where the model sized its own attention mask by the tokens the cache has seen.
+
+    OPT, BLOOM and BioGPT build ``torch.ones(batch, past_seen_tokens + T)`` when no mask is given; over tkcc's
+    cache ``past_seen_tokens`` is the step's position, a tensor, so the mask's length is data-dependent and
+    export cannot pad it to the cache's length. Given an all-ones mask of the cache's whole length (no padding:
+    what ``generate`` passes over a static cache), the step is the same and its shapes are static. Other models
+    are captured without one: a mask adds a padding term to every attention's mask, which the lowering's
+    attention patterns do not take."""
+    from tkcc.frontend.graph_breaks import failure_frame
+
+    frame = failure_frame(exc) if exc is not None else None
+    return bool(frame and frame.filename.endswith("masking_utils.py") and frame.name == "prepare_padding_mask"
+                and "DataDependent" in type(exc).__name__ + str(exc))
 
 
 @contextlib.contextmanager
@@ -135,12 +156,19 @@ def capture_hf(model, *, phases=None, max_cache_len: int | None = None, batch: i
         if phase == "prefill":
             t = torch.export.Dim("T", min=1, max=prog.meta["max_cache_len"])
             dyn = ({1: t}, {0: t})
+        fail = functools.partial(library_failure, model, f"the {phase} step of", where="tkcc.frontend.hf.capture_hf",
+                                 supported=SUPPORTED)
         with torch.no_grad(), _experts_for(model, phase):
-            gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, failure=functools.partial(
-                library_failure, model, f"the {phase} step of", where="tkcc.frontend.hf.capture_hf",
-                supported=SUPPORTED))
+            try:
+                gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, failure=fail)
+            except CaptureError as e:
+                if step.static_mask or not mask_sized_by_the_cache(e.__cause__):
+                    raise
+                step.static_mask = True  # for every phase and the eager step alike (the same arithmetic)
+                gm, _spec = export_graph(step, examples[phase], dynamic_shapes=dyn, failure=fail)
         graphs[phase] = gm
         layer_maps[phase] = layer_map(gm, prog.meta["block_container"])
+    prog.meta["static_mask"] = step.static_mask
     step._cache.bind(prog.state, None)  # drop references to traced tensors
     prog.graphs, prog.layer_map = graphs, layer_maps
     prog.meta["capture_seconds"] = round(time.perf_counter() - t0, 3)

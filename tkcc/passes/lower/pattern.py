@@ -142,17 +142,66 @@ def _whole_writes(graph: torch.fx.Graph) -> int:
     return dropped
 
 
+_ONES = {torch.ops.aten.ones.default, torch.ops.aten.new_ones.default, torch.ops.aten.ones_like.default}
+_KEEPS_ONES = VIEW_OPS | _NOOP_CASTS | {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
+                                       torch.ops.aten.index.Tensor}
+
+
+def _all_ones(n, depth: int = 0) -> bool:
+    """Whether ``n`` holds ones (True) everywhere by construction: ``ones`` through casts, views and gathers."""
+    if not isinstance(n, torch.fx.Node) or n.op != "call_function" or depth > 16:
+        return False
+    if n.target in _ONES:
+        return True
+    return n.target in _KEEPS_ONES and _all_ones(n.args[0], depth + 1)
+
+
+def _true_masks(graph: torch.fx.Graph) -> int:
+    """``m & p`` where p is all True by construction and m (bool) already has the result's shape: m itself.
+
+    A model given no padding (tkcc's step passes an all-ones mask over the whole cache where the model would
+    size one by the cache's length: ``tkcc.frontend.hf.mask_sized_by_the_cache``) ands that mask into every
+    attention's causal mask; without the term the attention patterns match. Bit-exact (x & True is x)."""
+    dropped = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.__and__.Tensor or len(n.args) != 2:
+            continue
+        out = _val(n)
+        for keep, ones in (n.args, n.args[::-1]):
+            kv, ov = _val(keep), _val(ones)
+            if (isinstance(kv, torch.Tensor) and isinstance(ov, torch.Tensor) and isinstance(out, torch.Tensor)
+                    and kv.dtype == ov.dtype == torch.bool and tuple(kv.shape) == tuple(out.shape)
+                    and _all_ones(ones)):
+                n.replace_all_uses_with(keep)
+                graph.erase_node(n)
+                dropped += 1 + _erase_unused(graph, ones)
+                break
+    return dropped
+
+
+def _erase_unused(graph: torch.fx.Graph, n) -> int:
+    """Erase ``n`` and, in turn, its inputs that nothing else reads (only the pure ops ``_all_ones`` walks)."""
+    erased = 0
+    while isinstance(n, torch.fx.Node) and not n.users and (n.target in _ONES or n.target in _KEEPS_ONES):
+        src = n.args[0] if n.target not in _ONES else None
+        graph.erase_node(n)
+        erased += 1
+        n = src
+    return erased
+
+
 def canonicalize(graph: torch.fx.Graph) -> int:
     """Drop casts to what a tensor already is and aliases (eager returns the tensor itself), write a copy that
-    overwrites a fresh tensor whole as the value copied (``_whole_writes``), and merge equal views of one tensor;
-    returns how many nodes went. Bit-exact: the ops dropped compute nothing."""
+    overwrites a fresh tensor whole as the value copied (``_whole_writes``), drop an all-True term of a mask
+    (``_true_masks``), and merge equal views of one tensor; returns how many nodes went. Bit-exact: the ops
+    dropped compute nothing."""
     dropped = 0
     for n in list(graph.nodes):
         if _is_noop(n):
             n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
             dropped += 1
-    return dropped + _whole_writes(graph) + _merge_views(graph)
+    return dropped + _whole_writes(graph) + _true_masks(graph) + _merge_views(graph)
 
 
 def stable_toposort(graph: torch.fx.Graph) -> None:
