@@ -96,7 +96,9 @@ if __name__ == "__main__":
     for dt in (torch.float32, torch.float16):
         fp32 = dt == torch.float32
         rows += check_linear_attention("cpu", dt, g, shapes=((3, 16, 16), (4, 32, 16)) if fp32 else ((2, 64, 32),))
-        rows += check_gated_delta("cpu", dt, g, shapes=((3, 16, 16, 16), (4, 32, 48, 32)) if fp32 else ((2, 64, 128, 64),))
+        rows += check_gated_delta("cpu", dt, g, shapes=((3, 1, 16, 16, 16, False), (2, 2, 32, 48, 32, True),
+                                                       (1, 4, 16, 16, 16, False), (2, 1, 16, 32, 16, True))
+                                  if fp32 else ((2, 1, 64, 128, 64, False), (1, 2, 64, 128, 64, True)))
         rows += check_causal_conv("cpu", dt, g, **({} if fp32 else {"shapes": ((300, 4, False, "silu", 128),)}))
         rows += check_rotary("cpu", dt, g, shapes=((4, 2, 32, 300, 16, 8, 0),) if fp32 else ((2, 1, 64, 48, 16, 32, 10),))
         rows += check_sinks(dt, g, SINK_SHAPES if fp32 else SINK_SHAPES[1::2])

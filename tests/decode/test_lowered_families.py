@@ -13,6 +13,7 @@ not the step's, a context past the cache. GPU: the rewrites in bf16, greedy
 through tkcc.compile.
 """
 import json
+import operator
 import sys
 from pathlib import Path
 
@@ -149,6 +150,37 @@ def test_fp32_rotation_is_bit_exact_off_the_kernels_in_bf16(form):
             m.kc.copy_(before)
             got = gm(*x)
             assert torch.equal(want, got) and torch.equal(want_k, m.kc), (hq, hkv, D, int(x[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_next_gates_and_key_heads_fold_into_the_gated_delta_op(dtype):
+    """Each gated DeltaNet layer's gates (sigmoid; exp, softplus and their casts) and its ``repeat_interleave`` of q
+    and k are gone from the lowered step: its tkcc.gated_delta reads the 2 key heads, the layer's own A_log and
+    dt_bias, and a and b as the projection's strided per-key-head halves (no reshape's copy between). Off the kernel
+    path the step is the captured one (bit for bit in fp32; within bf16's rounding in bf16, see the test above)."""
+    from tkcc.passes.lower.pattern import _all_args
+
+    prog = capture("qwen3-next", dtype)
+    new, notes = _lower(prog)
+    gm = new.graphs["decode"]
+    assert any("gated_delta[l2 qk, qwen3-next gates, grouped heads]: 3 region(s) lowered" in n for n in notes), notes
+    targets = {str(n.target) for n in gm.graph.nodes}
+    assert not targets & {"aten.repeat_interleave.self_int", "aten.softplus.default", "aten.exp.default"}, targets
+    cfg = prog.model.config
+    group = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    deltas = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.tkcc.gated_delta.default]
+    layers = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+    assert len(deltas) == len(layers) == 3
+    for i, n in zip(layers, deltas):
+        args = _all_args(n)
+        assert [a.meta["val"].shape[2] for a in args[:3]] == [cfg.linear_num_key_heads] * 2 + [cfg.linear_num_value_heads]
+        assert [tuple(a.meta["val"].shape) for a in args[3:5]] == [(1, 1, cfg.linear_num_key_heads, group)] * 2
+        assert [a.target for a in args[10:12]] == [f"lm.model.layers.{i}.linear_attn.{w}" for w in ("A_log", "dt_bias")]
+        assert all(a.op == "call_function" and a.target is operator.getitem for a in args[3:5]), args[3:5]
+    if dtype == torch.float32:
+        assert same_decode(prog, gm) is None
+    else:
+        assert same_decode(prog, gm, tol=1e-2) is None
 
 
 def _region_cases(dtype):

@@ -219,6 +219,40 @@ def test_gated_delta_state_the_kernel_cannot_take_runs_the_reference_with_its_re
     assert any("the recurrent state is not a buffer of the graph" in n for n in info.notes), info.notes
 
 
+def test_gated_delta_with_key_heads_and_gates_off_the_kernel_is_transformers_code():
+    """Given key heads (fewer than the value heads) and Qwen3-Next's a, b, A_log and dt_bias, the op off the kernel
+    path (a float64 state) is transformers' layer: its gates from the per-key-head projection halves, its
+    ``repeat_interleave`` of q and k, its recurrent rule from the state's slot, bit for bit; the state written is
+    the rule's final state, and the reason is logged."""
+    import torch.nn.functional as F
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    from tkcc.kernels.common import fallbacks
+
+    g = torch.Generator().manual_seed(0)
+    for HK, group, p in ((2, 2, 3), (1, 4, 0), (3, 1, 6)):
+        H, DK, DV = HK * group, 16, 32
+        q, k = torch.randn(1, 1, HK, DK, generator=g), torch.randn(1, 1, HK, DK, generator=g)
+        v = torch.randn(1, 1, H, DV, generator=g)
+        ba = torch.randn(1, 1, HK, 2 * group, generator=g) * 3
+        b, a = torch.split(ba, [group, group], dim=3)
+        a_log, dt_bias = torch.rand(H, generator=g) * 3, torch.randn(H, generator=g)
+        state = torch.randn(2, 1, H, DK, DV, generator=g, dtype=torch.float64)
+        pos = torch.tensor([p])
+        initial = state[p % 2].clone() if p else None
+        got = torch.ops.tkcc.gated_delta(q, k, v, a, b, state, pos, True, 16, False, a_log, dt_bias)
+
+        beta = b.reshape(1, 1, H).sigmoid()  # Qwen3NextGatedDeltaNet.forward, for one token
+        decay = -a_log.float().exp() * F.softplus(a.reshape(1, 1, H).float() + dt_bias)
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        want, final = torch_recurrent_gated_delta_rule(q, k, v, g=decay, beta=beta, initial_state=initial,
+                                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert torch.equal(got, want), (HK, group, float((got - want).abs().max()))
+        assert torch.equal(state[(p + 1) % 2], final.to(state.dtype)), (HK, group)
+    assert any(k_.startswith("tkcc.gated_delta:") for k_ in fallbacks())
+
+
 def test_a_window_the_conv_kernel_cannot_take_runs_the_reference_with_its_reason():
     from tkcc.kernels.causal_conv import causal_conv_ref
     from tkcc.kernels.common import fallbacks

@@ -188,14 +188,18 @@ def lowered_variants():
             out += _gptoss_experts()
             out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
             break
-    # the gated DeltaNet step at Qwen3-Next's head dims (fp32 state, any strides of q / k / v)
-    sig = {"q_ptr": _P, "k_ptr": _P, "v_ptr": _P, "g_ptr": "*fp32", "beta_ptr": _P, "s_ptr": "*fp32", "out_ptr": _P,
-           "pos_ptr": "*i64", "stride_slot": "i32", "stride_h": "i32", "sq": "i32", "eq": "i32", "sk": "i32",
-           "ek": "i32", "sv": "i32", "ev": "i32", "sg": "i32", "sb": "i32", "DK": "constexpr", "DV": "constexpr",
-           "BLOCK_V": "constexpr", "L2": "constexpr"}
-    for pdl, bv in ((False, 32), (True, 64)):
-        out.append(("gated_delta.py.jinja", dict(pdl=pdl), "gated_delta_kernel", sig,
-                    dict(DK=128, DV=128, BLOCK_V=bv, L2=True)))
+    # the gated DeltaNet step at Qwen3-Next's head dims (fp32 state, any strides of q / k / v): given g and beta, and
+    # as Qwen3-Next's lowered step launches it, its 16 key heads over 32 value heads and its gates from a and b
+    sig = {"q_ptr": _P, "k_ptr": _P, "v_ptr": _P, "g_ptr": "*fp32", "beta_ptr": _P, "alog_ptr": "*fp32",
+           "dtb_ptr": "*fp32", "s_ptr": "*fp32", "out_ptr": _P, "pos_ptr": "*i64", "stride_slot": "i32",
+           "stride_h": "i32", "sq": "i32", "eq": "i32", "sk": "i32", "ek": "i32", "sv": "i32", "ev": "i32", "sg": "i32",
+           "eg": "i32", "sb": "i32", "eb": "i32", "DK": "constexpr", "DV": "constexpr", "BLOCK_V": "constexpr",
+           "L2": "constexpr", "GROUP": "constexpr", "GATES": "constexpr"}
+    gates = {**sig, "g_ptr": _P, "alog_ptr": _P, "dtb_ptr": _P}
+    for pdl, bv, group, s in ((False, 32, 1, sig), (True, 64, 1, sig), (True, 64, 2, sig), (False, 32, 2, gates),
+                              (True, 64, 2, gates)):
+        out.append(("gated_delta.py.jinja", dict(pdl=pdl), "gated_delta_kernel", s,
+                    dict(DK=128, DV=128, BLOCK_V=bv, L2=True, GROUP=group, GATES=s is gates)))
     # the short convolution over its cached window (Qwen3-Next: 8192 channels, kernel 4, no bias; Mamba2: a bias)
     sig = {"x_ptr": _P, "s_ptr": _P, "w_ptr": _P, "b_ptr": _P, "out_ptr": _P, "pos_ptr": "*i64", "C": "i32",
            "stride_x": "i32", "stride_slot": "i32", "K": "constexpr", "K_PAD": "constexpr", "BLOCK_C": "constexpr",

@@ -47,18 +47,21 @@ def _options(chunk=64, tile=(16, 4), pdl=False):
     return {"pdl": pdl, "attention_layout": lambda hq, hkv, D, S: (chunk, tile), "gemv_configs": {}}
 
 
-def run_case(name, module, make_inputs, op, exact, dtype, options=None, state=()):
-    """Capture ``module``, lower it, and compare on two fresh inputs; ``state``: buffer names it writes."""
+def run_case(name, module, make_inputs, op, exact, dtype, options=None, state=(), gone=()):
+    """Capture ``module``, lower it, and compare on two fresh inputs; ``state``: buffer names it writes; ``gone``:
+    aten ops the region holds that the lowered graph must not (folded into ``op``)."""
     from tkcc.passes.lower.decode import lower
 
     gm = _capture(module, make_inputs())
     lowered = _capture(module, make_inputs())
     info = lower(lowered, dtype, options or _options())
-    ops = [str(n.target) for n in lowered.graph.nodes if n.op == "call_function" and str(n.target).startswith("tkcc.")]
+    ops = [str(n.target) for n in lowered.graph.nodes if n.op == "call_function"]
+    left = sorted({o for o in ops if o in gone})
     rows = []
-    if op not in ops:
+    if op not in ops or left:
         return [{"case": name, "dtype": str(dtype), "op": op, "rel_err": float("inf"), "tol": 0, "exact": exact,
-                 "ok": False, "why": f"{op} not in the lowered graph ({ops}); notes: {info.notes}"}]
+                 "ok": False, "why": f"{op} not in the lowered graph, or {left} left in it ({ops}); "
+                                     f"notes: {info.notes}"}]
     for _ in range(2):
         inputs = make_inputs()
         saved = {k: getattr(module, k).clone() for k in state}

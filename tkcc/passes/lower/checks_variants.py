@@ -34,35 +34,56 @@ def check_linear_attention(device, dtype, g, shapes=((3, 16, 16), (4, 32, 16), (
     return rows
 
 
-def check_gated_delta(device, dtype, g, shapes=((3, 16, 16, 16), (4, 32, 48, 32), (2, 64, 128, 64))):
+def check_gated_delta(device, dtype, g, shapes=((3, 1, 16, 16, 16, False), (2, 2, 32, 48, 32, True),
+                                                (1, 4, 16, 16, 16, False), (2, 1, 64, 128, 64, True),
+                                                (4, 2, 128, 128, 64, True))):
     """Gated DeltaNet's decode step over the [2, B, H, DK, DV] float32 state double buffer (transformers' recurrent
     rule for one token, as the model's code writes it): both slots, position 0 (a fresh sequence reads zeros), one
     and several column blocks per head, a value head dim that is not a power of two, q / k / v as strided views of
-    the convolution's output (where DV != DK): (H, DK, DV, block_v)."""
+    the convolution's output (where DV != DK); with ``group`` value heads per key head, Qwen3-Next's
+    ``repeat_interleave`` of q and k first, and with ``gates``, its gates from the per-key-head b and a of its
+    projection, all folded into the one op: (HK, group, DK, DV, block_v, gates)."""
     from tkcc.kernels.gated_delta import gated_delta_step
     from tkcc.passes.lower.checks import Region, _options, _rand, run_case
 
     rows = []
-    for H, DK, DV, bv in shapes:
+    for HK, group, DK, DV, bv, gates in shapes:
+        H = HK * group
         t = {"state": _rand((2, 1, H, DK, DV), g, device, torch.float32, 0.5)}
+        if gates:
+            t["A_log"] = (torch.rand(H, generator=g) * 3).to(device=device, dtype=dtype)
+            t["dt_bias"] = _rand((H,), g, device, dtype)
 
-        def fn(s, q, k, v, decay, beta, pos):
+        def fn(s, q, k, v, decay, beta, pos, group=group, gates=gates, H=H):
+            if gates:  # Qwen3-Next's code, from the a and b (in decay's and beta's places) it splits per key head
+                a, b = decay.reshape(1, 1, H), beta.reshape(1, 1, H)
+                beta = b.sigmoid()
+                decay = -s.A_log.float().exp() * torch.nn.functional.softplus(a.float() + s.dt_bias)
+            if group > 1:
+                q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
             return gated_delta_step(q, k, v, decay, beta, s.state, pos)[0]
 
-        def make(H=H, DK=DK, DV=DV, strided=DV != DK):
+        def make(H=H, HK=HK, DK=DK, DV=DV, group=group, gates=gates, strided=DV != DK):
             pos = torch.randint(0, 3, (1,), generator=g).to(device)
-            decay = -torch.rand(1, 1, H, generator=g).to(device)
-            beta = torch.rand(1, 1, H, generator=g).to(device=device, dtype=dtype)
+            if gates:  # a and b, strided views of the projection's [b | a] per key head
+                ba = _rand((1, 1, HK, 2 * group), g, device, dtype, 3.0)
+                beta, decay = ba[..., :group], ba[..., group:]
+            else:
+                decay = -torch.rand(1, 1, H, generator=g).to(device)
+                beta = torch.rand(1, 1, H, generator=g).to(device=device, dtype=dtype)
             if strided:  # views of the convolution's output, its last column transposed, as Qwen3-Next's graph has
-                conv = _rand((1, H * (2 * DK + DV), 5), g, device, dtype)[:, :, -1:].transpose(1, 2)
-                q, k, v = torch.split(conv, [H * DK, H * DK, H * DV], dim=-1)
-                return (q.reshape(1, 1, H, DK), k.reshape(1, 1, H, DK), v.reshape(1, 1, H, DV), decay, beta, pos)
-            return (_rand((1, 1, H, DK), g, device, dtype), _rand((1, 1, H, DK), g, device, dtype),
+                conv = _rand((1, 2 * HK * DK + H * DV, 5), g, device, dtype)[:, :, -1:].transpose(1, 2)
+                q, k, v = torch.split(conv, [HK * DK, HK * DK, H * DV], dim=-1)
+                return (q.reshape(1, 1, HK, DK), k.reshape(1, 1, HK, DK), v.reshape(1, 1, H, DV), decay, beta, pos)
+            return (_rand((1, 1, HK, DK), g, device, dtype), _rand((1, 1, HK, DK), g, device, dtype),
                     _rand((1, 1, H, DV), g, device, dtype), decay, beta, pos)
 
         opts = dict(_options(), gated_delta_block_v=bv)
-        rows += run_case(f"gated_delta[{H}x{DK}x{DV}, block_v={bv}]", Region(fn, t), make, "tkcc.gated_delta.default",
-                         False, dtype, opts, state=("state",))
+        gone = ("aten.repeat_interleave.self_int",) * (group > 1) + \
+            ("aten.sigmoid.default", "aten.softplus.default", "aten.exp.default") * gates
+        name = f"gated_delta[{H}/{HK}x{DK}x{DV}, block_v={bv}{', gates' if gates else ''}]"
+        rows += run_case(name, Region(fn, t), make, "tkcc.gated_delta.default", False, dtype, opts, state=("state",),
+                         gone=gone)
     return rows
 
 
