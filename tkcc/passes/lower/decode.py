@@ -191,7 +191,8 @@ def lower(gm, dtype: torch.dtype, options: dict, info: RewriteInfo | None = None
     info = info if info is not None else RewriteInfo()
     dropped = canonicalize(gm.graph)
     gm.graph.eliminate_dead_code()
-    info.notes.append(f"{phase}: canonicalised ({dropped} no-op casts dropped)")
+    info.notes.append(f"{phase}: canonicalised ({dropped} nodes dropped: no-op casts, whole writes, all-True mask "
+                      "terms, equal views)")
     ctx = Context(gm, options=options)
     refusals = []  # (the note's index, the refused regions' nodes)
     for stage, rewrites in stages():
