@@ -669,3 +669,30 @@ def test_greedy_tokens_identical_to_the_captured_graph_under_the_interpreter(int
         assert r["logits_rel_err"] < 1e-4, r
         assert "attention_rope" in r["ops"] and "gemv" in r["ops"], r
         assert not [k for k in r["fallbacks"] if k.startswith("tkcc.")], r  # the kernels ran
+
+
+def test_an_all_true_mask_term_is_dropped_and_nothing_else():
+    """The canonical form's ``m & p``: p built from ``ones`` through casts, views and a gather is all True, so m & p
+    is m, bit for bit; a term of another value, or one that broadcasts m to a larger shape, is kept."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tkcc.passes.lower import pattern
+
+    def step(m, idx, z):
+        ones = torch.ones(1, 8, dtype=torch.long).to(torch.bool)
+        pad = ones[idx[:, None], torch.arange(8)[None, :]].view(1, 1, 1, 8)
+        kept = m & (z > 0).view(1, 1, 1, 8)  # not all True by construction
+        wide = m[:, :, :1, :1] & pad  # broadcasts m to pad's shape: kept
+        return (m & pad) | kept, wide
+
+    m = torch.rand(1, 1, 1, 8) > 0.5
+    args = (m, torch.zeros(1, dtype=torch.long), torch.randn(8))
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    want = step(*args)
+    ands = lambda: sum(n.target in pattern._ANDS for n in gm.graph.nodes)  # noqa: E731
+    assert ands() == 3
+    assert pattern._true_masks(gm.graph) == 1  # the and (its ones chain is still read by ``wide``)
+    gm.graph.lint()
+    gm.recompile()
+    assert ands() == 2  # only the all-True term went
+    assert all(torch.equal(a, b) for a, b in zip(gm(*args), want))

@@ -142,6 +142,7 @@ def _whole_writes(graph: torch.fx.Graph) -> int:
     return dropped
 
 
+_ANDS = {torch.ops.aten.__and__.Tensor, torch.ops.aten.bitwise_and.Tensor, torch.ops.aten.logical_and.default}
 _ONES = {torch.ops.aten.ones.default, torch.ops.aten.new_ones.default, torch.ops.aten.ones_like.default}
 _KEEPS_ONES = VIEW_OPS | _NOOP_CASTS | {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
                                        torch.ops.aten.index.Tensor}
@@ -164,7 +165,7 @@ def _true_masks(graph: torch.fx.Graph) -> int:
     attention's causal mask; without the term the attention patterns match. Bit-exact (x & True is x)."""
     dropped = 0
     for n in list(graph.nodes):
-        if n.op != "call_function" or n.target is not torch.ops.aten.__and__.Tensor or len(n.args) != 2:
+        if n.op != "call_function" or n.target not in _ANDS or len(n.args) != 2:
             continue
         out = _val(n)
         for keep, ones in (n.args, n.args[::-1]):
