@@ -83,7 +83,8 @@ FAMILIES = {
                 {"aten.embedding.default", "aten.mul.Tensor"}),
     # hybrid: three gated DeltaNet layers (their conv windows and recurrent states through transformers' linear-attention
     # cache API: the convolution over its cached window as tkcc.causal_conv, the delta-rule recurrence with its gates
-    # and the broadcast of its 2 key heads over 4 value heads as tkcc.gated_delta, the gated norm in aten) and a gated
+    # and the broadcast of its 2 key heads over 4 value heads as tkcc.gated_delta, the gated norm after it as
+    # tkcc.rms_norm's gated form, reading z in place in the projection) and a gated
     # attention layer (in aten, its q norm on a strided view of the projection too); its MoE with a shared expert, the
     # GEMVs, the other (1 + w) norms lower
     "qwen3-next": ("qwen3next-tiny", {"tkcc.causal_mask.default": 1, "tkcc.rotary_cos_sin.default": 1, N: 13, G: 21,
@@ -92,7 +93,7 @@ FAMILIES = {
                    {"aten.add.Tensor", "aten.cat.default", "aten.chunk.default", "aten.embedding.default",
                     "aten.index_copy_.default", "aten.mean.dim", "aten.mul.Tensor", "aten.neg.default",
                     "aten.pow.Tensor_Scalar", "aten.rsqrt.default", "aten.scaled_dot_product_attention.default",
-                    "aten.sigmoid.default", "aten.silu.default", "aten.type_as.default"}),
+                    "aten.sigmoid.default", "aten.type_as.default"}),
     # a short-convolution layer (its window through transformers' linear-attention cache API, the convolution over it
     # as tkcc.causal_conv; its input and output gates stay in aten) beside an attention layer with per-head q/k norms
     "lfm2": (("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"])),

@@ -74,7 +74,7 @@ def _variants(pdl):
     sig = {"x_ptr": _P, "r_ptr": _P, "w_ptr": _P, "y_ptr": _P, "h_ptr": _P, "K": "i32", "eps": "fp32",
            "offset": "fp32", "BLOCK_K": "constexpr"}
     for res, cast_first in ((True, True), (False, True), (False, False)):
-        v.append(("rmsnorm.py.jinja", dict(residual=res, cast_first=cast_first), "rmsnorm_kernel", sig,
+        v.append(("rmsnorm.py.jinja", dict(residual=res, cast_first=cast_first, gated=False), "rmsnorm_kernel", sig,
                   dict(BLOCK_K=2048)))
     v.append(("router.py.jinja", {}, "router_kernel", {"logits_ptr": _P, "ids_ptr": "*i64", "w_ptr": _P, "E": "i32",
                                                        "TOPK": "constexpr", "E_PAD": "constexpr",
@@ -128,7 +128,7 @@ def lowered_variants():
     activations over a non-gated up projection, the per-head q|k|v rows stored split,
     scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations in the fused attention, the
     combine reading the position, the routed MoE on an input normed already, with fp32 routing weights, and under
-    the grouped and the biased routers; the gated DeltaNet step and the short convolution before it."""
+    the grouped and the biased routers; the gated DeltaNet step, the short convolution before it and the gated norm after."""
     out = []
     base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
             "stride_wn": "i32", "eps": "fp32"}
@@ -200,6 +200,11 @@ def lowered_variants():
                               (True, 64, 2, gates)):
         out.append(("gated_delta.py.jinja", dict(pdl=pdl), "gated_delta_kernel", s,
                     dict(DK=128, DV=128, BLOCK_V=bv, L2=True, GROUP=group, GATES=s is gates)))
+    # Qwen3-Next's gated norm after the delta rule: z read in place at its strides (2 value heads of 128 per key head)
+    sig = {"x_ptr": _P, "r_ptr": _P, "w_ptr": _P, "y_ptr": _P, "h_ptr": _P, "K": "i32", "eps": "fp32",
+           "offset": "fp32", "z_ptr": _P, "stride_z": "i32", "ZR": "i32", "BLOCK_K": "constexpr"}
+    out.append(("rmsnorm.py.jinja", dict(residual=False, cast_first=True, gated=True), "rmsnorm_kernel", sig,
+                dict(BLOCK_K=128)))
     # the short convolution over its cached window (Qwen3-Next: 8192 channels, kernel 4, no bias; Mamba2: a bias)
     sig = {"x_ptr": _P, "s_ptr": _P, "w_ptr": _P, "b_ptr": _P, "out_ptr": _P, "pos_ptr": "*i64", "C": "i32",
            "stride_x": "i32", "stride_slot": "i32", "K": "constexpr", "K_PAD": "constexpr", "BLOCK_C": "constexpr",

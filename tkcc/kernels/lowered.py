@@ -65,18 +65,24 @@ def _one_token(x: Tensor) -> bool:
 
 # ---- references: the eager arithmetic of each region, as Hugging Face writes it ---------------------------
 
-def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True) -> Tensor:
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True,
+                 gate: Optional[Tensor] = None) -> Tensor:
     """RMSNorm with its fp32 statistic. ``cast_first`` (Llama, OLMoE, Qwen): the normalised x is rounded to
     x's dtype, then times ``weight`` (+ ``offset``); else (Gemma's ``1 + w``): times ``offset + weight`` in
-    fp32, rounded once."""
+    fp32, rounded once. ``gate`` (Qwen3-Next's ``RMSNormGated``): that, times ``silu(gate)`` in fp32, rounded
+    once; the gate is x's rows in order, in any shape (``gate.reshape(x.shape)``)."""
     dt = x.dtype
     xf = x.to(torch.float32)
     var = xf.pow(2).mean(-1, keepdim=True)
     xf = xf * torch.rsqrt(var + eps)
     if cast_first:
         w = weight if offset == 0.0 else offset + weight
-        return w * xf.to(dt)
-    return (xf * (offset + weight.float())).to(dt)
+        y = w * xf.to(dt)
+    else:
+        y = (xf * (offset + weight.float())).to(dt)
+    if gate is None:
+        return y
+    return (y * F.silu(gate.reshape(x.shape).to(torch.float32))).to(dt)
 
 
 def gemv_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
@@ -321,21 +327,28 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
 # ---- the ops ---------------------------------------------------------------------------------------------
 
 @torch.library.custom_op(f"{NS}::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True) -> Tensor:
-    """RMSNorm over the last dim (``rms_norm_ref``): the Triton row kernel, in each of the reference's weight forms."""
-    reason = fallback_reason(x, weight)
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True,
+             gate: Optional[Tensor] = None) -> Tensor:
+    """RMSNorm over the last dim (``rms_norm_ref``): the Triton row kernel, in each of the reference's weight forms,
+    gated or not (the gate read at its strides where they allow: ``tkcc.kernels.rmsnorm.gate_rows``)."""
+    reason = fallback_reason(x, weight, gate)
     if reason is None and not (x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]):
         reason = f"non-contiguous or mismatched x {tuple(x.shape)} weight {tuple(weight.shape)}"
+    if reason is None and gate is not None:
+        from tkcc.kernels.rmsnorm import gate_rows
+
+        if gate_rows(gate, x) is None:
+            reason = f"gate {tuple(gate.shape)} strides {gate.stride()} are not rows of x {tuple(x.shape)} in place"
     if reason is None:
         from tkcc.kernels.rmsnorm import rmsnorm
 
-        return rmsnorm(x, weight, eps, offset=offset, cast_first=cast_first)
+        return rmsnorm(x, weight, eps, offset=offset, cast_first=cast_first, gate=gate)
     note_fallback("tkcc.rms_norm", reason)
-    return rms_norm_ref(x, weight, eps, offset, cast_first)
+    return rms_norm_ref(x, weight, eps, offset, cast_first, gate)
 
 
 @rms_norm.register_fake
-def _(x, weight, eps, offset=0.0, cast_first=True):
+def _(x, weight, eps, offset=0.0, cast_first=True, gate=None):
     return torch.empty_like(x)
 
 

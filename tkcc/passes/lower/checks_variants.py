@@ -265,6 +265,33 @@ def check_cohere(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0, 48), (4, 4, 32,
     return rows
 
 
+def check_gated_norm(device, dtype, g, shapes=((2, 2, 16), (4, 1, 48), (1, 4, 128), (3, 2, 200))):
+    """Qwen3-Next's gated RMSNorm after its gated delta rule (``norms.rms_norm_gated_grouped``): z a strided per-key-
+    head slice of a wider projection (read in place by the kernel), and (``norms.rms_norm_gated``) z given as rows,
+    over head dims a block covers and one it does not: (key heads, value heads per key head, head dim)."""
+    from tkcc.passes.lower import norms
+    from tkcc.passes.lower.checks import Region, _rand, run_case
+
+    rows = []
+    for HK, r, D in shapes:
+        w = _rand((D,), g, device, dtype, 0.5) + 1
+
+        def grouped(HK=HK, r=r, D=D):  # [q | k | v | z] per key head, z the last r * D columns
+            proj = _rand((1, 1, HK, 2 * 16 + 2 * r * D), g, device, dtype, 2.0)
+            return _rand((HK * r, D), g, device, dtype), proj[..., 32 + r * D:]
+
+        rows += run_case(f"rms_norm_gated[{HK}x{r}x{D}, grouped z in place]",
+                         Region(lambda s, x, z: norms.rms_norm_gated_grouped(x, s.w, z, eps=1e-6), {"w": w}), grouped,
+                         "tkcc.rms_norm.default", False, dtype, gone=("aten.silu.default", "aten.reshape.default"))
+        rows += run_case(f"rms_norm_gated[{HK}x{r}x{D}, z as rows]",
+                         Region(lambda s, x, z: norms.rms_norm_gated(x, s.w, z, eps=1e-6), {"w": w}),
+                         lambda HK=HK, r=r, D=D: (_rand((HK * r, D), g, device, dtype),
+                                                  _rand((HK * r, D), g, device, dtype, 2.0)),
+                         "tkcc.rms_norm.default", False, dtype, gone=("aten.silu.default",))
+    return rows
+
+
 FAMILIES = {"linear_attention": check_linear_attention, "gated_delta": check_gated_delta,
             "causal_conv": check_causal_conv, "rotary": check_rotary, "sinks": check_sink_attention,
-            "gemma_qk_norm": check_gemma_qk_norm, "cohere": check_cohere}
+            "gemma_qk_norm": check_gemma_qk_norm, "cohere": check_cohere,
+            "gated_norm": check_gated_norm}

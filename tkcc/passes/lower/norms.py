@@ -1,5 +1,5 @@
 """Normalisations: RMSNorm (Llama's ``w * norm(x)``, Gemma's ``norm(x) * (1 + w)``, gpt-oss's ``(w * norm(x))`` rounded
-once) and LayerNorm (``F.layer_norm``, or Cohere's written out in fp32).
+once, Qwen3-Next's gated ``w * norm(x) * silu(z)``) and LayerNorm (``F.layer_norm``, or Cohere's written out in fp32).
 
 Each pattern is the module's forward as Hugging Face writes it; each replacement one ``tkcc.rms_norm`` /
 ``tkcc.layer_norm``. Most norms do not survive as ops: the projection rewrites (``projections.py``) match a
@@ -45,6 +45,20 @@ def rms_norm_weight_fp32(x, weight, *, eps):
     return (weight * h).to(input_dtype)
 
 
+def rms_norm_gated(x, weight, z, *, eps):
+    """Qwen3-Next's ``RMSNormGated`` (after its gated delta rule): Llama's RMSNorm of each head's output, times
+    ``silu(z)`` in fp32, rounded once; z given as x's rows."""
+    h = rms_norm(x, weight, eps=eps)
+    return (h * F.silu(z.to(torch.float32))).to(x.dtype)
+
+
+def rms_norm_gated_grouped(x, weight, z, *, eps):
+    """The same with z as Qwen3-Next's code makes it: its projection's per-key-head slice [B, T, Hk, r * Dv] reshaped
+    to value heads, then to rows. The slice is strided, so that reshape is a copy; the op reads the slice in place."""
+    D = x.shape[-1]
+    return rms_norm_gated(x, weight, z.reshape(z.shape[0], z.shape[1], -1, D).reshape(-1, D), eps=eps)
+
+
 def layer_norm(x, weight, bias, *, eps):
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -79,6 +93,10 @@ def _to_rms_norm_weight_fp32(x, weight, *, eps):
     return torch.ops.tkcc.rms_norm(x, weight, eps, -0.0, False)
 
 
+def _to_rms_norm_gated(x, weight, z, *, eps):
+    return torch.ops.tkcc.rms_norm(x, weight, eps, 0.0, True, z)
+
+
 def _to_layer_norm(x, weight, bias, *, eps):
     return torch.ops.tkcc.layer_norm(x, weight, bias, eps)
 
@@ -111,7 +129,28 @@ def _rows(m) -> str | None:
     return why
 
 
+def _gated_example(grouped: bool):
+    """x: 8 rows of 16; z as rows, or as 2 key heads' slices of 4 value heads each out of a wider projection."""
+    def example(dt):
+        z = torch.empty(1, 1, 2, 96, dtype=dt)[..., 32:] if grouped else torch.empty(8, 16, dtype=dt)
+        return (torch.empty(8, 16, dtype=dt), torch.empty(16, dtype=dt), z), {"eps": EPS}
+    return example
+
+
+def _gated_rows(m) -> str | None:
+    """``_rows``, and the gate holds x's rows in order (the op reads it in place, or copies it where the kernel
+    cannot: ``tkcc.kernels.rmsnorm.gate_rows``)."""
+    why = _rows(m)
+    if why is None and m.val(2).numel() != m.val(0).numel():
+        why = f"gate {tuple(m.val(2).shape)} for x {tuple(m.val(0).shape)}"
+    return why
+
+
 REWRITES = [
+    Rewrite("rms_norm_gated[grouped z]", rms_norm_gated_grouped, _to_rms_norm_gated, _gated_example(True),
+            region="norm", check=_gated_rows),
+    Rewrite("rms_norm_gated", rms_norm_gated, _to_rms_norm_gated, _gated_example(False), region="norm",
+            check=_gated_rows),
     Rewrite("rms_norm", rms_norm, _to_rms_norm, lambda dt: (_x_w(dt), {"eps": EPS}), region="norm", check=_rows),
     Rewrite("rms_norm_offset", rms_norm_offset, _to_rms_norm_offset,
             lambda dt: (_x_w(dt), {"eps": EPS, "offset": OFFSET}), region="norm", check=_rows),
