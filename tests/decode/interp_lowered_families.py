@@ -27,8 +27,8 @@ from tkcc.frontend.generate import greedy  # noqa: E402
 from tkcc.kernels.checks import TOL, rel_err  # noqa: E402
 from tkcc.kernels.common import fallbacks  # noqa: E402
 from tkcc.kernels.lowered import attention_rope_ref  # noqa: E402
-from tkcc.passes.lower.checks_variants import check_cohere, check_gated_norm, check_gemma_qk_norm, \
-    check_sink_attention  # noqa: E402
+from tkcc.passes.lower.checks_variants import check_cohere, check_gated_attention, check_gated_norm, \
+    check_gemma_qk_norm, check_sink_attention  # noqa: E402
 
 STEPS = 4
 
@@ -129,6 +129,8 @@ def main():
     rows += check_rounded_table_op(torch.float32, g) + check_rounded_table_op(torch.float16, g)
     rows += check_gptoss_configs(torch.float32, g)
     rows += check_gated_norm("cpu", torch.float32, g) + check_gated_norm("cpu", torch.float16, g, shapes=((1, 4, 128),))
+    rows += check_gated_attention("cpu", torch.float32, g) + check_gated_attention("cpu", torch.float16, g, shapes=(
+        (4, 2, 16, 300, 16, 4), (2, 1, 64, 48, 16, 16)))
     print(json.dumps({"checks": rows, "fallbacks": fallbacks(), "seconds": round(time.perf_counter() - t0, 1)},
                      default=str), flush=True)
 

@@ -326,7 +326,8 @@ def test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter(interpre
     assert any("gemma" in r["case"] for r in rows) and any(r["case"].startswith("norm_offset_op") for r in rows)
     assert sum(r["case"].startswith("moe_gptoss configs") for r in rows) >= 5, rows
     for dt in ("float32", "float16"):  # Cohere's and Qwen3-Next's rewrites, Cohere's rounded table, in both dtypes
-        for case in ("interleaved table", "layer_norm_two_pass", "rounded_table_op", "grouped z in place"):
+        for case in ("interleaved table", "layer_norm_two_pass", "rounded_table_op", "grouped z in place",
+                     "gated q"):
             assert any(case in r["case"] and r["dtype"].endswith(dt) for r in rows), (case, dt)
     bad = [r for r in rows if not r["ok"]]
     assert not bad, json.dumps(bad, indent=1)

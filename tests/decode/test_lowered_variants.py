@@ -322,7 +322,7 @@ def test_a_copy_that_overwrites_a_fresh_tensor_whole_becomes_data_flow():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["linear_attention", "gated_delta", "causal_conv", "rotary", "sinks", "gemma_qk_norm",
-                                    "cohere", "gated_norm"])
+                                    "cohere", "gated_norm", "gated_attention"])
 def test_rewrites_match_their_patterns_gpu_bf16(family):
     from tkcc.passes.lower.checks import run_checks
 

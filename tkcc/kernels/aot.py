@@ -167,6 +167,11 @@ def lowered_variants():
         out.append(("attention_rope.py.jinja", dict(pdl=True, **hooks), "attn_rope_kernel", sig,
                     dict(rope[4], QK_NORM=False, G=4, D=64, HALF=32, ROT_DIM=64 if hooks.get("rope", True) else 0,
                          INTERLEAVED=True)))
+    # Qwen3-Next's gated attention: a gate after each q head, (1 + w) per-head norms in fp32, a quarter of the head rotated
+    sig = {**rope[3], "pos_ptr": "*i64", "ROT_DIM": "constexpr", "INTERLEAVED": "constexpr", "norm_offset": "fp32"}
+    out.append(("attention_rope.py.jinja", dict(pdl=True, pairs=True, head_norm=True, norm_fp32=True, q_gated=True),
+                "attn_rope_kernel", sig, dict(rope[4], QK_NORM=True, G=8, D=256, HALF=128, ROT_DIM=64,
+                                              INTERLEAVED=False)))
     sig = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": _P, "seqlen_ptr": "*i64", "chunk": "i32",
            "SPLITS": "i32", "D": "constexpr", "BLOCK_SP": "constexpr"}
     out.append(("attention.py.jinja", dict(pdl=True, from_pos=True), "attn_combine_kernel", sig,

@@ -101,7 +101,7 @@ class AttentionRope:
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
            head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None, dynamic=False,
-           rope_fp32=False, rope_table_rounded=False):
+           rope_fp32=False, rope_table_rounded=False, q_gated=False):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
@@ -117,7 +117,8 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     the rotation is computed in fp32 from the upcast q and k, rounded once (Ernie 4.5, OLMo 2), not rounded at
     each product and sum; with ``rope_table_rounded`` the table is rounded to the activations' dtype first (Cohere's
     table, in the model's dtype, rotating the upcast q and k). ``inv_freq`` None: nothing rotates (learned
-    positions, NoPE layers)."""
+    positions, NoPE layers). ``q_gated``: each q head is followed by its gate in ``qkv`` (Qwen3-Next), per-head q/k
+    norms only."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
@@ -140,7 +141,8 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     mod = load("attention_rope.py.jinja", pdl=pdl, rope_scale=rope_scale is not None, head_norm=head_norm,
                window=bool(window), pairs=pairs, sinks=sinks is not None, **({"rope_fp32": True} if rope_fp32 else {}),
                **({"rope_table_rounded": True} if rope_fp32 and rope_table_rounded else {}),
-               **({"norm_fp32": True} if norm_fp32 else {}), **({} if rope else {"rope": False}))
+               **({"norm_fp32": True} if norm_fp32 else {}), **({} if rope else {"rope": False}),
+               **({"q_gated": True} if q_gated else {}))
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,

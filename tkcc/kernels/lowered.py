@@ -181,7 +181,7 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
                        k_norm: Optional[Tensor], eps: float, scale: float, num_heads: int, window: int = 0,
                        head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
                        sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None, rope_fp32: bool = False,
-                       rope_table_rounded: bool = False, kv_broadcast: bool = False) -> Tensor:
+                       rope_table_rounded: bool = False, kv_broadcast: bool = False, q_gated: bool = False) -> Tensor:
     """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
     [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
     rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
@@ -195,15 +195,19 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     (and its ``apply_rotary_pos_emb`` upcasts q and k to rotate them by it). ``inv_freq`` None: nothing rotates
     (positions learned, GPT-2, or none, NoPE layers). ``kv_broadcast``: the one kv head is broadcast over the query
     heads by sdpa itself, not repeated first (Falcon's multi-query block: the same attention, rounded as sdpa
-    rounds that form)."""
+    rounds that form). ``q_gated``: each q head is followed by its gate in the projection, [q_0 | g_0 | ... | k | v]
+    (Qwen3-Next: the gate's product with the output is the caller's); q/k norms then per head only."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    q, k, v = torch.split(qkv, [num_heads * D, hkv * D, hkv * D], -1)
+    q, k, v = torch.split(qkv, [num_heads * D * (2 if q_gated else 1), hkv * D, hkv * D], -1)
     form = (0.0, True) if norm_offset is None else (norm_offset, False)
     if q_norm is not None and not head_norm:
+        if q_gated:
+            raise ValueError("tkcc.attention_rope: a gated q has per-head norms only")
         q = rms_norm_ref(q, q_norm, eps, *form)
         k = rms_norm_ref(k, k_norm, eps, *form)
-    q, k = q.view(B, T, -1, D), k.view(B, T, -1, D)
+    q = q.view(B, T, -1, 2 * D)[..., :D] if q_gated else q.view(B, T, -1, D)
+    k = k.view(B, T, -1, D)
     if q_norm is not None and head_norm:
         q = rms_norm_ref(q, q_norm, eps, *form)
         k = rms_norm_ref(k, k_norm, eps, *form)
@@ -455,7 +459,7 @@ def _(cache_position, kv_len, window=0):
 
 def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                      block_s, num_warps, count, window, head_norm=False, rotary_dim=0, interleaved=False,
-                     sinks=None, norm_offset=None) -> str | None:
+                     sinks=None, norm_offset=None, q_gated=False) -> str | None:
     """None when the fused attention kernel takes this call, else why not."""
     reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
     if reason is not None:
@@ -469,8 +473,11 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
     if tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.stride() != v_cache.stride() \
             or k_cache.stride(-1) != 1:
         return f"caches {tuple(k_cache.shape)} {k_cache.stride()} / {tuple(v_cache.shape)} {v_cache.stride()}"
-    if not qkv.is_contiguous() or qkv.shape[-1] != (num_heads + 2 * hkv) * D:
-        return f"qkv {tuple(qkv.shape)} is not a contiguous [q | k | v] of {num_heads}+2x{hkv} heads of {D}"
+    if not qkv.is_contiguous() or qkv.shape[-1] != ((2 if q_gated else 1) * num_heads + 2 * hkv) * D:
+        return (f"qkv {tuple(qkv.shape)} is not a contiguous [q | k | v] of {num_heads}{' gated' if q_gated else ''}"
+                f"+2x{hkv} heads of {D}")
+    if q_gated and q_norm is not None and not head_norm:
+        return "a gated q with q/k norms over the whole projection"
     if (q_norm is None) != (k_norm is None):
         return "only one of the q/k norms"
     want = (D, D) if head_norm else (num_heads * D, hkv * D)
@@ -526,7 +533,8 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                    block_s: int, num_warps: int, count: Tensor,
                    pdl: bool = False, head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
                    sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None,
-                   rope_fp32: bool = False, rope_table_rounded: bool = False, kv_broadcast: bool = False) -> Tensor:
+                   rope_fp32: bool = False, rope_table_rounded: bool = False, kv_broadcast: bool = False,
+                   q_gated: bool = False) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split, or -N: N splits sized on the device to each step's context (one
@@ -537,7 +545,7 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
         raise ValueError(f"tkcc.attention_rope: kv_broadcast is for one kv head, not {k_cache.shape[1]}")
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                               block_s, num_warps, count, window, head_norm, rotary_dim, interleaved, sinks,
-                              norm_offset)
+                              norm_offset, q_gated)
     if reason is None:
         if cache_position.device.type == "cpu":  # free to check on the host (on a GPU: the greedy loop's check)
             _check_context(cache_position, k_cache.shape[2])
@@ -554,19 +562,19 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
                   rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window,
                   rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks, norm_offset=norm_offset,
-                  dynamic=ch < 0, rope_fp32=rope_fp32, rope_table_rounded=rope_table_rounded)
+                  dynamic=ch < 0, rope_fp32=rope_fp32, rope_table_rounded=rope_table_rounded, q_gated=q_gated)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     _check_context(cache_position, k_cache.shape[2])
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
                               num_heads, window, head_norm, rotary_dim, interleaved, sinks, norm_offset, rope_fp32,
-                              rope_table_rounded, kv_broadcast)
+                              rope_table_rounded, kv_broadcast, q_gated)
 
 
 @attention_rope.register_fake
 def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
       chunk, block_s, num_warps, count, pdl=False, head_norm=False, rotary_dim=0, interleaved=False, sinks=None,
-      norm_offset=None, rope_fp32=False, rope_table_rounded=False, kv_broadcast=False):
+      norm_offset=None, rope_fp32=False, rope_table_rounded=False, kv_broadcast=False, q_gated=False):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
 
 

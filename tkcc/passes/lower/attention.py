@@ -141,7 +141,9 @@ def sink_attention(q, keys, values, mask, sinks, *, scale):
     return torch.matmul(scores, values)
 
 
-PER_HEAD = ("head", "head_transposed", "head_offset")  # q/k norms over each head (the kernel's per-head norm)
+# q/k norms over each head (the kernel's per-head norm)
+PER_HEAD = ("head", "head_transposed", "head_offset", "head_offset_view")
+NORM_FP32 = ("head_offset", "head_offset_view", "full_fp32")  # norm(x) * (offset + w) in fp32, rounded once
 
 
 def qk_heads(q, k, B, T, D, qk_norm: str, norms, kw, counts=None):
@@ -164,6 +166,9 @@ def qk_heads(q, k, B, T, D, qk_norm: str, norms, kw, counts=None):
     elif qk_norm == "head_offset":
         q = rms_norm_offset(q.view(hidden_shape).transpose(1, 2), norms[0], eps=kw["eps"], offset=kw["offset"])
         k = rms_norm_offset(k.view(hidden_shape).transpose(1, 2), norms[1], eps=kw["eps"], offset=kw["offset"])
+    elif qk_norm == "head_offset_view":
+        q = rms_norm_offset(q.view(hidden_shape), norms[0], eps=kw["eps"], offset=kw["offset"]).transpose(1, 2)
+        k = rms_norm_offset(k.view(hidden_shape), norms[1], eps=kw["eps"], offset=kw["offset"]).transpose(1, 2)
     elif counts is not None:
         q = q.view(B, T, counts[0], D).transpose(1, 2)
         k = k.view(B, T, counts[1], D).transpose(1, 2)
@@ -173,22 +178,29 @@ def qk_heads(q, k, B, T, D, qk_norm: str, norms, kw, counts=None):
     return q, k
 
 
-def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explicit_heads: bool = False):
+def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explicit_heads: bool = False,
+                       gated: bool = False):
     """``qk_norm``: "" (none), "full" (OLMoE: over the whole projection), "full_fp32" (OLMo 2: the same, the weight
     times the fp32 normed x, rounded once), "head" (Qwen3: over each head),
     "head_transposed" (EXAONE 4: the same RMSNorm over each head, once the heads are transposed),
-    "head_offset" (Gemma 3: over each head once the heads are transposed, ``norm(x) * (offset + w)`` in fp32);
+    "head_offset" (Gemma 3: over each head once the heads are transposed, ``norm(x) * (offset + w)`` in fp32),
+    "head_offset_view" (Qwen3-Next: that norm over each head before they are transposed);
     ``rope(q, k, cos, sin) -> (q, k)``: the rotation (``rotary.py`` has the partial, interleaved and chunked ones);
     ``sinks``: the eager attention with per-head sink logits (``sink_attention``; the logits are the last tensor,
     the mask is additive), else sdpa under the boolean mask; ``explicit_heads``: q, k and v viewed as heads by their
-    counts (StableLM's ``view(bsz, q_len, self.num_heads, self.head_dim)``), not ``view(B, T, -1, D)``."""
+    counts (StableLM's ``view(bsz, q_len, self.num_heads, self.head_dim)``), not ``view(B, T, -1, D)``; ``gated``
+    (Qwen3-Next's gated attention): each q head of the projection followed by its gate, [q_0 | g_0 | ... | k | v],
+    chunked apart, the output times ``sigmoid(gate)`` (the op reads q in place; the gate's product stays in aten)."""
 
     def pattern(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *extra, scale, **kw):
         norms = extra
         B, T = qkv.shape[0], qkv.shape[1]
         hkv, D = k_cache.shape[1], k_cache.shape[3]
-        hq = qkv.shape[-1] // D - 2 * hkv
-        q, k, v = torch.split(qkv, [hq * D, hkv * D, hkv * D], -1)
+        hq = (qkv.shape[-1] // D - 2 * hkv) // (2 if gated else 1)
+        q, k, v = torch.split(qkv, [hq * D * (2 if gated else 1), hkv * D, hkv * D], -1)
+        if gated:
+            q, gate = torch.chunk(q.view(B, T, -1, 2 * D), 2, dim=-1)
+            gate = gate.reshape(B, T, -1)
         q, k = qk_heads(q, k, B, T, D, qk_norm, norms, kw, (hq, hkv) if explicit_heads else None)
         v = v.view(B, T, hkv, D).transpose(1, 2) if explicit_heads else v.view(B, T, -1, D).transpose(1, 2)
         cos = cos.unsqueeze(1)
@@ -204,20 +216,27 @@ def _attention_pattern(qk_norm: str, rope=rope_half, sinks: bool = False, explic
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=scale,
                                                is_causal=False)
         o = o.transpose(1, 2).contiguous()
-        return o.reshape(B, T, -1)
+        o = o.reshape(B, T, -1)
+        return o * torch.sigmoid(gate) if gated else o
 
     def replacement(qkv, k_cache, v_cache, cache_position, cos, sin, mask, *extra, scale, inv_freq, count,
                     rope_scale, num_heads, window, chunk, block_s, num_warps, pdl, **kw):
         qn, kn = (extra[0], extra[1]) if qk_norm else (None, None)
-        fp32_norm = qk_norm in ("head_offset", "full_fp32")
+        fp32_norm = qk_norm in NORM_FP32
         tail = (extra[-1] if sinks else None,) if sinks or fp32_norm else ()
-        tail += (float(kw["offset"]) if qk_norm == "head_offset" else 0.0,) if fp32_norm else ()
-        return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, qn, kn,
-                                             kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
-                                             num_warps, count, pdl, qk_norm in PER_HEAD,
-                                             kw.get("rotary_dim", 0), kw.get("interleaved", False), *tail,
-                                             **{k: True for k in ("rope_fp32", "rope_table_rounded", "kv_broadcast")
-                                                if kw.get(k)})
+        tail += (float(kw["offset"]) if "offset" in kw else 0.0,) if fp32_norm else ()
+        o = torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, qn, kn,
+                                          kw.get("eps", 1e-6), scale, num_heads, window, chunk, block_s,
+                                          num_warps, count, pdl, qk_norm in PER_HEAD,
+                                          kw.get("rotary_dim", 0), kw.get("interleaved", False), *tail,
+                                          **{k: True for k in ("rope_fp32", "rope_table_rounded", "kv_broadcast")
+                                             if kw.get(k)}, **({"q_gated": True} if gated else {}))
+        if not gated:
+            return o
+        B, T, D = qkv.shape[0], qkv.shape[1], k_cache.shape[3]
+        # the gate copied out as the model's reshape copies it: sigmoid over a strided view rounds apart on the CPU
+        gate = qkv[..., :2 * num_heads * D].view(B, T, num_heads, 2 * D)[..., D:].reshape(B, T, -1)
+        return o * torch.sigmoid(gate)
 
     return pattern, replacement
 
@@ -278,14 +297,14 @@ def _fused_heads_mqa_params(m, ctx):
     return {**_params(m, ctx), "scale": default_scale(int(m.val(1).shape[3])), "kv_broadcast": True}
 
 
-def _example(qk_norm: str, hq: int, hkv: int, sinks: bool = False, table: int | None = None):
+def _example(qk_norm: str, hq: int, hkv: int, sinks: bool = False, table: int | None = None, gated: bool = False):
     """``sinks``: the mask additive (float) and the per-head sink logits last; ``table``: the rotary table's width
-    (default the head's)."""
+    (default the head's); ``gated``: a gate after each q head."""
     D, S = 16, 40
 
     def example(dt):
         R = table or D
-        ts = [torch.empty(1, 1, (hq + 2 * hkv) * D, dtype=dt), torch.empty(1, hkv, S, D, dtype=dt),
+        ts = [torch.empty(1, 1, ((2 if gated else 1) * hq + 2 * hkv) * D, dtype=dt), torch.empty(1, hkv, S, D, dtype=dt),
               torch.empty(1, hkv, S, D, dtype=dt), torch.empty(1, dtype=torch.int64),
               torch.empty(1, 1, R, dtype=dt), torch.empty(1, 1, R, dtype=dt),
               torch.empty(1, 1, 1, S, dtype=dt) if sinks else torch.empty(1, 1, 1, S, dtype=torch.bool)]
@@ -296,7 +315,7 @@ def _example(qk_norm: str, hq: int, hkv: int, sinks: bool = False, table: int | 
         if sinks:
             ts.append(torch.empty(hq, dtype=dt))
         sc = {"scale": SCALE, "eps": EPS} if qk_norm else {"scale": SCALE}
-        return tuple(ts), ({**sc, "offset": OFFSET} if qk_norm == "head_offset" else sc)
+        return tuple(ts), ({**sc, "offset": OFFSET} if qk_norm in ("head_offset", "head_offset_view") else sc)
 
     return example
 
@@ -456,20 +475,21 @@ def repeated_half_of(node):
     return _first_half_of(src)
 
 
-def _params(m, ctx):
+def _params(m, ctx, q_gated: bool = False):
     node = m.inputs[4]
     rot = rotary_table_of(node, 0) or rotary_table_of(node, 0, half=True) or \
         rotary_table_of(node, 0, interleaved=True)
-    return {**_layout_params(m, ctx, mask=6), "inv_freq": rot.args[0], "rope_scale": float(rot.args[2])}
+    return {**_layout_params(m, ctx, mask=6, q_gated=q_gated), "inv_freq": rot.args[0],
+            "rope_scale": float(rot.args[2])}
 
 
-def _layout_params(m, ctx, *, mask: int):
+def _layout_params(m, ctx, *, mask: int, q_gated: bool = False):
     """The fused attention's parameters but the rotation's, for a region whose inputs are (qkv, k cache, v cache, ...)
     and whose mask is input ``mask``: its tile and chunk for this device, the arrival counters, the heads, the
-    window, PDL."""
+    window, PDL. ``q_gated``: a gate follows each q head in qkv."""
     kc = m.val(1)
     hkv, S, D = kc.shape[1], kc.shape[2], kc.shape[3]
-    hq = m.val(0).shape[-1] // D - 2 * hkv
+    hq = (m.val(0).shape[-1] // D - 2 * hkv) // (2 if q_gated else 1)
     mnode = _producer(m.inputs[mask], torch.ops.tkcc.causal_mask.default) or \
         _producer(additive_mask_of(m.inputs[mask], m.gm), torch.ops.tkcc.causal_mask.default)
     chunk, (block_s, num_warps) = ctx.options["attention_layout"](hq, hkv, D, S)

@@ -237,6 +237,37 @@ def check_gemma_qk_norm(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0), (4, 4, 
     return rows
 
 
+def check_gated_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 4), (4, 4, 32, 64, 64, 32), (8, 1, 16, 100, 16, 8),
+                                                    (4, 2, 16, 300, 16, 4), (2, 1, 64, 48, 16, 16))):
+    """Qwen3-Next's gated attention (``attention._attention_pattern("head_offset_view", rope_partial, gated=True)``):
+    a gate after each q head of the projection, (1 + w) q/k norms per head before the transpose, a partial rotary
+    (a quarter of the head) or one over the whole head, the output times sigmoid(gate); GQA, MHA, MQA, one split,
+    several, more than the kernel merges (the fourth): (hq, hkv, D, S, chunk, rotary dim)."""
+    from tkcc.passes.lower import attention, rotary
+    from tkcc.passes.lower.checks import Region, _options, _rand, run_case, step_mask
+
+    rows = []
+    pattern = attention._attention_pattern("head_offset_view", rotary.rope_partial, gated=True)[0]
+    for hq, hkv, D, S, chunk, R in shapes:
+        t = {"kc": _rand((1, hkv, S, D), g, device, dtype), "vc": _rand((1, hkv, S, D), g, device, dtype),
+             "inv_freq": 1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R)).to(device),
+             "qn": _rand((D,), g, device, dtype, 0.5), "kn": _rand((D,), g, device, dtype, 0.5)}
+
+        def fn(s, qkv, pos, S=S, D=D):
+            cos, sin = rotary.cos_sin(s.inv_freq, pos.unsqueeze(0), scale=1.0, dtype=qkv.dtype)
+            return pattern(qkv, s.kc, s.vc, pos, cos, sin, step_mask(pos, S), s.qn, s.kn, scale=D ** -0.5, eps=1e-6,
+                           offset=1.0)
+
+        def make(S=S, hq=hq, hkv=hkv, D=D):
+            pos = torch.randint(0, S, (1,), generator=g).to(device)
+            return _rand((1, 1, (2 * hq + 2 * hkv) * D), g, device, dtype, 2.0), pos
+
+        rows += run_case(f"attention[{hq}/{hkv}x{D}, S={S}, chunk={chunk}, gated q, rotary {R}]", Region(fn, t), make,
+                         "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk), state=("kc", "vc"),
+                         gone=("aten.scaled_dot_product_attention.default", "aten.pow.Tensor_Scalar"))
+    return rows
+
+
 def check_cohere(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0, 48), (4, 4, 32, 64, 64, 12, 200),
                                            (8, 1, 16, 100, 16, 24, 2048), (4, 2, 16, 300, 16, 8, 64),
                                            (2, 1, 64, 48, 16, 0, 1000))):
@@ -294,4 +325,4 @@ def check_gated_norm(device, dtype, g, shapes=((2, 2, 16), (4, 1, 48), (1, 4, 12
 FAMILIES = {"linear_attention": check_linear_attention, "gated_delta": check_gated_delta,
             "causal_conv": check_causal_conv, "rotary": check_rotary, "sinks": check_sink_attention,
             "gemma_qk_norm": check_gemma_qk_norm, "cohere": check_cohere,
-            "gated_norm": check_gated_norm}
+            "gated_norm": check_gated_norm, "gated_attention": check_gated_attention}

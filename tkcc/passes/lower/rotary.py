@@ -293,6 +293,14 @@ def _attention_rewrites():
             out.append(Rewrite(f"attention[{heads}{'+fp32 full_qk_norm' if qk_norm else ''}, rotate-half in fp32 by an "
                                "fp32 table]", pattern, replacement, _fp32_table(attention._example(qk_norm, hq, hkv)),
                                region="attention", check=_fp32_table_check, params=_rotary_params(False, fp32=True)))
+    # Qwen3-Next's gated attention: a gate after each q head, (1 + w) q/k norms per head before the heads are
+    # transposed, a partial rotary (or one over the whole head), the output times sigmoid(gate)
+    pattern, replacement = attention._attention_pattern("head_offset_view", rope_partial, gated=True)
+    for (heads, (hq, hkv)), whole in itertools.product((("gqa", (4, 2)), ("mha", (4, 4))), (False, True)):
+        base = attention._example("head_offset_view", hq, hkv, table=None if whole else 8, gated=True)
+        out.append(Rewrite(f"attention[{heads}+head_offset_view_qk_norm, gated q, partial rotary"
+                           f"{' over the whole head' if whole else ''}]", pattern, replacement, base,
+                           region="attention", check=attention._check, params=_rotary_params(False, q_gated=True)))
     # StableLM: the partial rotary with q, k and v viewed as heads by their counts
     pattern, replacement = attention._attention_pattern("", rope_partial, explicit_heads=True)
     for heads, (hq, hkv) in (("gqa", (4, 2)), ("mha", (4, 4))):
@@ -309,11 +317,11 @@ def _attention_rewrites():
     return out + _sink_rewrites()
 
 
-def _rotary_params(interleaved, fp32=False):
+def _rotary_params(interleaved, fp32=False, q_gated=False):
     from tkcc.passes.lower import attention
 
     def params(m, ctx):
-        got = attention._params(m, ctx)
+        got = attention._params(m, ctx, q_gated)
         D, R = m.val(1).shape[-1], m.val(4).shape[-1]
         if R % 2 or R > D:
             raise Refused(f"rotary table of {R} for heads of {D}")
