@@ -108,12 +108,10 @@ FAMILIES = {
                      {A: 2, G: 8, GG: 1, N: 1, "tkcc.moe.default": 1}, {"aten.add.Tensor"}),
     # a model that sizes its own attention mask by the tokens the cache has seen (captured with an all-ones mask of
     # the whole cache, whose term the canonical form drops); learned positions, LayerNorms, q|k|v with biases packed.
-    # OPT scales q before the attention (q * scaling, then sdpa at scale 1): no attention pattern takes that, so its
-    # attention and cache writes stay in aten; BioGPT's lowers
-    "opt": (("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64)),
-            {"tkcc.causal_mask.default": 1, G: 9, L: 5},
-            {"aten.add.Tensor", "aten.embedding.default", "aten.index_copy_.default", "aten.mul.Tensor",
-             "aten.relu.default", "aten.scaled_dot_product_attention.default"}),
+    # OPT scales q before the attention (q * scaling, then sdpa at scale 1): the fused attention's q_scale, q scaled and
+    # rounded before the dot; its ReLU, learned positions' add and the embeddings stay
+    "opt": (("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64)), {A: 2, G: 9, L: 5},
+            {"aten.add.Tensor", "aten.embedding.default", "aten.relu.default"}),
     "biogpt": (("BioGptConfig", "BioGptForCausalLM", dict()), {A: 2, G: 9, L: 5},
                {"aten.add.Tensor", "aten.embedding.default", "aten.mul.Tensor"}),
 }

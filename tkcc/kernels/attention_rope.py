@@ -101,7 +101,7 @@ class AttentionRope:
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
            head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None, dynamic=False,
-           rope_fp32=False, rope_table_rounded=False, q_gated=False):
+           rope_fp32=False, rope_table_rounded=False, q_gated=False, q_scale=None):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
@@ -118,8 +118,12 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     each product and sum; with ``rope_table_rounded`` the table is rounded to the activations' dtype first (Cohere's
     table, in the model's dtype, rotating the upcast q and k). ``inv_freq`` None: nothing rotates (learned
     positions, NoPE layers). ``q_gated``: each q head is followed by its gate in ``qkv`` (Qwen3-Next), per-head q/k
-    norms only."""
+    norms only. ``q_scale``: q times this scalar, rounded to the activations' dtype before the dot (OPT: then
+    ``scale`` 1); with nothing rotated and no q/k norms only."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
+    if q_scale is not None and (inv_freq is not None or q_norm is not None):
+        raise TkccError("attention: a q scale with a rotation or q/k norms (the kernel scales q only when nothing "
+                        "else transforms it)")
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
     G = hq // hkv
@@ -142,7 +146,7 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
                window=bool(window), pairs=pairs, sinks=sinks is not None, **({"rope_fp32": True} if rope_fp32 else {}),
                **({"rope_table_rounded": True} if rope_fp32 and rope_table_rounded else {}),
                **({"norm_fp32": True} if norm_fp32 else {}), **({} if rope else {"rope": False}),
-               **({"q_gated": True} if q_gated else {}))
+               **({"q_gated": True} if q_gated else {}), **({"q_scale": True} if q_scale is not None else {}))
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
         q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
@@ -154,6 +158,7 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         **({"ROT_DIM": int(rotary_dim or D) if rope else 0, "INTERLEAVED": bool(interleaved)} if pairs else {}),
         **({"sinks_ptr": sinks} if sinks is not None else {}),
         **({"norm_offset": float(norm_offset)} if norm_fp32 else {}),
+        **({"q_scale": float(q_scale)} if q_scale is not None else {}),
         **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not merge:
         if seqlen is None:

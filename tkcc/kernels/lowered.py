@@ -181,7 +181,8 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
                        k_norm: Optional[Tensor], eps: float, scale: float, num_heads: int, window: int = 0,
                        head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
                        sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None, rope_fp32: bool = False,
-                       rope_table_rounded: bool = False, kv_broadcast: bool = False, q_gated: bool = False) -> Tensor:
+                       rope_table_rounded: bool = False, kv_broadcast: bool = False, q_gated: bool = False,
+                       q_scale: Optional[float] = None) -> Tensor:
     """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
     [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
     rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
@@ -196,10 +197,14 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     (positions learned, GPT-2, or none, NoPE layers). ``kv_broadcast``: the one kv head is broadcast over the query
     heads by sdpa itself, not repeated first (Falcon's multi-query block: the same attention, rounded as sdpa
     rounds that form). ``q_gated``: each q head is followed by its gate in the projection, [q_0 | g_0 | ... | k | v]
-    (Qwen3-Next: the gate's product with the output is the caller's); q/k norms then per head only."""
+    (Qwen3-Next: the gate's product with the output is the caller's); q/k norms then per head only. ``q_scale``: q
+    times this scalar in the activations' dtype before anything else (OPT's ``q_proj(x) * scaling``, then
+    ``scale`` 1)."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q, k, v = torch.split(qkv, [num_heads * D * (2 if q_gated else 1), hkv * D, hkv * D], -1)
+    if q_scale is not None:
+        q = q * q_scale
     form = (0.0, True) if norm_offset is None else (norm_offset, False)
     if q_norm is not None and not head_norm:
         if q_gated:
@@ -459,7 +464,7 @@ def _(cache_position, kv_len, window=0):
 
 def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                      block_s, num_warps, count, window, head_norm=False, rotary_dim=0, interleaved=False,
-                     sinks=None, norm_offset=None, q_gated=False) -> str | None:
+                     sinks=None, norm_offset=None, q_gated=False, q_scale=None) -> str | None:
     """None when the fused attention kernel takes this call, else why not."""
     reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
     if reason is not None:
@@ -478,6 +483,8 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
                 f"+2x{hkv} heads of {D}")
     if q_gated and q_norm is not None and not head_norm:
         return "a gated q with q/k norms over the whole projection"
+    if q_scale is not None and (inv_freq is not None or q_norm is not None or q_gated):
+        return "a q scale with a rotation, q/k norms or a gated q (the kernel scales q only when nothing else does)"
     if (q_norm is None) != (k_norm is None):
         return "only one of the q/k norms"
     want = (D, D) if head_norm else (num_heads * D, hkv * D)
@@ -534,7 +541,7 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                    pdl: bool = False, head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
                    sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None,
                    rope_fp32: bool = False, rope_table_rounded: bool = False, kv_broadcast: bool = False,
-                   q_gated: bool = False) -> Tensor:
+                   q_gated: bool = False, q_scale: Optional[float] = None) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split, or -N: N splits sized on the device to each step's context (one
@@ -545,7 +552,7 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
         raise ValueError(f"tkcc.attention_rope: kv_broadcast is for one kv head, not {k_cache.shape[1]}")
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                               block_s, num_warps, count, window, head_norm, rotary_dim, interleaved, sinks,
-                              norm_offset, q_gated)
+                              norm_offset, q_gated, q_scale)
     if reason is None:
         if cache_position.device.type == "cpu":  # free to check on the host (on a GPU: the greedy loop's check)
             _check_context(cache_position, k_cache.shape[2])
@@ -562,19 +569,20 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                   pdl=pdl and _pdl_ok(dev), block_s=block_s, num_warps=num_warps,
                   rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window,
                   rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks, norm_offset=norm_offset,
-                  dynamic=ch < 0, rope_fp32=rope_fp32, rope_table_rounded=rope_table_rounded, q_gated=q_gated)
+                  dynamic=ch < 0, rope_fp32=rope_fp32, rope_table_rounded=rope_table_rounded, q_gated=q_gated,
+                  q_scale=q_scale)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     _check_context(cache_position, k_cache.shape[2])
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
                               num_heads, window, head_norm, rotary_dim, interleaved, sinks, norm_offset, rope_fp32,
-                              rope_table_rounded, kv_broadcast, q_gated)
+                              rope_table_rounded, kv_broadcast, q_gated, q_scale)
 
 
 @attention_rope.register_fake
 def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
       chunk, block_s, num_warps, count, pdl=False, head_norm=False, rotary_dim=0, interleaved=False, sinks=None,
-      norm_offset=None, rope_fp32=False, rope_table_rounded=False, kv_broadcast=False, q_gated=False):
+      norm_offset=None, rope_fp32=False, rope_table_rounded=False, kv_broadcast=False, q_gated=False, q_scale=None):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
 
 

@@ -10,7 +10,10 @@ The forms, as each model's code splits its packed projection into heads:
   are transposed (Qwen3's form) or after (EXAONE 4's global layers);
 - ``even``: GPT-2's ``qkv.split(E, dim=2)`` into three equal parts (multi-head);
 - ``unsqueezed``: GPT-BigCode's multi-query ``qkv.unsqueeze(1).split((E, D, D), dim=3)``: the one key and value
-  head already [B, 1, T, D], ``repeat_kv`` over the query heads.
+  head already [B, 1, T, D], ``repeat_kv`` over the query heads;
+- ``q_scaled``: OPT's ``q_proj(x) * scaling`` before the heads (``view(B, -1, H, D)``), then sdpa at scale 1. The
+  kernel scales q and rounds it to the activations' dtype before the dot, as eager does (``q_scale``): in bf16 that
+  is not the same as scaling the scores.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import torch.nn.functional as F
 from tkcc.passes.lower.attention import SCALE, _layout_params, qk_heads, repeat_kv, step_mask, token_and_caches
 from tkcc.passes.lower.norms import EPS
 from tkcc.passes.lower.pattern import Rewrite
+
+Q_SCALE = 0.4375  # sentinel
 
 
 def _heads(x, B, T, D):
@@ -36,6 +41,11 @@ def _pattern(form: str, qk_norm: str = ""):
         elif form == "unsqueezed":
             q, k, v = qkv.unsqueeze(1).split((qkv.shape[-1] - 2 * D, D, D), dim=3)
             q = _heads(q, B, T, D)
+        elif form == "q_scaled":
+            hq = qkv.shape[-1] // D - 2 * hkv
+            q, k, v = torch.split(qkv, [hq * D, hkv * D, hkv * D], -1)
+            q = q * kw["q_scale"]
+            q, k, v = (x.view(B, -1, h, D).transpose(1, 2) for x, h in ((q, hq), (k, hkv), (v, hkv)))
         else:
             hq = qkv.shape[-1] // D - 2 * hkv
             q, k, v = torch.split(qkv, [hq * D, hkv * D, hkv * D], -1)
@@ -55,10 +65,11 @@ def _replacement(qkv, k_cache, v_cache, cache_position, mask, *norms, scale, cou
                  num_warps, pdl, **kw):
     qn, kn = norms if norms else (None, None)
     return torch.ops.tkcc.attention_rope(qkv, k_cache, v_cache, cache_position, None, 1.0, qn, kn, kw.get("eps", 1e-6),
-                                         scale, num_heads, window, chunk, block_s, num_warps, count, pdl, bool(norms))
+                                         scale, num_heads, window, chunk, block_s, num_warps, count, pdl, bool(norms),
+                                         **({"q_scale": kw["q_scale"]} if "q_scale" in kw else {}))
 
 
-def _example(hq: int, hkv: int, qk_norm: str = ""):
+def _example(hq: int, hkv: int, qk_norm: str = "", q_scaled: bool = False):
     D, S = 16, 40
 
     def example(dt):
@@ -67,7 +78,7 @@ def _example(hq: int, hkv: int, qk_norm: str = ""):
               torch.empty(1, 1, 1, S, dtype=torch.bool))
         if qk_norm:
             return ts + (torch.empty(D, dtype=dt), torch.empty(D, dtype=dt)), {"scale": SCALE, "eps": EPS}
-        return ts, {"scale": SCALE}
+        return ts, {"scale": SCALE, **({"q_scale": Q_SCALE} if q_scaled else {})}
 
     return example
 
@@ -88,10 +99,10 @@ def _params(m, ctx):
 
 
 REWRITES = [Rewrite(f"attention[{name}{'+' + qk_norm + '_qk_norm' if qk_norm else ''}, no rotary]",
-                    _pattern(form, qk_norm), _replacement, _example(hq, hkv, qk_norm), region="attention",
-                    check=_check, params=_params)
+                    _pattern(form, qk_norm), _replacement, _example(hq, hkv, qk_norm, form == "q_scaled"),
+                    region="attention", check=_check, params=_params)
             for name, form, (hq, hkv), qk_norm in (
                 ("gqa", "split", (4, 2), "head"), ("mha", "split", (4, 4), "head"),
                 ("gqa", "split", (4, 2), "head_transposed"), ("mha", "split", (4, 4), "head_transposed"),
                 ("gqa", "split", (4, 2), ""), ("mha", "split", (4, 4), ""), ("mha, split evenly", "even", (4, 4), ""),
-                ("mqa, unsqueezed", "unsqueezed", (4, 1), ""))]
+                ("mqa, unsqueezed", "unsqueezed", (4, 1), ""), ("mha, q scaled", "q_scaled", (4, 4), ""))]

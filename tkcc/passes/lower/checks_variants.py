@@ -1,7 +1,7 @@
 """Checks of the rotary, sink, linear-attention, gated-delta, causal-convolution and Cohere rewrites (``checks.py``'s machinery, on their own
 regions): each region written as the model's code writes it, captured, lowered, and compared with its eager run on
 fresh random inputs and several shapes (caches and recurrent states compared too). ``checks.py`` imports
-this module, so it imports ``checks`` inside the functions."""
+this module, so it imports ``checks`` inside the functions. Also OPT's q scaled before the attention."""
 from __future__ import annotations
 
 import torch
@@ -268,6 +268,29 @@ def check_gated_attention(device, dtype, g, shapes=((4, 2, 16, 40, 16, 4), (4, 4
     return rows
 
 
+def check_q_scaled_attention(device, dtype, g, shapes=((4, 16, 40, 16, 0, 1.0), (4, 32, 64, 64, 12, 1.0),
+                                                       (2, 64, 300, 16, 0, 1.0), (8, 32, 100, 16, 24, 0.5))):
+    """OPT's attention block (``attention_plain._pattern("q_scaled")``): q times 1/sqrt(D) before the heads (at D 32
+    and 64 not a power of two: its rounding shows), sdpa at ``scale`` (OPT's 1, and one other); one split, several,
+    more than the kernel merges (the third), sliding windows: (heads, D, S, chunk, window, scale)."""
+    from tkcc.passes.lower import attention_plain
+    from tkcc.passes.lower.checks import Region, _options, attention_case, run_case, step_mask
+
+    rows = []
+    pattern = attention_plain._pattern("q_scaled")
+    for h, D, S, chunk, window, scale in shapes:
+        t, _fn, make = attention_case(None, h, h, D, S, window, "", 1.0, D, g, device, dtype)
+
+        def fn(s, qkv, pos, S=S, D=D, window=window, scale=scale):
+            return pattern(qkv, s.kc, s.vc, pos, step_mask(pos, S, window), scale=scale, q_scale=D ** -0.5)
+
+        rows += run_case(f"attention[{h}/{h}x{D}, S={S}, chunk={chunk}, q scaled, no rotary, scale {scale}"
+                         f"{f', window {window}' if window else ''}]", Region(fn, t), make,
+                         "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk), state=("kc", "vc"),
+                         gone=("aten.mul.Tensor", "aten.scaled_dot_product_attention.default"))
+    return rows
+
+
 def check_cohere(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0, 48), (4, 4, 32, 64, 64, 12, 200),
                                            (8, 1, 16, 100, 16, 24, 2048), (4, 2, 16, 300, 16, 8, 64),
                                            (2, 1, 64, 48, 16, 0, 1000))):
@@ -325,4 +348,5 @@ def check_gated_norm(device, dtype, g, shapes=((2, 2, 16), (4, 1, 48), (1, 4, 12
 FAMILIES = {"linear_attention": check_linear_attention, "gated_delta": check_gated_delta,
             "causal_conv": check_causal_conv, "rotary": check_rotary, "sinks": check_sink_attention,
             "gemma_qk_norm": check_gemma_qk_norm, "cohere": check_cohere,
-            "gated_norm": check_gated_norm, "gated_attention": check_gated_attention}
+            "gated_norm": check_gated_norm, "gated_attention": check_gated_attention,
+            "q_scaled_attention": check_q_scaled_attention}
