@@ -696,3 +696,20 @@ def test_an_all_true_mask_term_is_dropped_and_nothing_else():
     gm.recompile()
     assert ands() == 2  # only the all-True term went
     assert all(torch.equal(a, b) for a, b in zip(gm(*args), want))
+
+
+def test_rmsnorm_fallback_keeps_the_weight_form_and_the_residual():
+    """Off the kernel (CPU without the interpreter), ``rmsnorm`` with a residual and Gemma's ``1 + w`` form (or an
+    fp32-first cast) normalises ``x + r`` in that form and returns ``(norm, x + r)``, as the kernel does."""
+    from tkcc.kernels.lowered import rms_norm_ref
+    from tkcc.kernels.rmsnorm import rmsnorm
+
+    g = torch.Generator().manual_seed(3)
+    for shape in ((1, 64), (3, 48)):
+        x, r = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        w = torch.randn(shape[-1], generator=g)
+        for offset, cast_first in ((1.0, True), (0.0, False)):
+            y, h = rmsnorm(x, w, 1e-6, residual=r, offset=offset, cast_first=cast_first)
+            assert torch.equal(h, x + r)
+            assert torch.equal(y, rms_norm_ref(x + r, w, 1e-6, offset, cast_first, None))
+            assert not torch.equal(y, rms_norm_ref(x, w, 1e-6, offset, cast_first, None))

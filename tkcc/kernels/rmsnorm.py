@@ -34,8 +34,8 @@ def gate_rows(gate, x) -> tuple[int, int] | None:
 
 
 def rmsnorm(x, weight, eps=1e-5, residual=None, block_k=None, offset=0.0, cast_first=True, gate=None):
-    """``offset``, ``cast_first``, ``gate``: the forms of ``tkcc.kernels.lowered.rms_norm_ref`` (without a
-    residual: that reference has none)."""
+    """``offset``, ``cast_first``, ``gate``: the forms of ``tkcc.kernels.lowered.rms_norm_ref`` (the kernel takes
+    them without a residual; with one, the fallback normalises ``x + residual`` in that form and returns both)."""
     reason = fallback_reason(x, weight, residual, gate)
     if reason is None and not (x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]
                                and (residual is None or (residual.shape == x.shape and residual.is_contiguous()))
@@ -47,7 +47,10 @@ def rmsnorm(x, weight, eps=1e-5, residual=None, block_k=None, offset=0.0, cast_f
         if gate is not None or offset != 0.0 or not cast_first:
             from tkcc.kernels.lowered import rms_norm_ref
 
-            return rms_norm_ref(x, weight, eps, offset, cast_first, gate)
+            if residual is None:
+                return rms_norm_ref(x, weight, eps, offset, cast_first, gate)
+            h = x + residual
+            return rms_norm_ref(h, weight, eps, offset, cast_first, gate), h
         return rmsnorm_ref(x, weight, eps, residual)
     K = x.shape[-1]
     rows = x.numel() // K
