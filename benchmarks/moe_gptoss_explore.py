@@ -72,7 +72,7 @@ def _flat(gc, dc) -> list[int]:
     return [*ROUTER_CONFIGS[0], *gc, *dc]
 
 
-def check(blocks, k, gc, dc, dtype) -> float:
+def check(blocks, k, gc, dc) -> float:
     """The config's relative error against the reference on the first block's forced experts."""
     from tkcc.kernels.checks import rel_err
     from tkcc.kernels.lowered import moe_gptoss_ref
@@ -110,7 +110,7 @@ def main():
            "layers": len(blocks), "bytes_per_block": nbytes, "configs": [], "kernels": {}}
     ok = []
     for gc, dc in pairs:
-        err = check(blocks, k, gc, dc, dt)
+        err = check(blocks, k, gc, dc)
         good = err <= TOL[dt]
         res["configs"].append({"gate_up": list(gc), "down": list(dc), "rel_err": err, "ok": good})
         if good:
