@@ -34,8 +34,9 @@ FAMILIES = {
                {"aten.add.Tensor", "aten.embedding.default", "aten.mul.Tensor"}),
     # per-head q/k norms (dense)
     "qwen3": (("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)), {A: 2, G: 8, GG: 1}, set()),
-    # embedding / residual / attention / logits multipliers (stay as scalar products)
-    "granite": (("GraniteConfig", "GraniteForCausalLM", dict()), {A: 2, G: 9},
+    # embedding / residual / attention / logits multipliers (stay as scalar products; at the default 1 the products
+    # go, so the embedding feeds the first GEMV and the residual adds fold into the GEMVs)
+    "granite": (("GraniteConfig", "GraniteForCausalLM", dict()), {A: 2, G: 8, GG: 1},
                 {"aten.add.Tensor", "aten.div.Tensor", "aten.embedding.default", "aten.mul.Tensor"}),
     # LayerNorm, partial rotary, heads viewed by explicit counts
     "stablelm": (("StableLmConfig", "StableLmForCausalLM", dict()), {A: 2, G: 9, L: 5}, {"aten.embedding.default"}),

@@ -234,7 +234,9 @@ def test_exact_rewrites_are_bit_exact(dtype):
         m = Region(fn, tensors)
         gm = _capture(m, make())
         info = lower(gm, dtype, _options())
-        assert any(f": {name}: " in n and "lowered" in n for n in info.notes), (name, info.notes)
+        # (a table at scale 1, whose product canonicalize drops, is its twin's: at_one)
+        assert any((f": {name}: " in n or f": {name}[scale 1]: " in n) and "lowered" in n for n in info.notes), \
+            (name, info.notes)
         for _ in range(3):
             inputs = make()
             want, got = m(*inputs), gm(*inputs)

@@ -286,6 +286,34 @@ def test_a_negative_position_is_a_clear_error_in_every_recurrent_op():
             call()
 
 
+def test_a_product_by_one_is_dropped_where_it_is_the_tensor_itself():
+    """``x * 1`` (MiniMax's ``h * beta``, a rotary table's ``attention_scaling``) is x bit for bit: the canonical form
+    reads x. Kept where the product changes the dtype (an integer times 1.0), is the graph's output, or is not by
+    one; a pattern whose scale is 1 in the model still matches (``at_one``'s twins: the rotary table)."""
+    from tkcc.passes.lower import pattern
+    from tkcc.passes.lower.checks import Region, _capture
+
+    def fn(s, x, i):
+        return (x * 1 + x * 1.0) * 0.5 + i * 1.0 + (x * 2.0) * 1, x * 1
+
+    g = torch.Generator().manual_seed(0)
+    x, i = torch.randn(3, 4, generator=g), torch.arange(4)
+    gm = _capture(Region(fn, {}), (x, i))
+    ref = gm(x, i)
+    pattern.canonicalize(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    muls = [n.args for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mul.Tensor]
+    # left: the half, the integer's cast to float, the product by 2, the output's product
+    assert sorted(str(a[1]) for a in muls) == ["0.5", "1", "1.0", "2.0"], muls
+    got = gm(x, i)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    from tkcc.passes.lower import rotary
+
+    names = {rw.name for rw in rotary.REWRITES}
+    assert "rotary_cos_sin[scale 1]" in names and "rotary_cos_sin" in names
+
+
 def test_a_copy_that_overwrites_a_fresh_tensor_whole_becomes_data_flow():
     """transformers' one-token loop writes its output as ``out = zeros_like(v); out[:, :, 0] = x``: the canonical
     form reads ``x.unsqueeze(2)`` instead (so a pattern's output depends on its inputs by data flow), bit for bit;

@@ -3,7 +3,7 @@
 The captured aten decode graph goes through the rewrites of this package, in stages; each stage applies
 its rewrites (largest pattern first) until none matches:
 
-1. ``canonicalize``: casts to what a tensor already is, aliases (bit-exact);
+1. ``canonicalize``: casts to what a tensor already is, aliases, products by one (bit-exact);
 2. what every layer shares: the step's causal mask, its rotary cos/sin table (bit-exact, named ops);
 3. MoE blocks: router, top-k, routed experts, with the norm before them when nothing else reads it (before
    packing: the router is a linear that could be packed with a shared expert's);

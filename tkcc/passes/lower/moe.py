@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tkcc.passes.lower.norms import EPS, rms_norm
-from tkcc.passes.lower.pattern import Rewrite
+from tkcc.passes.lower.pattern import Rewrite, at_one
 
 TOP_K = 3  # sentinel (the example has 12 experts)
 
@@ -219,9 +219,10 @@ def _routed_example(dt):
              torch.empty(E, H, I, dtype=dt)), {"top_k": TOP_K})
 
 
-REWRITES = _rewrites() + [
-    Rewrite(f"moe[sigmoid grouped top-k{'+renorm' if renorm else ''}, routed experts of a normed input]",
-            *_grouped_pattern(renorm), _grouped_example, region="moe", check=_grouped_check, params=_params)
-    for renorm in (True, False)] + [
+GROUPED = [Rewrite(f"moe[sigmoid grouped top-k{'+renorm' if renorm else ''}, routed experts of a normed input]",
+                   *_grouped_pattern(renorm), _grouped_example, region="moe", check=_grouped_check, params=_params)
+           for renorm in (True, False)]
+# a routed scaling factor of 1 (its product dropped by canonicalize) is the same router
+REWRITES = _rewrites() + GROUPED + [at_one(rw, "scaling") for rw in GROUPED] + [
     Rewrite("moe[routed experts of a normed input]", routed, _routed_replacement, _routed_example, region="moe",
             check=_routed_check, params=_params)]

@@ -52,10 +52,32 @@ def _val(n):
     return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
 
 
+_MULS = {torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar}
+
+
+def _is_times_one(n: torch.fx.Node) -> bool:
+    """``x * 1`` (MiniMax's residual ``h * beta`` with beta 1): x bit for bit, when the product has x's dtype and
+    shape. Kept where the product is an output of the graph or something writes into it (it is a new tensor)."""
+    if len(n.args) != 2 or not isinstance(n.args[0], torch.fx.Node) or n.kwargs:
+        return False
+    one = n.args[1]
+    if isinstance(one, bool) or not isinstance(one, (int, float)) or one != 1:
+        return False
+    src, out = _val(n.args[0]), _val(n)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if src.dtype != out.dtype or tuple(src.shape) != tuple(out.shape):
+        return False
+    return not any(u.op == "output" or (isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable)
+                   for u in n.users)
+
+
 def _is_noop(n: torch.fx.Node) -> bool:
     if n.op == "call_function" and n.target is torch.ops.aten.dropout.default:  # eval: the identity
         args = _all_args(n)
         return args[2] is False or args[1] == 0.0
+    if n.op == "call_function" and n.target in _MULS:
+        return _is_times_one(n)
     if n.op != "call_function" or n.target not in _NOOP_CASTS or not n.args:
         return False
     src, out = _val(n.args[0]), _val(n)
@@ -192,10 +214,10 @@ def _erase_unused(graph: torch.fx.Graph, n) -> int:
 
 
 def canonicalize(graph: torch.fx.Graph) -> int:
-    """Drop casts to what a tensor already is and aliases (eager returns the tensor itself), write a copy that
-    overwrites a fresh tensor whole as the value copied (``_whole_writes``), drop an all-True term of a mask
-    (``_true_masks``), and merge equal views of one tensor; returns how many nodes went. Bit-exact: the ops
-    dropped compute nothing."""
+    """Drop casts to what a tensor already is and aliases (eager returns the tensor itself) and products by one
+    (``_is_times_one``), write a copy that overwrites a fresh tensor whole as the value copied (``_whole_writes``),
+    drop an all-True term of a mask (``_true_masks``), and merge equal views of one tensor; returns how many nodes
+    went. Bit-exact: the ops dropped compute nothing."""
     dropped = 0
     for n in list(graph.nodes):
         if _is_noop(n):
@@ -456,6 +478,7 @@ class Rewrite:
     params(match, ctx) -> dict of extra keyword arguments for the replacement: scalars, and tensors it adds
         to the graph through ``ctx.tensor`` (packed weights, counters). May raise Refused.
     exact: the replacement is bit-exact with the pattern on every device (else only within tolerance).
+    fixed: scalars held at these values rather than read off the graph (``at_one``'s twins).
     """
 
     name: str
@@ -466,6 +489,7 @@ class Rewrite:
     exact: bool = False
     check: Callable[[Match], str | None] | None = None
     params: Callable | None = None
+    fixed: dict = field(default_factory=dict)
     _traced: dict = field(default_factory=dict, repr=False)
 
     def pattern_graph(self, dtype: torch.dtype):
@@ -474,9 +498,11 @@ class Rewrite:
         if hit is not None:
             return hit
         tensors, scalars = self.example(dtype)
+        scalars = {**scalars, **self.fixed}
         gm = trace(self.pattern, tensors, scalars)
         # numbers are sentinels, read off the graph where they stand; anything else (a dtype) is fixed
-        fixed = {k: v for k, v in scalars.items() if isinstance(v, bool) or not isinstance(v, (int, float))}
+        fixed = {k: v for k, v in scalars.items()
+                 if k in self.fixed or isinstance(v, bool) or not isinstance(v, (int, float))}
         scalars = {k: v for k, v in scalars.items() if k not in fixed}
         where: dict[str, list] = {k: [] for k in scalars}
         nodes = list(gm.graph.nodes)
@@ -494,6 +520,14 @@ class Rewrite:
                            ignore_literals=False)
         hit = self._traced[dtype] = (gm, matcher, where, fixed)
         return hit
+
+
+def at_one(rw: Rewrite, *names: str) -> Rewrite:
+    """A twin of ``rw`` with the scalars ``names`` held at 1. ``canonicalize`` drops a product by one from the graph
+    and from a pattern's trace alike, so a model whose scale is 1 (a rotary table's ``attention_scaling``) lacks the
+    product that ``rw``'s trace at its sentinel has: the twin, traced at 1, matches it. List it after ``rw``."""
+    return Rewrite(f"{rw.name}[{', '.join(names)} 1]", rw.pattern, rw.replacement, rw.example, rw.region, rw.exact,
+                   rw.check, rw.params, {**rw.fixed, **{k: 1.0 for k in names}})
 
 
 class Context:

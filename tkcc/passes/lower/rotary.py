@@ -28,7 +28,7 @@ import itertools
 
 import torch
 
-from tkcc.passes.lower.pattern import Refused, Rewrite
+from tkcc.passes.lower.pattern import Refused, Rewrite, at_one
 
 SCALE = 0.8125  # sentinel
 
@@ -145,6 +145,7 @@ REWRITES = [
     Rewrite("rotary_cos_sin[interleaved table, inv_freq in the model dtype]", cos_sin_interleaved, _to_op_interleaved,
             _example(None), region="rotary", exact=True, check=_check),
 ]
+REWRITES += [at_one(rw, "scale") for rw in REWRITES]  # most models' attention_scaling: 1, its product dropped
 
 
 # ---- rotations -------------------------------------------------------------------------------------------
