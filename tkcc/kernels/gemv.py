@@ -28,8 +28,9 @@ INTERP_CONFIG = (64, 128, 4)
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
-def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu", up_act=""):
-    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u | up_act(y)] -> [+ residual]."""
+def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu", up_act="",
+             residual_scale=1.0):
+    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u | up_act(y)] -> [+ residual [* residual_scale]]."""
     if norm_w is not None:
         x = rms_ref(x, norm_w, eps)
     y = F.linear(x, w, bias)
@@ -40,7 +41,7 @@ def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None,
         g, u = y.chunk(2, dim=-1)
         y = ACTS[act](g) * u
     if residual is not None:
-        y = residual + y
+        y = (residual if residual_scale == 1.0 else residual * residual_scale) + y
     return y
 
 
@@ -69,7 +70,7 @@ def _ends_ref(x, y, gather, argmax):
 
 
 def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=None, gather=None,
-         argmax=None, bias=None, act="silu", up_act="", split_heads=0):
+         argmax=None, bias=None, act="silu", up_act="", split_heads=0, residual_scale=1.0):
     """x: [K] (or [1, K]); w: [N_total, K] with unit stride along K. Returns [N] (N = N_total/2 if gated).
 
     ``pdl``: launch with programmatic dependent launch (Hopper+): the kernel starts while the previous one
@@ -80,7 +81,8 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     (int64 [1]) and adds 1 to ``pos`` and ``seq`` (int32 [1]), after y is complete. ``up_act`` ("gelu",
     "gelu_tanh", "relu2"): y is that activation of the (not gated) product, as a non-gated MLP's up projection.
     ``split_heads`` (a head dim): w's rows are per-head [q_h | k_h | v_h] blocks, and y is stored as [q | k | v]
-    over all heads (``split_heads_ref``)."""
+    over all heads (``split_heads_ref``). ``residual_scale``: y + residual * residual_scale, the product rounded
+    to the dtype first, as eager rounds MiniMax's ``h * alpha`` (a kernel variant of its own; 1 adds r as it is)."""
     xt = x
     if gather is not None:
         if x.dim() != 2:
@@ -105,7 +107,7 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         if gather is not None:
             x = xt.index_select(0, gather[0].reshape(-1)).reshape(-1)
         y = gemv_ref(x.reshape(1, -1), w, norm_w, eps, None if residual is None else residual.reshape(1, -1), gated,
-                     bias, act, up_act)
+                     bias, act, up_act, residual_scale)
         y = y.reshape(-1)
         if split_heads:
             y = split_heads_ref(y, split_heads)
@@ -122,11 +124,14 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     bn, bk, nw = config or default  # a config is the caller's (the lowered step's artifact): no global table
     bk = min(bk, triton.next_power_of_2(K))
     pdl = launch_pdl(pdl)
+    scaled = residual is not None and residual_scale != 1.0
     mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,
                gather=gather is not None, argmax=argmax is not None, bias=bias is not None, act=act,
-               **({"up_act": up_act} if up_act else {}), **({"split_heads": True} if split_heads else {}))
+               **({"up_act": up_act} if up_act else {}), **({"split_heads": True} if split_heads else {}),
+               **({"res_scale": True} if scaled else {}))
     grid = (triton.cdiv(N, bn),)
-    ends = [bias] if bias is not None else []
+    ends = [float(residual_scale)] if scaled else []
+    ends += [bias] if bias is not None else []
     if gather is not None:
         ends += [gather[0], gather[1], xt.stride(0)]
     if argmax is not None:

@@ -139,6 +139,35 @@ def check_gemv(device, dtype, g, shapes=((40, 48), (96, 200), (256, 64))):
     return rows
 
 
+ALPHAS = (1.681792830507429, 0.375, 2.5)  # MiniMax's alpha ((2 * 4) ** 0.25 at 4 layers), and two more
+
+
+def check_scaled_residual(device, dtype, g, shapes=((40, 48), (96, 200), (64, 64))):
+    """MiniMax's residual, the normed hidden state times alpha, added to a projection's output (either order of the
+    add; with a norm prologue, a bias) -> ``tkcc.gemv``'s ``residual_scale``: no aten mul or add left."""
+    from tkcc.passes.lower import projections
+
+    rows = []
+    for (N, K), alpha, (norm, bias, scaled) in zip(shapes, ALPHAS, ((False, False, "r*a+y"), (True, True, "y+r*a"),
+                                                                    (False, True, "r*a+y"))):
+        pattern = projections._gemv_pattern(norm, bias, False, True, "", scaled)[0]
+        t = {"w": _rand((N, K), g, device, dtype, K ** -0.5)}
+        if bias:
+            t["b"] = _rand((N,), g, device, dtype, 0.1)
+        if norm:
+            t["nw"] = _rand((K,), g, device, dtype, 0.5) + 1
+
+        def fn(s, x, r, norm=norm, bias=bias, pattern=pattern, alpha=alpha):
+            ts = [x, s.w] + ([s.b] if bias else []) + ([s.nw] if norm else []) + [r]
+            return pattern(*ts, alpha=alpha, **({"eps": 1e-5} if norm else {}))
+
+        rows += run_case(f"gemv[{projections._tag(norm, bias, False, True, '', scaled)}, alpha {alpha:.3g}][{N}x{K}]",
+                         Region(fn, t), lambda K=K, N=N: (_rand((1, 1, K), g, device, dtype),
+                                                          _rand((1, 1, N), g, device, dtype)),
+                         "tkcc.gemv.default", False, dtype, gone=("aten.mul.Tensor", "aten.add.Tensor"))
+    return rows
+
+
 def check_gather(device, dtype, g, shapes=((40, 48, 100), (96, 64, 300))):
     """The first GEMV reading the token's embedding row itself (and writing it out as the residual stream)."""
     from tkcc.passes.lower import projections
@@ -506,7 +535,7 @@ def check_deepseek_moe(device, dtype, g, shapes=((16, 64, 32, 4, 4, 2), (32, 48,
 
 
 FAMILIES = {"norms": check_norms, "gemv": check_gemv, "gather": check_gather, "packing": check_packing,
-            "attention": check_attention, "moe": check_moe}
+            "attention": check_attention, "moe": check_moe, "scaled_residual": check_scaled_residual}
 from tkcc.passes.lower.checks_variants import FAMILIES as _VARIANTS  # noqa: E402 - rotary, sinks, linear attention
 
 FAMILIES.update(_VARIANTS)
