@@ -128,7 +128,8 @@ def lowered_variants():
     activations over a non-gated up projection, the per-head q|k|v rows stored split, a scaled residual,
     scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations / a scaled q in the fused attention,
     the combine reading the position, the routed MoE on an input normed already, with fp32 routing weights, and under
-    the grouped and the biased routers; the gated DeltaNet step, the short convolution before it and the gated norm after."""
+    the grouped and the biased routers, with a scaled residual; the gated DeltaNet step, the short convolution before
+    it and the gated norm after."""
     out = []
     base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
             "stride_wn": "i32", "eps": "fp32"}
@@ -200,6 +201,11 @@ def lowered_variants():
         if x[2] == "moe_down_routed_kernel" and x[4]["FULL_K"]:
             out += _gptoss_experts()
             out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))
+            # MiniMax's: the normed input scaled as the residual, after fp32 routing weights and after rounded ones
+            sig = {k: v for k, v in x[3].items() if v != "constexpr"}
+            sig = {**sig, "res_scale": "fp32", **{k: v for k, v in x[3].items() if v == "constexpr"}}
+            out.append((x[0], dict(pdl=True, norm=False, fp32_weights=True, res_scale=True), x[2], sig, x[4]))
+            out.append((x[0], dict(pdl=False, norm=False, res_scale=True), x[2], sig, x[4]))
             break
     # the gated DeltaNet step at Qwen3-Next's head dims (fp32 state, any strides of q / k / v): given g and beta, and
     # as Qwen3-Next's lowered step launches it, its 16 key heads over 32 value heads and its gates from a and b

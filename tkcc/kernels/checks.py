@@ -226,8 +226,9 @@ def check_moe_routed(device, dtype, g, pdl=False, shapes=((8, 32, 64, 2), (16, 4
 
     rows = []
     for E, I, H, k in shapes:
-        for i, (res, norm_topk, forced, tile) in enumerate(((True, False, False, None), (False, True, False, 256),
-                                                            (True, False, True, None))):
+        for i, (res, norm_topk, forced, tile, scale) in enumerate(((True, False, False, None, 1.0),
+                                                                   (False, True, False, 256, 1.0),
+                                                                   (True, False, True, None, 1.681792830507429))):
             x = _rand(H, device=device, dtype=dtype, g=g)
             nw = _rand(H, device=device, dtype=dtype, g=g)
             xn = rms_ref(x.float().reshape(1, H), nw.float(), 1e-5).reshape(H)
@@ -245,12 +246,13 @@ def check_moe_routed(device, dtype, g, pdl=False, shapes=((8, 32, 64, 2), (16, 4
                 for _rep in range(2):
                     out = torch.full((H,), float("nan"), device=device, dtype=dtype)
                     rm(x, rw, gu, dn, norm_topk, residual=r, norm_w=nw, forced_ids=fid, out=out, router_config=cfg,
-                       gate_up_config=cfg, down_config=cfg, pdl=pdl)
+                       gate_up_config=cfg, down_config=cfg, pdl=pdl, residual_scale=scale)
             finally:
                 mr.MAX_TILE = saved
-            ref = mr.moe_routed_ref(x, rw, gu, dn, k, norm_topk, r, nw, 1e-5, fid)
+            ref = mr.moe_routed_ref(x, rw, gu, dn, k, norm_topk, r, nw, 1e-5, fid, scale)
             err = rel_err(out, ref) if int(rm.count.sum()) == 0 else float("inf")
-            name = f"moe_routed{'+res' * res}{'+renorm' * norm_topk}{'+forced' * forced}{'+kloop' * bool(tile)}"
+            name = (f"moe_routed{'+res' * res}{'+scaled' * (scale != 1.0)}{'+renorm' * norm_topk}{'+forced' * forced}"
+                    f"{'+kloop' * bool(tile)}")
             rows.append(_row(name, (E, I, H, k, cfg), dtype, err))
     return rows
 

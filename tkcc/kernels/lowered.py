@@ -287,7 +287,7 @@ ROUTERS = ("softmax", "softmax_fp32", "sigmoid_grouped", "softmax_biased")
 def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, gate_up: Tensor, down: Tensor,
             top_k: int, norm_topk: bool, residual: bool, router: str = "softmax", router_bias: Optional[Tensor] = None,
             n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
-            forced_ids: Optional[Tensor] = None, norm_min: float = 0.0) -> Tensor:
+            forced_ids: Optional[Tensor] = None, norm_min: float = 0.0, residual_scale: float = 1.0) -> Tensor:
     """A sparse-MoE block for tokens h [B, T, H] as OLMoE / Qwen3-MoE / Mixtral write it, with transformers'
     ``batched_mm`` experts: [RMSNorm] -> router logits -> softmax (fp32) -> top-k [-> renormalised] [->
     rounded to the dtype (``router="softmax"``; Mixtral's ``"softmax_fp32"`` keeps them fp32)] -> each token's
@@ -295,7 +295,9 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
     ``forced_ids`` [k] (a benchmark's real routing, softmax routers only): every token takes these experts in
     place of its top-k, each weighted by its softmax probability (renormalised over the k when ``norm_topk``).
     ``router="softmax_biased"`` (Ernie 4.5-MoE): the logits of the upcast input and router, the choice on their
-    softmax plus ``router_bias``, the chosen probabilities renormalised over ``max(sum, norm_min)``."""
+    softmax plus ``router_bias``, the chosen probabilities renormalised over ``max(sum, norm_min)``.
+    ``residual_scale``: the residual is ``h * residual_scale``, rounded to the dtype before the add (MiniMax's
+    ``h * alpha + moe(h)``, h its normed hidden state)."""
     x = rms_norm_ref(h, norm_weight, eps) if norm_weight is not None else h
     H = x.shape[-1]
     xs = x.view(-1, H)
@@ -332,7 +334,9 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
     y = torch.bmm(down[eid], a.unsqueeze(-1)).squeeze(-1)
     y = (y * sw.unsqueeze(-1)).view(xs.shape[0], top_k, H).sum(dim=1).to(xs.dtype)
     y = y.reshape(x.shape)
-    return h + y if residual else y
+    if not residual:
+        return y
+    return (h if residual_scale == 1.0 else h * residual_scale) + y
 
 
 # ---- the ops ---------------------------------------------------------------------------------------------
@@ -616,7 +620,7 @@ def _grouped_router(xs, router_w, bias, top_k, n_group, topk_group, norm_topk, s
 
 
 def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="softmax", router_bias=None,
-               n_group=1, topk_group=1, forced_ids=None) -> str | None:
+               n_group=1, topk_group=1, forced_ids=None, residual=True, residual_scale=1.0) -> str | None:
     """None when the routed-MoE kernels take this call, else why not."""
     reason = fallback_reason(h, norm_weight, router_w, gate_up, down)
     if reason is not None:
@@ -644,6 +648,8 @@ def moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router="so
     if forced_ids is not None and (forced_ids.numel() != top_k or forced_ids.device != h.device
                                    or not forced_ids.is_contiguous() or forced_ids.dtype.is_floating_point):
         return f"forced_ids {tuple(forced_ids.shape)} {forced_ids.dtype} is not {top_k} contiguous integer ids"
+    if residual_scale != 1.0 and not residual:
+        return f"a residual scale {residual_scale} without a residual"
     return None
 
 
@@ -652,15 +658,16 @@ def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, 
         top_k: int, norm_topk: bool, residual: bool, count: Tensor, configs: Optional[list[int]] = None,
         pdl: bool = False, router: str = "softmax", router_bias: Optional[Tensor] = None, n_group: int = 1,
         topk_group: int = 1, scaling: float = 1.0, forced_ids: Optional[Tensor] = None,
-        norm_min: float = 0.0) -> Tensor:
+        norm_min: float = 0.0, residual_scale: float = 1.0) -> Tensor:
     """``moe_ref`` as three launches (``tkcc.kernels.moe_routed``): the router GEMV with the norm prologue whose
     last program picks the top-k (softmax, renormalisation) once; gate_up over the k selected experts only
     (silu(g) * u); down weighted over them, plus the residual. ``configs``: (BLOCK_N, warps) of router,
     gate_up and down (6 ints), None for the kernels' defaults. ``forced_ids``: see ``moe_ref`` (never in a
     graph a pass writes; ``benchmarks/decode.py`` adds it for its real-routing rows). ``norm_min``: the
-    ``softmax_biased`` router's floor under the renormalising sum."""
+    ``softmax_biased`` router's floor under the renormalising sum. ``residual_scale`` (last: graphs written before it
+    still load): see ``moe_ref``, in the down kernel's epilogue."""
     reason = moe_reason(h, norm_weight, router_w, gate_up, down, top_k, count, router, router_bias, n_group,
-                        topk_group, forced_ids)
+                        topk_group, forced_ids, residual, residual_scale)
     if reason is None:
         from tkcc.kernels import moe_routed as mr
 
@@ -680,16 +687,17 @@ def moe(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tensor, 
         out = torch.empty(H, device=dev, dtype=dt)
         mr.launch(x, router_w, gate_up, down, top_k, norm_topk, x if residual else None, norm_weight, eps, out,
                   scratch, rc, gc, dc, pdl=pdl and _pdl_ok(dev), fp32_weights=router == "softmax_fp32",
-                  grouped=grouped, forced_ids=forced_ids, biased=biased)
+                  grouped=grouped, forced_ids=forced_ids, biased=biased, residual_scale=residual_scale)
         return out.view(h.shape)
     note_fallback("tkcc.moe", reason)
     return moe_ref(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, router, router_bias,
-                   n_group, topk_group, scaling, forced_ids, norm_min)
+                   n_group, topk_group, scaling, forced_ids, norm_min, residual_scale)
 
 
 @moe.register_fake
 def _(h, norm_weight, eps, router_w, gate_up, down, top_k, norm_topk, residual, count, configs=None, pdl=False,
-      router="softmax", router_bias=None, n_group=1, topk_group=1, scaling=1.0, forced_ids=None, norm_min=0.0):
+      router="softmax", router_bias=None, n_group=1, topk_group=1, scaling=1.0, forced_ids=None, norm_min=0.0,
+      residual_scale=1.0):
     return torch.empty_like(h)
 
 

@@ -31,12 +31,15 @@ INTERP = (16, 4)
 
 
 def moe_routed_ref(x, router_w, gate_up, down, top_k, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,
-                   forced_ids=None):
-    """Eager: logits = router(rmsnorm(x)), then transformers' batched_mm experts (``moe_ref``)."""
+                   forced_ids=None, residual_scale=1.0):
+    """Eager: logits = router(rmsnorm(x)), then transformers' batched_mm experts (``moe_ref``) [+ residual
+    [* residual_scale, rounded]]."""
     xs = x.reshape(1, -1)
     xn = rms_ref(xs, norm_w, eps) if norm_w is not None else xs
     logits = F.linear(xn, router_w)
     r = None if residual is None else residual.reshape(1, -1)
+    if r is not None and residual_scale != 1.0:
+        r = r * residual_scale
     return moe_ref(xs, logits, gate_up, down, top_k, norm_topk_prob, r, norm_w, eps, forced_ids).reshape(x.shape)
 
 
@@ -61,8 +64,10 @@ class RoutedMoE:
         self.count = torch.zeros(1, device=device, dtype=torch.int32)  # the router's arrival counter, self-resetting
 
     def __call__(self, x, router_w, gate_up, down, norm_topk_prob=False, residual=None, norm_w=None, eps=1e-5,
-                 forced_ids=None, out=None, router_config=None, gate_up_config=None, down_config=None, pdl=None):
-        """x [H] (pre-norm when norm_w) -> [H] (+ residual), written to ``out`` (may be ``residual``)."""
+                 forced_ids=None, out=None, router_config=None, gate_up_config=None, down_config=None, pdl=None,
+                 residual_scale=1.0):
+        """x [H] (pre-norm when norm_w) -> [H] (+ residual [* residual_scale]), written to ``out`` (may be
+        ``residual``)."""
         E, H, I, k = self.E, self.H, self.I, self.k
         reason = fallback_reason(x, router_w, gate_up, down, residual, norm_w)
         if reason is None and (x.numel() != H or tuple(router_w.shape) != (E, H)
@@ -74,7 +79,8 @@ class RoutedMoE:
                       f"gate_up {tuple(gate_up.shape)} down {tuple(down.shape)} norm {norm_w is not None}")
         if reason is not None:
             note_fallback("moe_routed", reason)
-            y = moe_routed_ref(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, forced_ids)
+            y = moe_routed_ref(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, forced_ids,
+                               residual_scale)
             if out is None:
                 return y
             out.copy_(y)
@@ -84,7 +90,8 @@ class RoutedMoE:
         rc, gc, dc = default_configs()
         return launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, out,
                       (self.logits, self.ids, self.wts, self.xn, self.act, self.count), router_config or rc,
-                      gate_up_config or gc, down_config or dc, pdl=pdl, forced_ids=forced_ids)
+                      gate_up_config or gc, down_config or dc, pdl=pdl, forced_ids=forced_ids,
+                      residual_scale=residual_scale)
 
 
 def default_configs():
@@ -95,7 +102,7 @@ def default_configs():
 
 
 def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps, out, scratch, rc, gc, dc,
-           pdl=None, forced_ids=None, fp32_weights=False, grouped=None, biased=None):
+           pdl=None, forced_ids=None, fp32_weights=False, grouped=None, biased=None, residual_scale=1.0):
     """The three launches on caller-owned scratch ``(logits [E], ids [k] int32, wts [k] fp32, xn [H], act [k, I],
     count [1] int32)``: all but ``count`` may hold anything (each is written before it is read); ``count``
     starts at zero and is left at zero. ``rc``/``gc``/``dc``: (BLOCK_N, warps) of router, gate_up, down.
@@ -103,13 +110,15 @@ def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps,
     the weighted sum over the experts is taken in fp32. ``grouped=(bias, n_group, topk_group, scaling)``:
     DeepSeek-V3's router (sigmoid scores, bias-corrected grouped top-k, scaled fp32 weights; the logits
     scratch must then be fp32). ``biased=(bias, norm_min)``: Ernie 4.5-MoE's router (the choice on the softmax
-    plus the bias, renormalised over max(sum, norm_min); the logits scratch must be fp32)."""
+    plus the bias, renormalised over max(sum, norm_min); the logits scratch must be fp32). ``residual_scale``: the
+    residual times it, rounded to the dtype, before the add (a down kernel of its own; 1 adds it as it is)."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     logits, ids, wts, xn, act, count = scratch
     E, I2, H = gate_up.shape
     I = I2 // 2
+    scaled = residual is not None and residual_scale != 1.0
     mod = load("moe_routed.py.jinja", pdl=pdl, fp32_weights=fp32_weights, norm=norm_w is not None,
-               grouped=grouped is not None, biased=biased is not None)
+               grouped=grouped is not None, biased=biased is not None, **({"res_scale": True} if scaled else {}))
     extra = {}
     if grouped is not None:
         bias, n_group, topk_group, scaling = grouped
@@ -130,7 +139,8 @@ def launch(x, router_w, gate_up, down, k, norm_topk_prob, residual, norm_w, eps,
     bk = _block_k(K_PAD * bn, I)
     mod.moe_down_routed_kernel[(triton.cdiv(H, bn),)](
         act, ids, wts, down, residual if residual is not None else x, out, I, H, down.stride(0),
-        down.stride(1), BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD, RESIDUAL=residual is not None,
+        down.stride(1), *([float(residual_scale)] if scaled else []), BLOCK_N=bn, BLOCK_K=bk, TOPK=k, K_PAD=K_PAD,
+        RESIDUAL=residual is not None,
         FULL_K=bk >= I, num_warps=nw, **launch_kw)
     return out
 

@@ -144,8 +144,9 @@ ALPHAS = (1.681792830507429, 0.375, 2.5)  # MiniMax's alpha ((2 * 4) ** 0.25 at 
 
 def check_scaled_residual(device, dtype, g, shapes=((40, 48), (96, 200), (64, 64))):
     """MiniMax's residual, the normed hidden state times alpha, added to a projection's output (either order of the
-    add; with a norm prologue, a bias) -> ``tkcc.gemv``'s ``residual_scale``: no aten mul or add left."""
-    from tkcc.passes.lower import projections
+    add; with a norm prologue, a bias) -> ``tkcc.gemv``'s ``residual_scale``, and added to the routed experts of that
+    state (its router, and the softmax one, renormalised or not) -> ``tkcc.moe``'s: no aten mul or add left."""
+    from tkcc.passes.lower import projections, routed_experts
 
     rows = []
     for (N, K), alpha, (norm, bias, scaled) in zip(shapes, ALPHAS, ((False, False, "r*a+y"), (True, True, "y+r*a"),
@@ -165,6 +166,21 @@ def check_scaled_residual(device, dtype, g, shapes=((40, 48), (96, 200), (64, 64
                          Region(fn, t), lambda K=K, N=N: (_rand((1, 1, K), g, device, dtype),
                                                           _rand((1, 1, N), g, device, dtype)),
                          "tkcc.gemv.default", False, dtype, gone=("aten.mul.Tensor", "aten.add.Tensor"))
+    for (E, H, I, k), alpha, (router, renorm) in zip(((8, 48, 20, 2), (12, 64, 32, 3), (16, 32, 16, 4)), ALPHAS,
+                                                     (("softmax_fp32", True), ("softmax", False), ("softmax", True))):
+        pattern = routed_experts.scaled_residual(router, renorm)[0]
+        t = {"router": _rand((E, H), g, device, dtype, H ** -0.5),
+             "gate_up": _rand((E, 2 * I, H), g, device, dtype, H ** -0.5),
+             "down": _rand((E, H, I), g, device, dtype, I ** -0.5)}
+
+        def fn(s, h, pattern=pattern, k=k, alpha=alpha):
+            return pattern(h, s.router, s.gate_up, s.down, top_k=k, alpha=alpha)
+
+        rows += run_case(f"moe[E={E} top-{k}, {H}x{I}, {router}{'+renorm' if renorm else ''}, + the input times "
+                         f"{alpha:.3g}]", Region(fn, t),
+                         lambda H=H, t=t, k=k: _clear_routing(lambda: (_rand((1, 1, H), g, device, dtype),),
+                                                              _logits(t["router"]), k, _near(dtype)),
+                         "tkcc.moe.default", False, dtype, gone=("aten.mul.Tensor", "aten.add.Tensor"))
     return rows
 
 

@@ -54,7 +54,8 @@ def stages():
         linear_attention, mla, moe, norms, projections, rotary, routed_experts
 
     return [("shared", attention.MASKS + rotary.REWRITES + rotary.CANONICAL),
-            ("moe", moe.REWRITES + routed_experts.REWRITES + biased_experts.REWRITES), ("packing", projections.PACK),
+            ("moe", routed_experts.SCALED + moe.REWRITES + routed_experts.REWRITES + biased_experts.REWRITES),
+            ("packing", projections.PACK),
             ("gemv", projections.GEMV),
             ("attention", attention.ATTENTION + rotary.ATTENTION + attention_plain.REWRITES + mla.REWRITES),
             ("linear_attention", linear_attention.REWRITES + gated_delta.REWRITES + causal_conv.REWRITES),

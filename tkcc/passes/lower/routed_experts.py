@@ -5,6 +5,7 @@ scaled; a shared expert) cannot take the norm into its region, so the region sta
 input [T, H]: the top-k router (softmax in fp32 of the upcast logits, Mixtral/MiniMax, or with ``dtype=float``,
 OLMoE/Qwen; renormalised or not; weights kept fp32 or rounded to the dtype) and transformers' ``batched_mm``
 experts. It becomes ``tkcc.moe`` without the norm prologue: the routed kernels read only the k selected experts.
+MiniMax's residual, that normed input times alpha, added after the block, is taken with it (``scaled_residual``).
 
 GraniteMoE's router takes the top k of the fp32 logits and a softmax over those k: the same experts and, in exact
 arithmetic, the same weights as a softmax over all, its top k, renormalised (``tkcc.moe``'s softmax router with
@@ -33,6 +34,49 @@ def _routed_pattern(router: str, norm_topk: bool):
                                   pdl, router)
 
     return pattern, replacement
+
+
+ALPHA = 1.4375  # sentinel: the residual's scale
+
+
+def scaled_residual(router: str, norm_topk: bool):
+    """MiniMax's MoE block and the residual after it: its input h (the normed hidden state, so the region starts
+    there) flattened, ``routed_pattern``, the output shaped back, plus ``h * alpha`` -> one ``tkcc.moe`` whose down
+    kernel adds the scaled residual (``residual_scale``)."""
+    inner = routed_pattern(router, norm_topk)
+
+    def pattern(h, router_w, gate_up, down, *, top_k, alpha):
+        batch_size, sequence_length, hidden_dim = h.shape
+        y = inner(h.view(-1, h.shape[-1]), router_w, gate_up, down, top_k=top_k)
+        return h * alpha + y.reshape(batch_size, sequence_length, hidden_dim)
+
+    def replacement(h, router_w, gate_up, down, *, top_k, alpha, count, configs, pdl):
+        return torch.ops.tkcc.moe(h, None, 1e-6, router_w, gate_up, down, top_k, norm_topk, True, count, configs,
+                                  pdl, router, None, 1, 1, 1.0, None, 0.0, float(alpha))
+
+    pattern.__qualname__ = f"scaled_residual[{router}{'+renorm' if norm_topk else ''}]"
+    return pattern, replacement
+
+
+def _scaled_example(dt):
+    E, H, I = 12, 48, 20
+    return ((torch.empty(1, 1, H, dtype=dt), torch.empty(E, H, dtype=dt), torch.empty(E, 2 * I, H, dtype=dt),
+             torch.empty(E, H, I, dtype=dt)), {"top_k": TOP_K, "alpha": ALPHA})
+
+
+def _scaled_check(m) -> str | None:
+    h = m.val(0)
+    if h.dim() != 3 or h.numel() != h.shape[-1]:
+        return f"h {tuple(h.shape)} is not one token"
+    return routed_layout(torch.empty(1, h.shape[-1], device="meta"), *(m.val(i) for i in range(1, 4)))
+
+
+# before moe.py's rewrites: their routed-experts pattern would take the block without its residual
+SCALED = [Rewrite(f"moe[{router}{'+renorm' if renorm else ''}-top-k, routed experts of a normed input, "
+                  "+ the input scaled]", *scaled_residual(router, renorm), _scaled_example, region="moe",
+                  check=_scaled_check, params=_params)
+          for router, renorm in (("softmax_fp32", True), ("softmax_fp32", False), ("softmax", True),
+                                 ("softmax", False))]
 
 
 # (moe.py has the softmax router without renormalisation, Qwen2-MoE's)
