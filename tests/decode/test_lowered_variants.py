@@ -79,18 +79,27 @@ def _hf(cfg_cls, model_cls, **kw):
 
 def test_minimax_lowers_linear_attention_and_moe_per_region():
     """MiniMax (hybrid): every lightning layer's recurrence -> tkcc.linear_attention (the state double buffer
-    updated in place), every full-attention layer -> the fused attention, every MoE -> tkcc.moe; what no rewrite
-    takes (the scaled residuals, the output gate's sigmoid) stays in aten in the same step; bit-exact."""
+    updated in place), every full-attention layer -> the fused attention, every MoE -> tkcc.moe; the residuals (the
+    normed hidden state times alpha, plus the sublayer's output times 1) in the epilogues of the GEMV before them and
+    of the MoE, the output gate's sigmoid in the norm before it: no aten arithmetic left but the embedding (its norm
+    is also the residual, so no GEMV takes it); bit-exact off the kernels."""
     from tkcc.frontend.capture import capture_model
+    from tkcc.passes.lower.pattern import _all_args
 
     prog = capture_model("minimax-tiny", "float32", "cpu", max_cache_len=32, phases=["decode"])
     kinds = prog.model.config.layer_types
+    alpha = prog.model.config.full_attn_alpha_factor
     new, ops, notes = _lower(prog)
     assert ops["tkcc.linear_attention.default"] == kinds.count("linear_attention")
     assert ops["tkcc.attention_rope.default"] == kinds.count("full_attention")
     assert ops["tkcc.moe.default"] == len(kinds)
     left = {k for k in ops if not k.startswith("tkcc.") and k not in VIEWS}
-    assert left <= {"aten.mul.Tensor", "aten.add.Tensor", "aten.sigmoid.default", "aten.embedding.default"}, left
+    assert left == {"aten.embedding.default"}, left
+    nodes = [n for n in new.graphs["decode"].graph.nodes if n.op == "call_function"]
+    scales = [_all_args(n)[-1] for n in nodes if n.target in (torch.ops.tkcc.gemv.default, torch.ops.tkcc.moe.default)]
+    assert sum(s == alpha for s in scales) == 2 * len(kinds) and alpha != 1.0, (scales, alpha)
+    gates = [_all_args(n)[-1] for n in nodes if n.target is torch.ops.tkcc.rms_norm.default]
+    assert gates.count("sigmoid") == kinds.count("linear_attention"), gates
     _same_decode(prog, new)
 
 
@@ -421,5 +430,7 @@ def test_greedy_tokens_identical_with_the_kernels_live(interpreter_run):
     (r,) = [r for r in interpreter_run.lines() if "model" in r]
     assert r["got"] == r["ref"] and len(set(r["ref"])) > 4, r
     assert r["logits_rel_err"] < 1e-4, r
-    assert {"linear_attention", "attention_rope", "moe"} <= set(r["ops"]), r
+    assert {"linear_attention", "attention_rope", "moe", "gemv", "rms_norm"} <= set(r["ops"]), r
     assert not [k for k in r["fallbacks"] if k.startswith("tkcc.")], r
+    # the scaled residuals and the sigmoid output gate in the kernels (their checks: scaled_residual, gated_norm)
+    assert not [n for n in r["notes"] if any(op in n for op in ("aten.mul", "aten.add", "aten.sigmoid"))], r

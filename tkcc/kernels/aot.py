@@ -129,7 +129,7 @@ def lowered_variants():
     scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations / a scaled q in the fused attention,
     the combine reading the position, the routed MoE on an input normed already, with fp32 routing weights, and under
     the grouped and the biased routers, with a scaled residual; the gated DeltaNet step, the short convolution before
-    it and the gated norm after."""
+    it and the gated norm after (and MiniMax's, sigmoid-gated)."""
     out = []
     base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
             "stride_wn": "i32", "eps": "fp32"}
@@ -224,6 +224,9 @@ def lowered_variants():
            "offset": "fp32", "z_ptr": _P, "stride_z": "i32", "ZR": "i32", "BLOCK_K": "constexpr"}
     out.append(("rmsnorm.py.jinja", dict(residual=False, cast_first=True, gated=True), "rmsnorm_kernel", sig,
                 dict(BLOCK_K=128)))
+    # MiniMax's: the norm after its lightning attention times sigmoid of the output gate (a slice of a projection)
+    out.append(("rmsnorm.py.jinja", dict(residual=False, cast_first=True, gated=True, gate_act="sigmoid"),
+                "rmsnorm_kernel", sig, dict(BLOCK_K=2048)))
     # the short convolution over its cached window (Qwen3-Next: 8192 channels, kernel 4, no bias; Mamba2: a bias)
     sig = {"x_ptr": _P, "s_ptr": _P, "w_ptr": _P, "b_ptr": _P, "out_ptr": _P, "pos_ptr": "*i64", "C": "i32",
            "stride_x": "i32", "stride_slot": "i32", "K": "constexpr", "K_PAD": "constexpr", "BLOCK_C": "constexpr",

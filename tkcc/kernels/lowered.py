@@ -66,11 +66,13 @@ def _one_token(x: Tensor) -> bool:
 # ---- references: the eager arithmetic of each region, as Hugging Face writes it ---------------------------
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True,
-                 gate: Optional[Tensor] = None) -> Tensor:
+                 gate: Optional[Tensor] = None, gate_act: str = "silu") -> Tensor:
     """RMSNorm with its fp32 statistic. ``cast_first`` (Llama, OLMoE, Qwen): the normalised x is rounded to
     x's dtype, then times ``weight`` (+ ``offset``); else (Gemma's ``1 + w``): times ``offset + weight`` in
     fp32, rounded once. ``gate`` (Qwen3-Next's ``RMSNormGated``): that, times ``silu(gate)`` in fp32, rounded
-    once; the gate is x's rows in order, in any shape (``gate.reshape(x.shape)``)."""
+    once; the gate is x's rows in order, in any shape (``gate.reshape(x.shape)``). ``gate_act`` "sigmoid"
+    (MiniMax's output gate after its norm): ``sigmoid(gate) * norm``, each rounded to the dtype as eager rounds
+    them."""
     dt = x.dtype
     xf = x.to(torch.float32)
     var = xf.pow(2).mean(-1, keepdim=True)
@@ -82,6 +84,8 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cas
         y = (xf * (offset + weight.float())).to(dt)
     if gate is None:
         return y
+    if gate_act == "sigmoid":
+        return torch.sigmoid(gate.reshape(x.shape)) * y
     return (y * F.silu(gate.reshape(x.shape).to(torch.float32))).to(dt)
 
 
@@ -343,9 +347,12 @@ def moe_ref(h: Tensor, norm_weight: Optional[Tensor], eps: float, router_w: Tens
 
 @torch.library.custom_op(f"{NS}::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_first: bool = True,
-             gate: Optional[Tensor] = None) -> Tensor:
+             gate: Optional[Tensor] = None, gate_act: str = "silu") -> Tensor:
     """RMSNorm over the last dim (``rms_norm_ref``): the Triton row kernel, in each of the reference's weight forms,
-    gated or not (the gate read at its strides where they allow: ``tkcc.kernels.rmsnorm.gate_rows``)."""
+    gated or not (the gate read at its strides where they allow: ``tkcc.kernels.rmsnorm.gate_rows``); ``gate_act``
+    (last: graphs written before it still load): "silu" or "sigmoid"."""
+    if gate_act not in ("silu", "sigmoid"):
+        raise ValueError(f"tkcc.rms_norm: gate_act {gate_act!r} is not 'silu' or 'sigmoid'")
     reason = fallback_reason(x, weight, gate)
     if reason is None and not (x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]):
         reason = f"non-contiguous or mismatched x {tuple(x.shape)} weight {tuple(weight.shape)}"
@@ -357,13 +364,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cast_fi
     if reason is None:
         from tkcc.kernels.rmsnorm import rmsnorm
 
-        return rmsnorm(x, weight, eps, offset=offset, cast_first=cast_first, gate=gate)
+        return rmsnorm(x, weight, eps, offset=offset, cast_first=cast_first, gate=gate, gate_act=gate_act)
     note_fallback("tkcc.rms_norm", reason)
-    return rms_norm_ref(x, weight, eps, offset, cast_first, gate)
+    return rms_norm_ref(x, weight, eps, offset, cast_first, gate, gate_act)
 
 
 @rms_norm.register_fake
-def _(x, weight, eps, offset=0.0, cast_first=True, gate=None):
+def _(x, weight, eps, offset=0.0, cast_first=True, gate=None, gate_act="silu"):
     return torch.empty_like(x)
 
 

@@ -33,9 +33,11 @@ def gate_rows(gate, x) -> tuple[int, int] | None:
     return (flat.stride(0) if flat.shape[0] > 1 else gate.shape[-1]), gate.shape[-1] // K
 
 
-def rmsnorm(x, weight, eps=1e-5, residual=None, block_k=None, offset=0.0, cast_first=True, gate=None):
-    """``offset``, ``cast_first``, ``gate``: the forms of ``tkcc.kernels.lowered.rms_norm_ref`` (the kernel takes
-    them without a residual; with one, the fallback normalises ``x + residual`` in that form and returns both)."""
+def rmsnorm(x, weight, eps=1e-5, residual=None, block_k=None, offset=0.0, cast_first=True, gate=None,
+            gate_act="silu"):
+    """``offset``, ``cast_first``, ``gate``, ``gate_act``: the forms of ``tkcc.kernels.lowered.rms_norm_ref`` (the
+    kernel takes them without a residual; with one, the fallback normalises ``x + residual`` in that form and returns
+    both)."""
     reason = fallback_reason(x, weight, residual, gate)
     if reason is None and not (x.is_contiguous() and weight.is_contiguous() and weight.numel() == x.shape[-1]
                                and (residual is None or (residual.shape == x.shape and residual.is_contiguous()))
@@ -48,16 +50,17 @@ def rmsnorm(x, weight, eps=1e-5, residual=None, block_k=None, offset=0.0, cast_f
             from tkcc.kernels.lowered import rms_norm_ref
 
             if residual is None:
-                return rms_norm_ref(x, weight, eps, offset, cast_first, gate)
+                return rms_norm_ref(x, weight, eps, offset, cast_first, gate, gate_act)
             h = x + residual
-            return rms_norm_ref(h, weight, eps, offset, cast_first, gate), h
+            return rms_norm_ref(h, weight, eps, offset, cast_first, gate, gate_act), h
         return rmsnorm_ref(x, weight, eps, residual)
     K = x.shape[-1]
     rows = x.numel() // K
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else y
     bk = block_k or min(triton.next_power_of_2(K), 4096)
-    mod = load("rmsnorm.py.jinja", residual=residual is not None, cast_first=bool(cast_first), gated=gate is not None)
+    mod = load("rmsnorm.py.jinja", residual=residual is not None, cast_first=bool(cast_first), gated=gate is not None,
+               **({"gate_act": "sigmoid"} if gate is not None and gate_act == "sigmoid" else {}))
     zs = (gate, *gate_rows(gate, x)) if gate is not None else ()
     mod.rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, y, h, K, eps, float(offset), *zs,
                                 BLOCK_K=bk, num_warps=4)

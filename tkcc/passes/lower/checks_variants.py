@@ -322,7 +322,8 @@ def check_cohere(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0, 48), (4, 4, 32,
 def check_gated_norm(device, dtype, g, shapes=((2, 2, 16), (4, 1, 48), (1, 4, 128), (3, 2, 200))):
     """Qwen3-Next's gated RMSNorm after its gated delta rule (``norms.rms_norm_gated_grouped``): z a strided per-key-
     head slice of a wider projection (read in place by the kernel), and (``norms.rms_norm_gated``) z given as rows,
-    over head dims a block covers and one it does not: (key heads, value heads per key head, head dim)."""
+    over head dims a block covers and one it does not: (key heads, value heads per key head, head dim); MiniMax's
+    ``sigmoid(g) * norm(x)`` (``norms.rms_norm_sigmoid_gated``), g a slice of its projection."""
     from tkcc.passes.lower import norms
     from tkcc.passes.lower.checks import Region, _rand, run_case
 
@@ -342,6 +343,12 @@ def check_gated_norm(device, dtype, g, shapes=((2, 2, 16), (4, 1, 48), (1, 4, 12
                          lambda HK=HK, r=r, D=D: (_rand((HK * r, D), g, device, dtype),
                                                   _rand((HK * r, D), g, device, dtype, 2.0)),
                          "tkcc.rms_norm.default", False, dtype, gone=("aten.silu.default",))
+        # MiniMax's: sigmoid(g) * norm(x), g a strided slice of a projection (its output gate's, read in place)
+        rows += run_case(f"rms_norm_gated[sigmoid, {HK * r}x{D}, g a slice of a projection]",
+                         Region(lambda s, x, g: norms.rms_norm_sigmoid_gated(x, s.w, g, eps=1e-6), {"w": w}),
+                         lambda HK=HK, r=r, D=D: (_rand((1, HK * r, D), g, device, dtype),
+                                                  _rand((1, HK * r, 4 * D), g, device, dtype, 2.0)[..., 3 * D:]),
+                         "tkcc.rms_norm.default", False, dtype, gone=("aten.sigmoid.default", "aten.mul.Tensor"))
     return rows
 
 

@@ -1,5 +1,6 @@
 """Normalisations: RMSNorm (Llama's ``w * norm(x)``, Gemma's ``norm(x) * (1 + w)``, gpt-oss's ``(w * norm(x))`` rounded
-once, Qwen3-Next's gated ``w * norm(x) * silu(z)``) and LayerNorm (``F.layer_norm``, or Cohere's written out in fp32).
+once, Qwen3-Next's gated ``w * norm(x) * silu(z)``, MiniMax's ``sigmoid(g) * (w * norm(x))``) and LayerNorm
+(``F.layer_norm``, or Cohere's written out in fp32).
 
 Each pattern is the module's forward as Hugging Face writes it; each replacement one ``tkcc.rms_norm`` /
 ``tkcc.layer_norm``. Most norms do not survive as ops: the projection rewrites (``projections.py``) match a
@@ -52,6 +53,12 @@ def rms_norm_gated(x, weight, z, *, eps):
     return (h * F.silu(z.to(torch.float32))).to(x.dtype)
 
 
+def rms_norm_sigmoid_gated(x, weight, g, *, eps):
+    """MiniMax's lightning attention output: Llama's RMSNorm of it, times ``sigmoid(g)`` (its output gate's projection);
+    each op rounded to the dtype."""
+    return torch.sigmoid(g) * rms_norm(x, weight, eps=eps)
+
+
 def rms_norm_gated_grouped(x, weight, z, *, eps):
     """The same with z as Qwen3-Next's code makes it: its projection's per-key-head slice [B, T, Hk, r * Dv] reshaped
     to value heads, then to rows. The slice is strided, so that reshape is a copy; the op reads the slice in place."""
@@ -95,6 +102,10 @@ def _to_rms_norm_weight_fp32(x, weight, *, eps):
 
 def _to_rms_norm_gated(x, weight, z, *, eps):
     return torch.ops.tkcc.rms_norm(x, weight, eps, 0.0, True, z)
+
+
+def _to_rms_norm_sigmoid_gated(x, weight, g, *, eps):
+    return torch.ops.tkcc.rms_norm(x, weight, eps, 0.0, True, g, "sigmoid")
 
 
 def _to_layer_norm(x, weight, bias, *, eps):
@@ -146,7 +157,18 @@ def _gated_rows(m) -> str | None:
     return why
 
 
+def _sigmoid_gated_rows(m) -> str | None:
+    """``_gated_rows``, and the product is x's shape and dtype (no broadcast, no promotion)."""
+    why = _gated_rows(m)
+    out, x, g = m.outputs[0].meta["val"], m.val(0), m.val(2)
+    if why is None and (tuple(out.shape) != tuple(x.shape) or not out.dtype == x.dtype == g.dtype):
+        why = f"gate {tuple(g.shape)} {g.dtype} times the norm of x {tuple(x.shape)} {x.dtype} is {tuple(out.shape)}"
+    return why
+
+
 REWRITES = [
+    Rewrite("rms_norm_gated[sigmoid]", rms_norm_sigmoid_gated, _to_rms_norm_sigmoid_gated, _gated_example(False),
+            region="norm", check=_sigmoid_gated_rows),
     Rewrite("rms_norm_gated[grouped z]", rms_norm_gated_grouped, _to_rms_norm_gated, _gated_example(True),
             region="norm", check=_gated_rows),
     Rewrite("rms_norm_gated", rms_norm_gated, _to_rms_norm_gated, _gated_example(False), region="norm",
