@@ -26,7 +26,7 @@ from tkcc.passes.plan import PassPlan
 @dataclass
 class WatchEvent:
     time: float
-    kind: str  # waiting | reference | drift | recheck | campaign | failed | quiet
+    kind: str  # waiting | reference | drift | recheck | prefer | campaign | failed | quiet
     detail: dict = field(default_factory=dict)
 
     def line(self) -> str:
@@ -45,6 +45,9 @@ class WatchEvent:
         if self.kind == "campaign":
             return (f"{when} campaign {d.get('name')}: serving {(d.get('shipped') or [None])[0]}; "
                     f"tried {d.get('tried')}; {d.get('stopped') or ''}")
+        if self.kind == "prefer":
+            return (f"{when} campaign {d.get('name')} screens first: "
+                    f"{', '.join(f'{n} x{g:.2f}' for n, g in (d.get('gains') or {}).items())} ({d.get('note')})")
         if self.kind == "failed":
             return f"{when} failed: {d.get('stage')} {d.get('name') or ''}: {d.get('error')}; {d.get('note')}"
         return f"{when} {self.kind}: {d}"
@@ -162,6 +165,28 @@ def serving_starts(store, campaign_id, serving=None) -> list[Candidate] | None:
     return [Candidate("serving", plan), Candidate("baseline", PassPlan())]
 
 
+def screened_gains(store, campaign_id) -> list[tuple[str, float]]:
+    """(pass, gain) for each pass a campaign measured alone that beat what served on the same tier, best first:
+    the gain is the pass's best objective over the median of the serving candidate's on that tier (a watcher's
+    campaign measures what serves as its reference, proposer ``start`` or ``baseline``). [] for no campaign."""
+    if campaign_id is None:
+        return []
+    exps = [e for e in store.experiments(campaign_id) if e.objective]
+    refs: dict[str, list[float]] = {}
+    for e in exps:
+        if e.proposer in ("start", "baseline", "eager"):
+            refs.setdefault(e.tier, []).append(e.objective)
+    best: dict[str, float] = {}
+    for e in exps:
+        if e.proposer in ("start", "baseline", "eager") or len(e.plan) != 1 or e.tier not in refs:
+            continue
+        ref = sorted(refs[e.tier])[len(refs[e.tier]) // 2]
+        name, gain = e.plan[0]["name"], e.objective / ref
+        if gain > 1.0 and gain > best.get(name, 0.0):
+            best[name] = gain
+    return sorted(best.items(), key=lambda kv: -kv[1])
+
+
 def _failed(emit, stage: str, name: str, e: Exception) -> None:
     emit("failed", {"stage": stage, "name": name, "error": f"{type(e).__name__}: {e}",
                     "note": "what serves keeps serving; the next drift verdict tries again"})
@@ -174,8 +199,14 @@ def _optimise(rolling, make_evaluator, make_proposer, store, name, model, budget
     workload = rolling.workload(**wk)
     cfg = CampaignConfig(name=name, model=model, budget_s=budget_s, tiers=tuple(tiers),
                          extra={"buckets": [b.__dict__ for b in workload.buckets], "objective": workload.objective})
+    proposer = make_proposer()
+    gains = screened_gains(store, previous)
+    if gains and hasattr(proposer, "prefer"):
+        proposer.prefer([n for n, _ in gains])
+        emit("prefer", {"name": name, "gains": {n: round(g, 3) for n, g in gains},
+                        "note": "screened first: what the campaign before measured to beat what served"})
     try:
-        state = run_campaign(cfg, store, make_proposer(), make_evaluator(workload), progress=progress,
+        state = run_campaign(cfg, store, proposer, make_evaluator(workload), progress=progress,
                              starts=serving_starts(store, previous, serving), stop=stop,
                              screen_only=serving is None)  # beside a server's live traffic: only what can ship
     except TkccError as e:
