@@ -118,8 +118,6 @@ def explore(family, args, res):
         k = min(k, 4)
     else:
         dev, dt = "cuda", torch.bfloat16
-    if router == "sigmoid_grouped" and args.smoke:
-        GROUPED.update(n_group=4, topk_group=2)
     blocks = _blocks(1 if args.smoke else args.layers, E, H, I, k, router, dev, dt)
     nbytes = _bytes(E, H, I, k, torch.empty((), dtype=dt).element_size())
     fam = {"shape": {"E": E, "H": H, "I": I, "top_k": k, "router": router, "dtype": str(dt).replace("torch.", "")},
@@ -151,7 +149,6 @@ def explore(family, args, res):
             row[f"gbps_pdl_{'on' if pdl else 'off'}"] = round(nbytes / us / 1e3, 1)
         g = CapturedCall(lambda: [_call(b, k, router, flat, False) for b in blocks], (), warmup=2, device=dev_)
         kt = kernel_times(lambda n: [g.replay() for _ in range(n)], 10)
-        n_rep = 10 * len(blocks)  # kernel_times divides by replays; per block below
         per = {}
         for name, v in kt.get("by_kernel", {}).items():
             per[name] = {"us_per_block": round(v["us_per_token"] / len(blocks), 2),
@@ -163,7 +160,6 @@ def explore(family, args, res):
         fam["kernels"][f"gate_up {list(gc)} / down {list(dc)}"] = per or kt
         print(f"{family}: gate_up {gc} down {dc}: {row['us_pdl_off']} us (PDL off), {row['us_pdl_on']} us (on) a "
               f"block, {row['gbps_pdl_on']} GB/s; kernels {per}", flush=True)
-        del n_rep
     sinks = torch.empty(len(blocks), 2 * k, device=dev_, dtype=torch.float32)
     chosen = [b["ids"].tolist() if b["ids"] is not None else list(range(k)) for b in blocks]
 

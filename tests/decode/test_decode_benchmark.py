@@ -50,6 +50,19 @@ def test_moe_gptoss_explore_smoke_checks_every_config_against_the_reference(tmp_
     assert res["measured_on"]["commit"] and res["bytes_per_block"] > 0
 
 
+def test_moe_explore_smoke_checks_each_family_shape_against_the_reference(tmp_path):
+    """benchmarks/moe_explore.py --smoke: tkcc.moe's plumbing for every family's router (softmax, fp32 softmax,
+    DeepSeek's grouped sigmoid) on CPU under the interpreter; each error is the kernels' against moe_ref."""
+    out = tmp_path / "moe.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_explore.py"), "--smoke", "--out", str(out)],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    fams = json.loads(out.read_text())["families"]
+    assert {f["shape"]["router"] for f in fams.values()} == {"softmax", "softmax_fp32", "sigmoid_grouped"}
+    assert all(r["ok"] and 0 < r["rel_err"] < 1e-5 for f in fams.values() for r in f["configs"]), fams
+
+
 def test_a_deleted_variant_is_refused():
     """--variants names front-door variants only: a FusedDecoder variant of older commands (tkcc_v4) is refused
     before any model is built, not run as nothing."""
