@@ -126,10 +126,10 @@ def _routed_variants(pdl):
 def lowered_variants():
     """The hooks only the lowered decode step (``tkcc.kernels.lowered``) launches: GEMV bias and GELU epilogues, the
     activations over a non-gated up projection, the per-head q|k|v rows stored split, a scaled residual,
-    scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations / a scaled q in the fused attention,
-    the combine reading the position, the routed MoE on an input normed already, with fp32 routing weights, and under
-    the grouped and the biased routers, with a scaled residual; the gated DeltaNet step, the short convolution before
-    it and the gated norm after (and MiniMax's, sigmoid-gated)."""
+    scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations / a scaled q / ALiBi in the fused
+    attention, the combine reading the position, the routed MoE on an input normed already, with fp32 routing
+    weights, and under the grouped and the biased routers, with a scaled residual; the gated DeltaNet step, the short
+    convolution before it and the gated norm after (and MiniMax's, sigmoid-gated)."""
     out = []
     base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
             "stride_wn": "i32", "eps": "fp32"}
@@ -176,6 +176,11 @@ def lowered_variants():
     sig = {**rope[3], "pos_ptr": "*i64", "ROT_DIM": "constexpr", "INTERLEAVED": "constexpr", "q_scale": "fp32"}
     out.append(("attention_rope.py.jinja", dict(pdl=True, pairs=True, rope=False, q_scale=True), "attn_rope_kernel",
                 sig, dict(rope[4], QK_NORM=False, G=1, D=64, HALF=32, ROT_DIM=0, INTERLEAVED=False)))
+    # BLOOM's ALiBi: nothing rotated, slope_h * j added to each score, rounded as baddbmm rounds it (bloom-7b1's heads)
+    sig = {**rope[3], "pos_ptr": "*i64", "ROT_DIM": "constexpr", "INTERLEAVED": "constexpr", "alibi_ptr": "*fp32",
+           "alibi_beta": "fp32"}
+    out.append(("attention_rope.py.jinja", dict(pdl=True, pairs=True, rope=False, alibi=True), "attn_rope_kernel",
+                sig, dict(rope[4], QK_NORM=False, G=1, D=128, HALF=64, ROT_DIM=0, INTERLEAVED=False)))
     # Qwen3-Next's gated attention: a gate after each q head, (1 + w) per-head norms in fp32, a quarter of the head rotated
     sig = {**rope[3], "pos_ptr": "*i64", "ROT_DIM": "constexpr", "INTERLEAVED": "constexpr", "norm_offset": "fp32"}
     out.append(("attention_rope.py.jinja", dict(pdl=True, pairs=True, head_norm=True, norm_fp32=True, q_gated=True),

@@ -101,7 +101,7 @@ class AttentionRope:
 def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hkv, chunk, splits, q_norm=None,
            k_norm=None, eps=1e-5, scale, pdl=None, seqlen=None, block_s=64, num_warps=4, rope_scale=None,
            head_norm=False, window=0, rotary_dim=0, interleaved=False, sinks=None, norm_offset=None, dynamic=False,
-           rope_fp32=False, rope_table_rounded=False, q_gated=False, q_scale=None):
+           rope_fp32=False, rope_table_rounded=False, q_gated=False, q_scale=None, alibi=None, alibi_beta=1.0):
     """The launch itself, on caller-owned scratch: partials ``po`` [hq, splits, D] / ``plse`` [hq, splits] (fp32,
     any contents) and per-kv-head arrival counters ``count`` [hkv] (int32, zero, left zero). ``seqlen`` None
     with several splits above ``MERGE_MAX_SPLITS``: the combine reads ``pos`` and adds one itself.
@@ -119,11 +119,16 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
     table, in the model's dtype, rotating the upcast q and k). ``inv_freq`` None: nothing rotates (learned
     positions, NoPE layers). ``q_gated``: each q head is followed by its gate in ``qkv`` (Qwen3-Next), per-head q/k
     norms only. ``q_scale``: q times this scalar, rounded to the activations' dtype before the dot (OPT: then
-    ``scale`` 1); with nothing rotated and no q/k norms only."""
+    ``scale`` 1); with nothing rotated and no q/k norms only. ``alibi``: [hq] fp32 ALiBi slopes, each score
+    ``alibi_beta * alibi + scale * q.k`` with ``alibi = slopes[h] * j`` over key positions j rounded to the
+    activations' dtype, the score rounded to it too (BLOOM's ``baddbmm``: its scores are in that dtype, and ALiBi
+    makes them large, so the rounding shows); with nothing rotated only."""
     pdl = launch_pdl(pdl)  # None: the enclosing pdl_scope's setting
     if q_scale is not None and (inv_freq is not None or q_norm is not None):
         raise TkccError("attention: a q scale with a rotation or q/k norms (the kernel scales q only when nothing "
                         "else transforms it)")
+    if alibi is not None and inv_freq is not None:
+        raise TkccError("attention: ALiBi with a rotation (the kernel biases the scores of unrotated q and k only)")
     D = k_cache.shape[-1]
     S_max = k_cache.shape[1]
     G = hq // hkv
@@ -146,10 +151,12 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
                window=bool(window), pairs=pairs, sinks=sinks is not None, **({"rope_fp32": True} if rope_fp32 else {}),
                **({"rope_table_rounded": True} if rope_fp32 and rope_table_rounded else {}),
                **({"norm_fp32": True} if norm_fp32 else {}), **({} if rope else {"rope": False}),
-               **({"q_gated": True} if q_gated else {}), **({"q_scale": True} if q_scale is not None else {}))
+               **({"q_gated": True} if q_gated else {}), **({"q_scale": True} if q_scale is not None else {}),
+               **({"alibi": True} if alibi is not None else {}))
     mod.attn_rope_kernel[(hkv, splits)](
         qkv, k_cache, v_cache, out, po, plse, count, pos, inv_freq,
-        q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps, scale * LOG2E, chunk,
+        q_norm if qk_norm else qkv, k_norm if qk_norm else qkv, eps,
+        scale if alibi is not None else scale * LOG2E, chunk,  # (ALiBi: its scores rounded in their own units first)
         k_cache.stride(0), k_cache.stride(1), S_max, splits, hq, hkv, G=G, G_PAD=max(16, next_pow2(G)), D=D,
         HALF=D // 2, BLOCK_S=block_s, BLOCK_Q=min(4096, next_pow2(hq * D)), QK_NORM=qk_norm,
         SINGLE=splits == 1, BLOCK_SP=min(16, max(2, next_pow2(splits))), MERGE=merge, DYN=dynamic,
@@ -159,6 +166,7 @@ def launch(qkv, k_cache, v_cache, pos, inv_freq, out, po, plse, count, *, hq, hk
         **({"sinks_ptr": sinks} if sinks is not None else {}),
         **({"norm_offset": float(norm_offset)} if norm_fp32 else {}),
         **({"q_scale": float(q_scale)} if q_scale is not None else {}),
+        **({"alibi_ptr": alibi, "alibi_beta": float(alibi_beta)} if alibi is not None else {}),
         **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not merge:
         if seqlen is None:

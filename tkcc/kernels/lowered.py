@@ -188,7 +188,8 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
                        head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
                        sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None, rope_fp32: bool = False,
                        rope_table_rounded: bool = False, kv_broadcast: bool = False, q_gated: bool = False,
-                       q_scale: Optional[float] = None) -> Tensor:
+                       q_scale: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                       alibi_beta: float = 1.0) -> Tensor:
     """One attention block of a decode step from the packed projection ``qkv`` [B, T, (Hq + 2 Hkv) D]:
     [q/k RMSNorm over the whole projection (OLMoE) or, ``head_norm``, over each head (Qwen3)] -> heads ->
     rotary at ``cache_position`` -> keys and values written into the static caches [B, Hkv, S, D] there ->
@@ -205,7 +206,9 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     rounds that form). ``q_gated``: each q head is followed by its gate in the projection, [q_0 | g_0 | ... | k | v]
     (Qwen3-Next: the gate's product with the output is the caller's); q/k norms then per head only. ``q_scale``: q
     times this scalar in the activations' dtype before anything else (OPT's ``q_proj(x) * scaling``, then
-    ``scale`` 1)."""
+    ``scale`` 1). ``alibi_slopes`` [Hq] (fp32): ALiBi, each score ``alibi_beta * alibi + scale * q.k`` with
+    ``alibi[h, j] = slopes[h] * j`` rounded to the activations' dtype, as BLOOM's eager attention computes it
+    (``alibi_attention_ref``); nothing rotated."""
     B, T = qkv.shape[0], qkv.shape[1]
     hkv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     q, k, v = torch.split(qkv, [num_heads * D * (2 if q_gated else 1), hkv * D, hkv * D], -1)
@@ -243,6 +246,9 @@ def attention_rope_ref(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_posi
     if sinks is not None:
         return sink_attention_ref(q, repeat_kv(k_cache, n_rep), repeat_kv(v_cache, n_rep), mask, sinks, scale) \
             .transpose(1, 2).reshape(B, T, -1)
+    if alibi_slopes is not None:
+        return alibi_attention_ref(q, repeat_kv(k_cache, n_rep), repeat_kv(v_cache, n_rep), mask, alibi_slopes,
+                                   alibi_beta, scale).permute(0, 2, 1, 3).reshape(B, T, -1)
     o = F.scaled_dot_product_attention(q, repeat_kv(k_cache, n_rep), repeat_kv(v_cache, n_rep), attn_mask=mask,
                                        scale=scale)
     return o.transpose(1, 2).reshape(B, T, -1)
@@ -259,6 +265,24 @@ def sink_attention_ref(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, si
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = F.softmax(logits, dim=-1, dtype=logits.dtype)
     return torch.matmul(probs[..., :-1], values)
+
+
+def alibi_attention_ref(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, slopes: Tensor, beta: float,
+                        scale: float) -> Tensor:
+    """BLOOM's eager attention (``BloomAttention``): the ALiBi bias ``slopes[h] * j`` over the key positions j in
+    fp32, rounded to the activations' dtype, ``baddbmm(alibi, q, k^T, beta, alpha=scale)`` over the heads, plus
+    the additive mask (the dtype's minimum where masked), softmax in fp32 rounded back, times the values. The
+    rewrite's region computes exactly this, so the reference is bit-exact with it. q [B, H, T, D], keys/values
+    [B, H, S, D] -> [B, H, T, D]."""
+    B, H, T, D = q.shape
+    S = keys.shape[2]
+    pos = torch.arange(S, device=q.device, dtype=torch.float32)
+    alibi = (slopes.to(torch.float32)[:, None] * pos).reshape(B * H, 1, S).to(q.dtype)
+    w = alibi.baddbmm(q.reshape(B * H, T, D), keys.reshape(B * H, S, D).transpose(-1, -2), beta=beta, alpha=scale)
+    w = w.view(B, H, T, S) + torch.where(mask, torch.zeros((), dtype=w.dtype, device=w.device),
+                                         torch.finfo(w.dtype).min)
+    p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(B * H, T, S), values.reshape(B * H, S, D)).view(B, H, T, D)
 
 
 def pack_rows(weights: list[Tensor]) -> Tensor:
@@ -480,7 +504,7 @@ def _(cache_position, kv_len, window=0):
 
 def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                      block_s, num_warps, count, window, head_norm=False, rotary_dim=0, interleaved=False,
-                     sinks=None, norm_offset=None, q_gated=False, q_scale=None) -> str | None:
+                     sinks=None, norm_offset=None, q_gated=False, q_scale=None, alibi_slopes=None) -> str | None:
     """None when the fused attention kernel takes this call, else why not."""
     reason = fallback_reason(qkv, k_cache, v_cache, q_norm, k_norm)
     if reason is not None:
@@ -501,6 +525,13 @@ def attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_
         return "a gated q with q/k norms over the whole projection"
     if q_scale is not None and (inv_freq is not None or q_norm is not None or q_gated):
         return "a q scale with a rotation, q/k norms or a gated q (the kernel scales q only when nothing else does)"
+    if alibi_slopes is not None and (inv_freq is not None or q_norm is not None or q_gated or q_scale is not None
+                                     or sinks is not None):
+        return "ALiBi with a rotation, q/k norms, a gated or scaled q or sinks (the kernel biases plain q.k only)"
+    if alibi_slopes is not None and (alibi_slopes.numel() != num_heads or alibi_slopes.dtype != torch.float32
+                                     or not alibi_slopes.is_contiguous()):
+        return (f"ALiBi slopes {tuple(alibi_slopes.shape)} {alibi_slopes.dtype} (needs fp32, one for each of "
+                f"{num_heads} heads)")
     if (q_norm is None) != (k_norm is None):
         return "only one of the q/k norms"
     want = (D, D) if head_norm else (num_heads * D, hkv * D)
@@ -557,7 +588,8 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                    pdl: bool = False, head_norm: bool = False, rotary_dim: int = 0, interleaved: bool = False,
                    sinks: Optional[Tensor] = None, norm_offset: Optional[float] = None,
                    rope_fp32: bool = False, rope_table_rounded: bool = False, kv_broadcast: bool = False,
-                   q_gated: bool = False, q_scale: Optional[float] = None) -> Tensor:
+                   q_gated: bool = False, q_scale: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                   alibi_beta: float = 1.0) -> Tensor:
     """``attention_rope_ref`` in one launch per layer (``tkcc.kernels.attention_rope``): q/k norm, rotary,
     the cache write at ``cache_position``, split-KV attention over positions [0, pos] and the merge of the
     splits. ``chunk``: positions per split, or -N: N splits sized on the device to each step's context (one
@@ -568,7 +600,7 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
         raise ValueError(f"tkcc.attention_rope: kv_broadcast is for one kv head, not {k_cache.shape[1]}")
     reason = attention_reason(qkv, k_cache, v_cache, cache_position, inv_freq, q_norm, k_norm, num_heads, chunk,
                               block_s, num_warps, count, window, head_norm, rotary_dim, interleaved, sinks,
-                              norm_offset, q_gated, q_scale)
+                              norm_offset, q_gated, q_scale, alibi_slopes)
     if reason is None:
         if cache_position.device.type == "cpu":  # free to check on the host (on a GPU: the greedy loop's check)
             _check_context(cache_position, k_cache.shape[2])
@@ -586,19 +618,20 @@ def attention_rope(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cache_position
                   rope_scale=None if rope_scale == 1.0 else rope_scale, head_norm=head_norm, window=window,
                   rotary_dim=rotary_dim, interleaved=interleaved, sinks=sinks, norm_offset=norm_offset,
                   dynamic=ch < 0, rope_fp32=rope_fp32, rope_table_rounded=rope_table_rounded, q_gated=q_gated,
-                  q_scale=q_scale)
+                  q_scale=q_scale, alibi=alibi_slopes, alibi_beta=alibi_beta)
         return out.view(1, 1, num_heads * D)
     note_fallback("tkcc.attention_rope", reason)
     _check_context(cache_position, k_cache.shape[2])
     return attention_rope_ref(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale,
                               num_heads, window, head_norm, rotary_dim, interleaved, sinks, norm_offset, rope_fp32,
-                              rope_table_rounded, kv_broadcast, q_gated, q_scale)
+                              rope_table_rounded, kv_broadcast, q_gated, q_scale, alibi_slopes, alibi_beta)
 
 
 @attention_rope.register_fake
 def _(qkv, k_cache, v_cache, cache_position, inv_freq, rope_scale, q_norm, k_norm, eps, scale, num_heads, window,
       chunk, block_s, num_warps, count, pdl=False, head_norm=False, rotary_dim=0, interleaved=False, sinks=None,
-      norm_offset=None, rope_fp32=False, rope_table_rounded=False, kv_broadcast=False, q_gated=False, q_scale=None):
+      norm_offset=None, rope_fp32=False, rope_table_rounded=False, kv_broadcast=False, q_gated=False, q_scale=None,
+      alibi_slopes=None, alibi_beta=1.0):
     return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * k_cache.shape[3])
 
 
