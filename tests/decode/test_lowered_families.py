@@ -219,6 +219,13 @@ def _region_cases(dtype):
             gate, up = y.chunk(2, dim=-1)
             return up * torch.nn.functional.silu(gate)
         cases.append(("canonical_gate[chunked, silu]", fn, {}, lambda n=n: (torch.randn(1, 1, 2 * n).to(dtype),)))
+    from tkcc.passes.lower import attention_plain
+
+    for H, D in ((4, 16), (6, 32)):  # BLOOM's per-head q|k|v selected out of a (B, T, H, 3, D) view
+        def fn(s, y, H=H, D=D):
+            return attention_plain.per_head_qkv_select(y, heads=H, head_dim=D)
+        cases.append(("canonical_qkv_per_head[view (B, T, H, 3, D), select]", fn, {},
+                      lambda H=H, D=D: (torch.randn(1, 1, 3 * H * D).to(dtype),)))
     return cases
 
 

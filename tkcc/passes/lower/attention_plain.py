@@ -14,6 +14,10 @@ The forms, as each model's code splits its packed projection into heads:
 - ``q_scaled``: OPT's ``q_proj(x) * scaling`` before the heads (``view(B, -1, H, D)``), then sdpa at scale 1. The
   kernel scales q and rounds it to the activations' dtype before the dot, as eager does (``q_scale``): in bf16 that
   is not the same as scaling the scores.
+
+``CANONICAL``: BLOOM's per-head [q_h | k_h | v_h] projection viewed ``(B, T, H, 3, D)`` and selected along the 3
+is GPT-NeoX's ``view(B, T, -1, 3 D).transpose(1, 2).chunk(3, -1)`` (the same views), which ``projections``' per-head
+GEMV (``split_heads``) takes and stores as [q | k | v].
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ from tkcc.passes.lower.attention import SCALE, _layout_params, qk_heads, repeat_
 from tkcc.passes.lower.norms import EPS
 from tkcc.passes.lower.pattern import Rewrite
 
-Q_SCALE = 0.4375  # sentinel
+Q_SCALE = 0.4375  # sentinels
+HEADS, HEAD_DIM = 5, 17
 
 
 def _heads(x, B, T, D):
@@ -106,3 +111,30 @@ REWRITES = [Rewrite(f"attention[{name}{'+' + qk_norm + '_qk_norm' if qk_norm els
                 ("gqa", "split", (4, 2), "head_transposed"), ("mha", "split", (4, 4), "head_transposed"),
                 ("gqa", "split", (4, 2), ""), ("mha", "split", (4, 4), ""), ("mha, split evenly", "even", (4, 4), ""),
                 ("mqa, unsqueezed", "unsqueezed", (4, 1), ""), ("mha, q scaled", "q_scaled", (4, 4), ""))]
+
+
+# ---- a per-head q|k|v selected out of a (B, T, H, 3, D) view -----------------------------------------------
+
+def per_head_qkv_select(y, *, heads, head_dim):
+    """BLOOM's ``_reshape``: a fused projection whose rows are per-head [q_h | k_h | v_h] blocks, viewed
+    (B, T, H, 3, D) and each of q, k, v selected along the 3."""
+    f = y.view(y.shape[0], y.shape[1], heads, 3, head_dim)
+    return f[..., 0, :].transpose(1, 2), f[..., 1, :].transpose(1, 2), f[..., 2, :].transpose(1, 2)
+
+
+def _per_head_qkv_chunk(y, *, heads, head_dim):
+    """The same views as GPT-NeoX spells them (``projections._per_head_qkv``'s pattern)."""
+    return y.view(y.shape[0], y.shape[1], -1, 3 * head_dim).transpose(1, 2).chunk(3, dim=-1)
+
+
+def _per_head_check(m) -> str | None:
+    y, h, d = m.val(0), m.scalars["heads"], m.scalars["head_dim"]
+    if y.dim() != 3 or y.shape[-1] != 3 * h * d:
+        return f"{tuple(y.shape)} is not {h} heads of [q | k | v] rows of {d}"
+    return None
+
+
+CANONICAL = [Rewrite("canonical_qkv_per_head[view (B, T, H, 3, D), select]", per_head_qkv_select, _per_head_qkv_chunk,
+                     lambda dt: ((torch.empty(1, 1, 3 * HEADS * HEAD_DIM, dtype=dt),),
+                                 {"heads": HEADS, "head_dim": HEAD_DIM}),
+                     region="projection", exact=True, check=_per_head_check)]

@@ -53,7 +53,7 @@ def stages():
     from tkcc.passes.lower import attention, attention_plain, biased_experts, causal_conv, gated_delta, \
         linear_attention, mla, moe, norms, projections, rotary, routed_experts
 
-    return [("shared", attention.MASKS + rotary.REWRITES + rotary.CANONICAL),
+    return [("shared", attention.MASKS + rotary.REWRITES + rotary.CANONICAL + attention_plain.CANONICAL),
             ("moe", routed_experts.SCALED + moe.REWRITES + routed_experts.REWRITES + biased_experts.REWRITES),
             ("packing", projections.PACK),
             ("gemv", projections.GEMV),
