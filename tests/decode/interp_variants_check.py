@@ -1,8 +1,8 @@
 """Run under TRITON_INTERPRET=1 (by test_lowered_variants.py): the linear-attention, rotary-variant and sink
-kernels, OPT's q-scaled attention, and the fused attention with its splits sized to the context, against their
-references on fresh random inputs and several shapes, fp32 and fp16. One JSON line: {rows, fallbacks}; then, in
-the same process (its imports and pattern traces paid once), interp_lowered_greedy.py's line per model. Arguments:
-the seed, then the models."""
+kernels, OPT's q-scaled attention, BLOOM's ALiBi attention, and the fused attention with its splits sized to the
+context, against their references on fresh random inputs and several shapes, fp32 and fp16. One JSON line: {rows,
+fallbacks}; then, in the same process (its imports and pattern traces paid once), interp_lowered_greedy.py's line
+per model. Arguments: the seed, then the models."""
 import json
 import sys
 
@@ -12,7 +12,7 @@ from tkcc.kernels.checks import TOL, rel_err
 from tkcc.kernels.common import fallbacks
 from tkcc.kernels.lowered import attention_rope_ref
 from tkcc.passes.lower.checks_variants import check_causal_conv, check_gated_delta, check_linear_attention, \
-    check_q_scaled_attention, check_rotary
+    check_alibi_attention, check_q_scaled_attention, check_rotary
 
 SINK_SHAPES = ((4, 2, 16, 40, 16, 0), (4, 4, 32, 64, 64, 0), (2, 1, 16, 300, 16, 0), (4, 2, 16, 64, 16, 12))
 
@@ -106,5 +106,7 @@ if __name__ == "__main__":
         rows += check_dynamic_splits(dt, g, DYN_SHAPES if fp32 else DYN_SHAPES[1::2])
         rows += check_q_scaled_attention("cpu", dt, g, **({} if fp32 else {"shapes": ((4, 32, 64, 64, 12, 1.0),
                                                                                         (2, 64, 300, 16, 0, 1.0))}))
+        rows += check_alibi_attention("cpu", dt, g, **({} if fp32 else {"shapes": ((6, 32, 64, 64, 12, 1.0),
+                                                                                     (2, 64, 300, 16, 0, 1.0))}))
     print(json.dumps({"rows": rows, "fallbacks": fallbacks()}, default=str), flush=True)
     greedy_run(sys.argv[2:])

@@ -115,6 +115,12 @@ FAMILIES = {
             {"aten.add.Tensor", "aten.embedding.default", "aten.relu.default"}),
     "biogpt": (("BioGptConfig", "BioGptForCausalLM", dict()), {A: 2, G: 9, L: 5},
                {"aten.add.Tensor", "aten.embedding.default", "aten.mul.Tensor"}),
+    # ALiBi (eager attention only): the bias slope_h * j over the cache, built from the all-ones mask, a constant of the
+    # step whose slopes the fused attention reads (attention_plain's alibi form); its per-head [q_h | k_h | v_h]
+    # projection selected out of a (B, T, H, 3, D) view (canonicalised to GPT-NeoX's chunk: the split_heads GEMV);
+    # its GELU written out op by op stays
+    "bloom": (("BloomConfig", "BloomForCausalLM", dict(_attn_implementation="eager")), {A: 2, G: 9, L: 6},
+              {"aten.add.Tensor", "aten.embedding.default", "aten.mul.Tensor", "aten.tanh.default"}),
 }
 
 

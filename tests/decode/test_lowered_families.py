@@ -1,6 +1,6 @@
 """lowered_decode on families it was not written for (``lowered_families.FAMILIES``: gpt-oss, Phi-3, Gemma 2 and 3,
 Qwen3 dense, Granite, StableLM, EXAONE 4, Helium, StarCoder2, Nemotron, GPT-NeoX, Falcon, Cohere and Cohere 2, OLMo 2,
-Ernie 4.5-MoE, the hybrids Qwen3-Next and LFM2), by op pattern only.
+Ernie 4.5-MoE, the hybrids Qwen3-Next and LFM2, OPT, BioGPT, BLOOM's ALiBi), by op pattern only.
 
 CPU under the Triton interpreter (one subprocess: it must be on before triton is imported): the sink, Gemma q/k-norm
 and Cohere rewrites against their patterns on fresh random inputs and several shapes with the kernels live; each
@@ -9,7 +9,7 @@ family captured and built through the lowered_decode plan into an artifact, hold
 references, and keeping its greedy tokens over a few steps with the kernels live. CPU in-process (the ops take
 their references): gpt-oss's per-layer sinks and windows, and its bf16 graph bit-exact; the fp32 rotations of Ernie
 4.5-MoE, OLMo 2 and Cohere in bf16. Bad input: a mask that is
-not the step's, a context past the cache. GPU: the rewrites in bf16, greedy
+not the step's, an ALiBi bias the kernel cannot compute, a context past the cache. GPU: the rewrites in bf16, greedy
 through tkcc.compile.
 """
 import json
@@ -298,6 +298,44 @@ def test_a_mask_that_is_not_the_steps_is_refused_with_its_reason():
     assert torch.equal(gm(*inputs), want)
 
 
+def test_an_alibi_bias_the_kernel_cannot_compute_is_refused_with_its_reason():
+    """BLOOM's attention block under a bias that is not slope_h * j over the cache's positions, computed from
+    constants: MPT's positions relative to the last (j - (S - 1)), and a bias the graph takes as input. The kernel
+    adds slope_h * j itself, so the rewrite refuses each region, says why, and the region computes as captured."""
+    from tkcc.passes.lower import attention_plain
+    from tkcc.passes.lower.checks import Region, _capture, _options, step_mask
+    from tkcc.passes.lower.checks_variants import bloom_alibi
+    from tkcc.passes.lower.decode import lower
+
+    g = torch.Generator().manual_seed(0)
+    H, D, S = 4, 16, 24
+    t = {"kc": torch.randn(1, H, S, D, generator=g), "vc": torch.randn(1, H, S, D, generator=g)}
+    slopes = bloom_alibi(torch.ones(1, 2, dtype=torch.int64), H, torch.float32)[:, 0, 1]
+
+    def relative(s, qkv, pos):
+        alibi = (slopes[:, None] * torch.arange(1 - S, 1)).reshape(H, 1, S)
+        mask = torch.where(step_mask(pos, S), torch.tensor(0.0), torch.finfo(torch.float32).min)
+        return attention_plain.alibi_attention(qkv, s.kc, s.vc, pos, mask, alibi, scale=D ** -0.5, beta=1.0)
+
+    def given(s, qkv, pos, alibi):
+        mask = torch.where(step_mask(pos, S), torch.tensor(0.0), torch.finfo(torch.float32).min)
+        return attention_plain.alibi_attention(qkv, s.kc, s.vc, pos, mask, alibi, scale=D ** -0.5, beta=1.0)
+
+    qkv = torch.randn(1, 1, 3 * H * D, generator=g)
+    for fn, inputs, why in ((relative, (qkv, torch.tensor([7])), "is not slope[h] * j over the cache's positions"),
+                            (given, (qkv, torch.tensor([7]), torch.randn(H, 1, S, generator=g)),
+                             "is not a constant of the step")):
+        m = Region(fn, {k: v.clone() for k, v in t.items()})
+        gm = _capture(m, inputs)
+        info = lower(gm, torch.float32, _options())
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.tkcc.attention_rope.default]
+        assert any("attention[mha, alibi, no rotary]" in n and why in n for n in info.notes), info.notes
+        kc, vc = m.kc.clone(), m.vc.clone()
+        want = m(*inputs)
+        m.kc.copy_(kc), m.vc.copy_(vc)
+        assert torch.equal(gm(*inputs), want)
+
+
 def test_a_context_past_the_cache_is_an_error():
     from tkcc.errors import TkccError
 
@@ -360,7 +398,7 @@ def test_kernels_and_greedy_with_the_kernels_live_under_the_interpreter(interpre
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["gpt-oss", "phi3", "gemma3", "stablelm", "qwen3", "olmo2", "ernie4_5-moe", "cohere",
-                                    "cohere2", "falcon", "gpt2", "gpt-bigcode", "smollm3"])
+                                    "cohere2", "falcon", "gpt2", "gpt-bigcode", "smollm3", "bloom"])
 def test_family_greedy_on_gpu_bf16(family, tmp_path):
     """Through the front door: the lowered step (PDL, replayed from the decode CUDA graph) keeps the captured
     graph's greedy tokens (the engine's tolerance-mode rule) over 32 steps."""

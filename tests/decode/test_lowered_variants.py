@@ -1,5 +1,6 @@
 """lowered_decode beyond Llama/OLMoE: partial and interleaved rotary, attention sinks, OPT's q scaled before the
-attention, MiniMax's linear-attention recurrence, and the MoE families (Mixtral, Qwen3-MoE, Qwen2-MoE, MiniMax).
+attention, BLOOM's ALiBi, MiniMax's linear-attention recurrence, and the MoE families (Mixtral, Qwen3-MoE,
+Qwen2-MoE, MiniMax).
 
 CPU: the kernels against their references under the Triton interpreter (fp32/fp16, fresh random inputs, several
 shapes; in a subprocess: the interpreter must be on before triton is imported); each family's decode graph
@@ -359,7 +360,8 @@ def test_a_copy_that_overwrites_a_fresh_tensor_whole_becomes_data_flow():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["linear_attention", "gated_delta", "causal_conv", "rotary", "sinks", "gemma_qk_norm",
-                                    "cohere", "gated_norm", "gated_attention", "q_scaled_attention"])
+                                    "cohere", "gated_norm", "gated_attention", "q_scaled_attention",
+                                    "alibi_attention"])
 def test_rewrites_match_their_patterns_gpu_bf16(family):
     from tkcc.passes.lower.checks import run_checks
 
@@ -420,6 +422,8 @@ def test_kernels_match_their_references_under_the_interpreter(interpreter_run):
     assert kinds == {"linear_attention", "gated_delta", "causal_conv", "attention", "sinks", "dynamic"}, kinds
     assert any("interleaved" in r["case"] for r in rows) and any("partial" in r["case"] for r in rows)
     assert any("q scaled" in r["case"] for r in rows)
+    for dt in ("float32", "float16"):  # BLOOM's ALiBi, one split and more than the kernel merges
+        assert any("alibi" in r["case"] and "S=300" in r["case"] and r["dtype"].endswith(dt) for r in rows), dt
     assert {r["dtype"].replace("torch.", "") for r in rows} == {"float32", "float16"}
     bad = [r for r in rows if not r["ok"]]
     assert not bad, json.dumps(bad, indent=1)

@@ -1,7 +1,8 @@
 """Checks of the rotary, sink, linear-attention, gated-delta, causal-convolution and Cohere rewrites (``checks.py``'s machinery, on their own
 regions): each region written as the model's code writes it, captured, lowered, and compared with its eager run on
 fresh random inputs and several shapes (caches and recurrent states compared too). ``checks.py`` imports
-this module, so it imports ``checks`` inside the functions. Also OPT's q scaled before the attention."""
+this module, so it imports ``checks`` inside the functions. Also OPT's q scaled before the attention, and BLOOM's
+ALiBi attention."""
 from __future__ import annotations
 
 import torch
@@ -291,6 +292,55 @@ def check_q_scaled_attention(device, dtype, g, shapes=((4, 16, 40, 16, 0, 1.0), 
     return rows
 
 
+def bloom_alibi(attention_mask, num_heads: int, dtype):
+    """transformers' ``build_alibi_tensor`` (BLOOM), as its code computes it: slopes of a power-of-two base (and the
+    interleaved extra ones past the largest power of two below ``num_heads``) times the positions of the mask."""
+    import math
+
+    batch_size, seq_length = attention_mask.shape
+    closest_power_of_2 = 2 ** math.floor(math.log2(num_heads))
+    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest_power_of_2) - 3))), device=attention_mask.device,
+                      dtype=torch.float32)
+    powers = torch.arange(1, 1 + closest_power_of_2, device=attention_mask.device, dtype=torch.int32)
+    slopes = torch.pow(base, powers)
+    if closest_power_of_2 != num_heads:
+        extra_base = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest_power_of_2) - 3))),
+                                device=attention_mask.device, dtype=torch.float32)
+        num_remaining_heads = min(closest_power_of_2, num_heads - closest_power_of_2)
+        extra_powers = torch.arange(1, 1 + 2 * num_remaining_heads, 2, device=attention_mask.device, dtype=torch.int32)
+        slopes = torch.cat([slopes, torch.pow(extra_base, extra_powers)], dim=0)
+    arange_tensor = ((attention_mask.cumsum(dim=-1) - 1) * attention_mask)[:, None, :]
+    alibi = slopes[..., None] * arange_tensor
+    return alibi.reshape(batch_size * num_heads, 1, seq_length).to(dtype)
+
+
+def check_alibi_attention(device, dtype, g, shapes=((4, 16, 40, 16, 0, 1.0), (6, 32, 64, 64, 12, 1.0),
+                                                    (2, 64, 300, 16, 0, 1.0), (12, 16, 100, 16, 24, 0.5))):
+    """BLOOM's ALiBi attention block (``attention_plain.alibi_attention``) with its bias built from the all-ones mask
+    over the cache (``bloom_alibi``: power-of-two heads and not, whose slopes are a ``cat`` of two bases), the additive
+    causal or sliding mask, baddbmm at beta 1 (BLOOM's) and another; one split, several, more than the kernel merges
+    (the third): (heads, D, S, chunk, window, beta)."""
+    from tkcc.passes.lower import attention_plain
+    from tkcc.passes.lower.checks import Region, _options, attention_case, run_case, step_mask
+
+    rows = []
+    for h, D, S, chunk, window, beta in shapes:
+        t, _fn, make = attention_case(None, h, h, D, S, window, "", 1.0, D, g, device, dtype)
+
+        def fn(s, qkv, pos, S=S, D=D, h=h, window=window, beta=beta):
+            alibi = bloom_alibi(torch.ones(1, S, dtype=torch.int64, device=qkv.device), h, qkv.dtype)
+            mask = step_mask(pos, S, window)
+            mask = torch.where(mask, torch.tensor(0.0, device=mask.device, dtype=qkv.dtype), torch.finfo(qkv.dtype).min)
+            return attention_plain.alibi_attention(qkv, s.kc, s.vc, pos, mask, alibi, scale=D ** -0.5, beta=beta)
+
+        rows += run_case(f"attention[{h}/{h}x{D}, S={S}, chunk={chunk}, alibi, beta {beta}, no rotary"
+                         f"{f', window {window}' if window else ''}]", Region(fn, t), make,
+                         "tkcc.attention_rope.default", False, dtype, _options(chunk=chunk), state=("kc", "vc"),
+                         gone=("aten.baddbmm.default", "aten.bmm.default", "aten.softmax.int",
+                               "aten.cumsum.default", "aten.pow.Tensor_Tensor"))
+    return rows
+
+
 def check_cohere(device, dtype, g, shapes=((4, 2, 16, 40, 16, 0, 48), (4, 4, 32, 64, 64, 12, 200),
                                            (8, 1, 16, 100, 16, 24, 2048), (4, 2, 16, 300, 16, 8, 64),
                                            (2, 1, 64, 48, 16, 0, 1000))):
@@ -356,4 +406,4 @@ FAMILIES = {"linear_attention": check_linear_attention, "gated_delta": check_gat
             "causal_conv": check_causal_conv, "rotary": check_rotary, "sinks": check_sink_attention,
             "gemma_qk_norm": check_gemma_qk_norm, "cohere": check_cohere,
             "gated_norm": check_gated_norm, "gated_attention": check_gated_attention,
-            "q_scaled_attention": check_q_scaled_attention}
+            "q_scaled_attention": check_q_scaled_attention, "alibi_attention": check_alibi_attention}
