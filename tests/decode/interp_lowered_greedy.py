@@ -24,13 +24,14 @@ def run(names):
         with tempfile.TemporaryDirectory() as d:
             build = pipeline.build(prog, [{"name": "lowered_decode", "params": {"attn_chunk": 64}}], f"{d}/art",
                                    mode="tolerance", check_numerics=False, log_code=False)
-            ops = sorted({line.split("torch.ops.tkcc.")[1].split(".")[0] for line in
-                          build.artifact.source("decode").splitlines() if "torch.ops.tkcc." in line})
+            src = build.artifact.source("decode").splitlines()
+            ops = sorted({line.split("torch.ops.tkcc.")[1].split(".")[0] for line in src if "torch.ops.tkcc." in line})
+            aten = sorted({line.split("torch.ops.aten.")[1].split(".")[0] for line in src if "torch.ops.aten." in line})
             prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(5))
             ref, ref_logits = greedy(prog, prompt, STEPS, return_logits=True)
             got, got_logits = greedy(prog, prompt, STEPS, forwards=build.forwards, return_logits=True)
         err = float((got_logits - ref_logits).norm() / ref_logits.norm())
-        print(json.dumps(dict(model=name, ref=ref[0].tolist(), got=got[0].tolist(), logits_rel_err=err, ops=ops,
+        print(json.dumps(dict(model=name, ref=ref[0].tolist(), got=got[0].tolist(), logits_rel_err=err, ops=ops, aten=aten,
                               fallbacks=fallbacks(), notes=[n for n in build.logs[0].notes if "left in aten" in n])),
               flush=True)
 

@@ -19,8 +19,8 @@ from fake_clock import every_nth_fastest  # noqa: E402
 from interp_proc import module_run  # noqa: E402
 
 # the rewrites against their patterns under the interpreter, per dtype; then the greedy models
-CHECKS = {"float32": ["norms", "gemv", "gather", "packing", "attention", "moe", "scaled_residual"],
-          "float16": ["gemv", "gather", "attention", "moe", "scaled_residual"]}
+CHECKS = {"float32": ["norms", "gemv", "gather", "packing", "attention", "moe", "scaled_residual", "residual2"],
+          "float16": ["gemv", "gather", "attention", "moe", "scaled_residual", "residual2"]}
 FIRST_SHAPES = {"float16": 1}  # fp16 checks its arithmetic at each family's first shape; fp32 covers the rest
 GREEDY = ["llama-tiny", "olmoe-tiny"]
 INTERP_TESTS = ("test_every_rewrite_matches_its_pattern_under_the_interpreter",
@@ -346,7 +346,8 @@ def test_tile_shared_memory_from_the_compiled_kernel():
 
 
 
-@pytest.mark.parametrize("family", ["norms", "gemv", "gather", "packing", "attention", "moe", "scaled_residual"])
+@pytest.mark.parametrize("family", ["norms", "gemv", "gather", "packing", "attention", "moe", "scaled_residual",
+                                    "residual2"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_rewrite_matches_its_pattern_gpu_bf16(family):

@@ -97,7 +97,8 @@ def test_minimax_lowers_linear_attention_and_moe_per_region():
     left = {k for k in ops if not k.startswith("tkcc.") and k not in VIEWS}
     assert left == {"aten.embedding.default"}, left
     nodes = [n for n in new.graphs["decode"].graph.nodes if n.op == "call_function"]
-    scales = [_all_args(n)[-1] for n in nodes if n.target in (torch.ops.tkcc.gemv.default, torch.ops.tkcc.moe.default)]
+    scales = [_all_args(n)[[a.name for a in n.target._schema.arguments].index("residual_scale")] for n in nodes
+              if n.target in (torch.ops.tkcc.gemv.default, torch.ops.tkcc.moe.default)]
     assert sum(s == alpha for s in scales) == 2 * len(kinds) and alpha != 1.0, (scales, alpha)
     gates = [_all_args(n)[-1] for n in nodes if n.target is torch.ops.tkcc.rms_norm.default]
     assert gates.count("sigmoid") == kinds.count("linear_attention"), gates

@@ -125,7 +125,7 @@ def _routed_variants(pdl):
 
 def lowered_variants():
     """The hooks only the lowered decode step (``tkcc.kernels.lowered``) launches: GEMV bias and GELU epilogues, the
-    activations over a non-gated up projection, the per-head q|k|v rows stored split, a scaled residual,
+    activations over a non-gated up projection, the per-head q|k|v rows stored split, a scaled residual, a second one,
     scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations / a scaled q / ALiBi in the fused
     attention, the combine reading the position, the routed MoE on an input normed already, with fp32 routing
     weights, and under the grouped and the biased routers, with a scaled residual; the gated DeltaNet step, the short
@@ -152,6 +152,10 @@ def lowered_variants():
     for pdl in (True, False):  # MiniMax's projections before its residual, scaled first (h * alpha + y)
         out.append(("gemv.py.jinja", dict(norm=False, gated=False, residual=True, pdl=pdl, gather=False, argmax=False,
                                           res_scale=True), "gemv_kernel", {**base, "res_scale": "fp32", **blocks},
+                    dict(BLOCK_N=4, BLOCK_K=2048 if pdl else 512, EVEN_K=True, FULL_K=pdl)))
+    for pdl in (True, False):  # DeepSeek's shared down projection: + the routed experts' output, + the layer's residual
+        out.append(("gemv.py.jinja", dict(norm=False, gated=False, residual=True, pdl=pdl, gather=False, argmax=False,
+                                          residual2=True), "gemv_kernel", {**base, "res2_ptr": _P, **blocks},
                     dict(BLOCK_N=4, BLOCK_K=2048 if pdl else 512, EVEN_K=True, FULL_K=pdl)))
     sig = {**base, "b_ptr": _P, "idx_ptr": "*i64", "xout_ptr": _P, "stride_x": "i32", **blocks}
     out.append(("gemv.py.jinja", dict(norm=True, gated=False, residual=False, pdl=True, gather=True, argmax=False,

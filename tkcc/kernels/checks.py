@@ -34,26 +34,30 @@ def _rand(*shape, device, dtype, g, scale=1.0):
 
 
 def check_gemv(device, dtype, g, pdl=False, shapes=((256, 128), (96, 200), (64, 512))):
-    """Five hook combinations x two block shapes per shape (one of them full-K, the PDL prefetch layout); the
-    residual also scaled (MiniMax's ``h * alpha + y``)."""
+    """Seven hook combinations x two block shapes per shape (one of them full-K, the PDL prefetch layout); the
+    residual also scaled (MiniMax's ``h * alpha + y``), or followed by a second one (DeepSeek's
+    ``h + (moe_out + y)``)."""
     from tkcc.kernels.gemv import gemv, gemv_ref
 
     rows = []
     for N, K in shapes:
-        for norm, gated, res, scale in ((False, False, False, 1.0), (True, False, False, 1.0),
-                                        (False, False, True, 1.0), (True, True, False, 1.0),
-                                        (True, False, True, 1.681792830507429)):
+        for norm, gated, res, scale, res2 in ((False, False, False, 1.0, False), (True, False, False, 1.0, False),
+                                              (False, False, True, 1.0, False), (True, True, False, 1.0, False),
+                                              (True, False, True, 1.681792830507429, False),
+                                              (False, False, True, 1.0, True), (True, False, True, 1.0, True)):
             x = _rand(K, device=device, dtype=dtype, g=g)
             w = _rand(2 * N if gated else N, K, device=device, dtype=dtype, g=g, scale=1 / math.sqrt(K))
             nw = _rand(K, device=device, dtype=dtype, g=g) if norm else None
             r = _rand(N, device=device, dtype=dtype, g=g) if res else None
+            r2 = _rand(N, device=device, dtype=dtype, g=g, scale=4.0) if res2 else None  # (a residual stream's scale)
             for cfg in ((32, 512, 4), (8, 64, 2)):
                 out = torch.full((N,), float("nan"), device=device, dtype=dtype)
-                gemv(x, w, norm_w=nw, residual=r, gated=gated, out=out, config=cfg, pdl=pdl, residual_scale=scale)
+                gemv(x, w, norm_w=nw, residual=r, gated=gated, out=out, config=cfg, pdl=pdl, residual_scale=scale,
+                     residual2=r2)
                 ref = gemv_ref(x.reshape(1, -1), w, nw, 1e-5, None if r is None else r.reshape(1, -1), gated,
-                               residual_scale=scale).reshape(-1)
-                rows.append(_row(f"gemv{'+norm' * norm}{'+gated' * gated}{'+res' * res}{'+scaled' * (scale != 1.0)}",
-                                 (N, K, cfg), dtype, rel_err(out, ref)))
+                               residual_scale=scale, residual2=None if r2 is None else r2.reshape(1, -1)).reshape(-1)
+                rows.append(_row(f"gemv{'+norm' * norm}{'+gated' * gated}{'+res' * res}{'+scaled' * (scale != 1.0)}"
+                                 f"{'+res2' * res2}", (N, K, cfg), dtype, rel_err(out, ref)))
     return rows + _check_gemv_ends(device, dtype, g, pdl, *shapes[0])
 
 

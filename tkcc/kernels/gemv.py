@@ -29,8 +29,9 @@ ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approxi
 
 
 def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None, act="silu", up_act="",
-             residual_scale=1.0):
-    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u | up_act(y)] -> [+ residual [* residual_scale]]."""
+             residual_scale=1.0, residual2=None):
+    """Plain PyTorch: [rmsnorm] -> linear [+ bias] -> [act(g)*u | up_act(y)] -> [+ residual [* residual_scale]]
+    [+ residual2] (each add rounded, as two eager adds)."""
     if norm_w is not None:
         x = rms_ref(x, norm_w, eps)
     y = F.linear(x, w, bias)
@@ -42,6 +43,8 @@ def gemv_ref(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, bias=None,
         y = ACTS[act](g) * u
     if residual is not None:
         y = (residual if residual_scale == 1.0 else residual * residual_scale) + y
+    if residual2 is not None:
+        y = residual2 + y
     return y
 
 
@@ -70,7 +73,7 @@ def _ends_ref(x, y, gather, argmax):
 
 
 def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, config=None, pdl=None, gather=None,
-         argmax=None, bias=None, act="silu", up_act="", split_heads=0, residual_scale=1.0):
+         argmax=None, bias=None, act="silu", up_act="", split_heads=0, residual_scale=1.0, residual2=None):
     """x: [K] (or [1, K]); w: [N_total, K] with unit stride along K. Returns [N] (N = N_total/2 if gated).
 
     ``pdl``: launch with programmatic dependent launch (Hopper+): the kernel starts while the previous one
@@ -82,13 +85,18 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     "gelu_tanh", "relu2"): y is that activation of the (not gated) product, as a non-gated MLP's up projection.
     ``split_heads`` (a head dim): w's rows are per-head [q_h | k_h | v_h] blocks, and y is stored as [q | k | v]
     over all heads (``split_heads_ref``). ``residual_scale``: y + residual * residual_scale, the product rounded
-    to the dtype first, as eager rounds MiniMax's ``h * alpha`` (a kernel variant of its own; 1 adds r as it is)."""
+    to the dtype first, as eager rounds MiniMax's ``h * alpha`` (a kernel variant of its own; 1 adds r as it is).
+    ``residual2`` ([N], with ``residual``): also added, after the first sum is rounded (DeepSeek's decoder residual
+    over its routed plus shared experts: two eager adds, one launch)."""
     xt = x
     if gather is not None:
         if x.dim() != 2:
             raise TkccError(f"gemv(gather=...): x must be a [rows, K] table, got shape {tuple(x.shape)}")
         x = x[0]  # a row's shape, for the checks below; the kernel reads row idx[0]
-    reason = fallback_reason(xt, w, norm_w, residual, bias)
+    reason = fallback_reason(xt, w, norm_w, residual, bias, residual2)
+    if reason is None and residual2 is not None and (residual is None or residual2.numel() != residual.numel()
+                                                     or not residual2.is_contiguous()):
+        reason = "a second residual without a first one, of another size, or not contiguous"
     if reason is None and bias is not None and (bias.numel() != w.shape[0] or not bias.is_contiguous()):
         reason = f"bias of shape {tuple(bias.shape)} for a weight of {w.shape[0]} rows"
     if reason is None and (x.numel() != w.shape[-1] or w.stride(-1) != 1 or not x.is_contiguous()
@@ -107,7 +115,7 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
         if gather is not None:
             x = xt.index_select(0, gather[0].reshape(-1)).reshape(-1)
         y = gemv_ref(x.reshape(1, -1), w, norm_w, eps, None if residual is None else residual.reshape(1, -1), gated,
-                     bias, act, up_act, residual_scale)
+                     bias, act, up_act, residual_scale, None if residual2 is None else residual2.reshape(1, -1))
         y = y.reshape(-1)
         if split_heads:
             y = split_heads_ref(y, split_heads)
@@ -128,9 +136,10 @@ def gemv(x, w, norm_w=None, eps=1e-5, residual=None, gated=False, out=None, conf
     mod = load("gemv.py.jinja", norm=norm_w is not None, gated=gated, residual=residual is not None, pdl=pdl,
                gather=gather is not None, argmax=argmax is not None, bias=bias is not None, act=act,
                **({"up_act": up_act} if up_act else {}), **({"split_heads": True} if split_heads else {}),
-               **({"res_scale": True} if scaled else {}))
+               **({"res_scale": True} if scaled else {}), **({"residual2": True} if residual2 is not None else {}))
     grid = (triton.cdiv(N, bn),)
     ends = [float(residual_scale)] if scaled else []
+    ends += [residual2] if residual2 is not None else []
     ends += [bias] if bias is not None else []
     if gather is not None:
         ends += [gather[0], gather[1], xt.stride(0)]

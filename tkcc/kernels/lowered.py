@@ -91,11 +91,12 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, cas
 
 def gemv_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
              eps: float = 1e-6, residual: Optional[Tensor] = None, act: str = "", up_act: str = "",
-             split_heads: int = 0, residual_scale: float = 1.0) -> Tensor:
+             split_heads: int = 0, residual_scale: float = 1.0, residual2: Optional[Tensor] = None) -> Tensor:
     """[RMSNorm] -> linear [+ bias] -> [act(g) * u over the two halves | up_act(y)] -> [residual +]; with
     ``split_heads`` (a head dim), the per-head [q_h | k_h | v_h] rows of the output put as [q | k | v].
     ``residual_scale``: the residual is ``residual * residual_scale``, rounded to its dtype before the add (MiniMax's
-    ``h * alpha + y``)."""
+    ``h * alpha + y``). ``residual2``: added after the first residual's sum is rounded (DeepSeek's
+    ``h + (moe_out + shared_out)``: two eager adds, each rounded)."""
     h = rms_norm_ref(x, norm_weight, eps) if norm_weight is not None else x
     y = F.linear(h, weight, bias)
     if up_act:
@@ -106,6 +107,8 @@ def gemv_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weig
         y = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh" if act == "gelu_tanh" else "none")) * u
     if residual is not None:
         y = (residual if residual_scale == 1.0 else residual * residual_scale) + y
+    if residual2 is not None:
+        y = residual2 + y
     if split_heads:
         y = split_heads_ref(y, split_heads)
     return y
@@ -421,9 +424,9 @@ def _(x, weight, bias, eps, two_pass=False):
 
 
 def gemv_reason(x: Tensor, weight: Tensor, bias, norm_weight, residual, act: str, up_act: str = "",
-                split_heads: int = 0, residual_scale: float = 1.0) -> str | None:
+                split_heads: int = 0, residual_scale: float = 1.0, residual2=None) -> str | None:
     """None when the GEMV kernel takes this call, else why not."""
-    reason = fallback_reason(x, weight, bias, norm_weight, residual)
+    reason = fallback_reason(x, weight, bias, norm_weight, residual, residual2)
     if reason is not None:
         return reason
     K = weight.shape[-1]
@@ -445,19 +448,23 @@ def gemv_reason(x: Tensor, weight: Tensor, bias, norm_weight, residual, act: str
                 "residual")
     if residual_scale != 1.0 and residual is None:
         return f"a residual scale {residual_scale} without a residual"
+    if residual2 is not None and (residual is None or residual2.numel() != residual.numel()):
+        return (f"a second residual {tuple(residual2.shape)} without a first one, or of another size "
+                f"({None if residual is None else tuple(residual.shape)})")
     return None
 
 
 @torch.library.custom_op(f"{NS}::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
          eps: float = 1e-6, residual: Optional[Tensor] = None, act: str = "", config: Optional[list[int]] = None,
-         pdl: bool = False, up_act: str = "", split_heads: int = 0, residual_scale: float = 1.0) -> Tensor:
+         pdl: bool = False, up_act: str = "", split_heads: int = 0, residual_scale: float = 1.0,
+         residual2: Optional[Tensor] = None) -> Tensor:
     """``gemv_ref`` as one batch-1 GEMV kernel: RMSNorm prologue, bias, gated epilogue (``act``: the weight is
     [gate; up]) or an activation over the output (``up_act``), and residual epilogue in the same launch.
     ``config``: (BLOCK_N, BLOCK_K, warps), empty for the kernel's default; ``pdl``: programmatic dependent launch
-    where the device has it; ``split_heads``, ``residual_scale`` (last: graphs written before it still load): see
-    ``gemv_ref``."""
-    reason = gemv_reason(x, weight, bias, norm_weight, residual, act, up_act, split_heads, residual_scale)
+    where the device has it; ``split_heads``, ``residual_scale``, ``residual2`` (last, each in its turn: graphs
+    written before it still load): see ``gemv_ref``."""
+    reason = gemv_reason(x, weight, bias, norm_weight, residual, act, up_act, split_heads, residual_scale, residual2)
     if reason is None:
         from tkcc.kernels import gemv as gemv_mod
 
@@ -465,15 +472,16 @@ def gemv(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, norm_weight: 
         y = gemv_mod.gemv(x.contiguous().view(-1), weight, norm_w=norm_weight, eps=eps,
                           residual=None if residual is None else residual.contiguous().view(-1), gated=bool(act),
                           config=cfg, pdl=pdl and _pdl_ok(x.device), bias=bias, act=act or "silu", up_act=up_act,
-                          split_heads=split_heads, residual_scale=residual_scale)
+                          split_heads=split_heads, residual_scale=residual_scale,
+                          residual2=None if residual2 is None else residual2.contiguous().view(-1))
         return y.view(*x.shape[:-1], y.shape[-1])
     note_fallback("tkcc.gemv", reason)
-    return gemv_ref(x, weight, bias, norm_weight, eps, residual, act, up_act, split_heads, residual_scale)
+    return gemv_ref(x, weight, bias, norm_weight, eps, residual, act, up_act, split_heads, residual_scale, residual2)
 
 
 @gemv.register_fake
 def _(x, weight, bias=None, norm_weight=None, eps=1e-6, residual=None, act="", config=None, pdl=False, up_act="",
-      split_heads=0, residual_scale=1.0):
+      split_heads=0, residual_scale=1.0, residual2=None):
     n = weight.shape[0] // (2 if act else 1)
     return x.new_empty(*x.shape[:-1], n)
 

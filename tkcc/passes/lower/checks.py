@@ -184,6 +184,34 @@ def check_scaled_residual(device, dtype, g, shapes=((40, 48), (96, 200), (64, 64
     return rows
 
 
+def check_residual2(device, dtype, g, shapes=((40, 48), (96, 200), (64, 64))):
+    """DeepSeek's MoE layer end: the decoder's residual h added to the routed experts' output plus the shared down
+    projection, ``h + (moe_out + down(x))`` (either order of the outer add; with a norm prologue, a bias) -> one
+    ``tkcc.gemv`` with ``residual=moe_out, residual2=h``: no aten add left."""
+    from tkcc.passes.lower import projections
+
+    rows = []
+    for (N, K), (norm, bias, second) in zip(shapes, ((False, False, "r2+t"), (True, True, "t+r2"),
+                                                     (False, True, "t+r2"))):
+        pattern = projections._gemv_pattern(norm, bias, False, True, "", "", second)[0]
+        t = {"w": _rand((N, K), g, device, dtype, K ** -0.5)}
+        if bias:
+            t["b"] = _rand((N,), g, device, dtype, 0.1)
+        if norm:
+            t["nw"] = _rand((K,), g, device, dtype, 0.5) + 1
+
+        def fn(s, x, r, r2, norm=norm, bias=bias, pattern=pattern):
+            ts = [x, s.w] + ([s.b] if bias else []) + ([s.nw] if norm else []) + [r, r2]
+            return pattern(*ts, **({"eps": 1e-5} if norm else {}))
+
+        rows += run_case(f"gemv[{projections._tag(norm, bias, False, True, '', '', second)}][{N}x{K}]",
+                         Region(fn, t), lambda K=K, N=N: (_rand((1, 1, K), g, device, dtype),
+                                                          _rand((1, 1, N), g, device, dtype),
+                                                          _rand((1, 1, N), g, device, dtype, 4.0)),
+                         "tkcc.gemv.default", False, dtype, gone=("aten.add.Tensor",))
+    return rows
+
+
 def check_gather(device, dtype, g, shapes=((40, 48, 100), (96, 64, 300))):
     """The first GEMV reading the token's embedding row itself (and writing it out as the residual stream)."""
     from tkcc.passes.lower import projections
@@ -551,7 +579,8 @@ def check_deepseek_moe(device, dtype, g, shapes=((16, 64, 32, 4, 4, 2), (32, 48,
 
 
 FAMILIES = {"norms": check_norms, "gemv": check_gemv, "gather": check_gather, "packing": check_packing,
-            "attention": check_attention, "moe": check_moe, "scaled_residual": check_scaled_residual}
+            "attention": check_attention, "moe": check_moe, "scaled_residual": check_scaled_residual,
+            "residual2": check_residual2}
 from tkcc.passes.lower.checks_variants import FAMILIES as _VARIANTS  # noqa: E402 - rotary, sinks, linear attention
 
 FAMILIES.update(_VARIANTS)

@@ -1,7 +1,8 @@
 """Projections: sibling linears packed into one (q|k|v, gate|up), then each linear as one batch-1 GEMV with
 what surrounds it fused: the RMSNorm before it (prologue), its bias, the gated activation after a packed
 gate|up (``act(g) * u``: SiLU, GELU, tanh-GELU) or the activation after a non-gated MLP's up projection (GELU,
-tanh-GELU, relu²), the residual add after it (epilogue), the residual scaled first (MiniMax's ``h * alpha + y``).
+tanh-GELU, relu²), the residual add after it (epilogue), the residual scaled first (MiniMax's ``h * alpha + y``),
+a second residual added to that sum (DeepSeek's ``h + (moe_out + shared_down(x))``).
 
 Packing: linears that read the same activation (a decoder layer's q, k and v; its gate and up) become one
 linear over their weights stacked row-wise, split after. The stacked weight is a view when capture already
@@ -25,6 +26,7 @@ from tkcc.passes.lower.pattern import Rewrite
 K_EX, N_EX = 48, 40  # example widths (distinct from every literal of the patterns)
 ALPHA = 1.4375  # sentinel: a residual's scale
 SCALED = ("", "r*a+y", "y+r*a")  # the residual as it is, or scaled and added first or second
+SECOND = ("", "r2+t", "t+r2")  # no second residual, or one added to the first sum t = r + y, before it or after
 ACT_FNS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 # over a plain (not gated) output: a non-gated MLP's up projection (GPT-NeoX, StarCoder2, Falcon; Nemotron's relu²)
 UP_ACT_FNS = {"gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
@@ -233,14 +235,16 @@ PACK = MATMUL_LINEAR + PER_HEAD_QKV + [_chunked_gate(a) for a in ("silu", "gelu_
 
 # ---- GEMV ------------------------------------------------------------------------------------------------
 
-def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "", scaled: str = ""):
-    """The pattern for one combination: tensors (x, weight, [bias], [norm weight], [residual]). ``gated``:
-    False, or the gated activation (``ACT_FNS``; True is "silu") over the two halves of the output; ``up_act``:
-    an activation over the whole output (``UP_ACT_FNS``); ``scaled`` (``SCALED``): the residual times a scalar
-    ``alpha`` (MiniMax's ``h * alpha + y``), the op's ``residual_scale``."""
+def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "", scaled: str = "",
+                  second: str = ""):
+    """The pattern for one combination: tensors (x, weight, [bias], [norm weight], [residual], [residual2]).
+    ``gated``: False, or the gated activation (``ACT_FNS``; True is "silu") over the two halves of the output;
+    ``up_act``: an activation over the whole output (``UP_ACT_FNS``); ``scaled`` (``SCALED``): the residual times a
+    scalar ``alpha`` (MiniMax's ``h * alpha + y``), the op's ``residual_scale``; ``second`` (``SECOND``): a second
+    residual added to ``r + y`` (the op's ``residual2``; only over a plain residual)."""
     act = ("silu" if gated is True else gated) if gated else ""
     # the op's last arguments, written only where they are used
-    tail = (up_act,) if up_act else (("", 0) if scaled else ())
+    tail = (up_act,) if up_act else (("", 0) if scaled or second else ())
 
     def pattern(*ts, **kw):
         it = iter(ts)
@@ -248,6 +252,7 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "
         b = next(it) if bias else None
         nw = next(it) if norm else None
         r = next(it) if residual else None
+        r2 = next(it) if second else None
         h = rms_norm(x, nw, eps=kw["eps"]) if norm else x
         y = F.linear(h, w, b)
         if up_act:
@@ -258,6 +263,8 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "
             y = ACT_FNS[act](g) * u
         if residual:
             y = r * kw["alpha"] + y if scaled == "r*a+y" else y + r * kw["alpha"] if scaled else r + y
+        if second:
+            y = r2 + y if second == "r2+t" else y + r2
         return y
 
     def replacement(*ts, **kw):
@@ -266,7 +273,7 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "
         b = next(it) if bias else None
         nw = next(it) if norm else None
         r = next(it) if residual else None
-        scale = (float(kw["alpha"]),) if scaled else ()
+        scale = (float(kw["alpha"]),) if scaled else (1.0, next(it)) if second else ()
         return torch.ops.tkcc.gemv(x, w, b, nw, kw.get("eps", 1e-6), r, act, kw["config"], kw["pdl"], *tail, *scale)
 
     def example(dt):
@@ -277,6 +284,8 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "
         if norm:
             ts.append(torch.empty(K_EX, dtype=dt))
         if residual:
+            ts.append(torch.empty(1, 1, N_EX, dtype=dt))
+        if second:
             ts.append(torch.empty(1, 1, N_EX, dtype=dt))
         return tuple(ts), {**({"eps": EPS} if norm else {}), **({"alpha": ALPHA} if scaled else {})}
 
@@ -298,9 +307,9 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "
             if tuple(m.val(i).shape) != (x.shape[-1],):
                 return f"norm weight {tuple(m.val(i).shape)} for width {x.shape[-1]}"
             i += 1
-        if residual:
-            out = m.outputs[0].meta["val"]
-            r = m.val(i)
+        out = m.outputs[0].meta["val"]
+        for k in range(i, i + residual + bool(second)):
+            r = m.val(k)
             if tuple(r.shape) != tuple(out.shape) or r.dtype != out.dtype:
                 return f"residual {tuple(r.shape)} {r.dtype} broadcasts into {tuple(out.shape)} {out.dtype}"
         return None
@@ -308,30 +317,31 @@ def _gemv_pattern(norm: bool, bias: bool, gated, residual: bool, up_act: str = "
     def params(m, ctx):
         w = m.val(1)
         key = gemv_key(w.shape[0], w.shape[1], norm, act, residual, bias, w.dtype, up_act,
-                       scaled_residual=bool(scaled))
+                       scaled_residual=bool(scaled), residual2=bool(second))
         return {"config": ctx.options.get("gemv_configs", {}).get(key), "pdl": bool(ctx.options.get("pdl"))}
 
-    pattern.__qualname__ = f"gemv[{_tag(norm, bias, act, residual, up_act, scaled)}]"
+    pattern.__qualname__ = f"gemv[{_tag(norm, bias, act, residual, up_act, scaled, second)}]"
     return pattern, replacement, example, check, params
 
 
 def gemv_key(N: int, K: int, norm: bool, act, residual: bool, bias: bool, dtype, up_act: str = "",
-             split_heads: bool = False, scaled_residual: bool = False) -> str:
+             split_heads: bool = False, scaled_residual: bool = False, residual2: bool = False) -> str:
     """How a GEMV's tuned config is named (shape and hooks determine its best config); ``act``: the gated
     activation or ''; ``up_act``: the activation over the plain output or ''; ``split_heads``: its rows stored
-    as [q | k | v] (``_per_head_qkv``); ``scaled_residual``: its residual has a scale (a kernel variant of its own)."""
+    as [q | k | v] (``_per_head_qkv``); ``scaled_residual``: its residual has a scale (a kernel variant of its own);
+    ``residual2``: a second residual after the first (another variant; the keys without it are unchanged)."""
     act = ("silu" if act is True else act) or ""
-    res = "scaled-residual" if scaled_residual else "residual"
+    res = "scaled-residual" if scaled_residual else "residual+residual2" if residual2 else "residual"
     return f"{N}x{K}" + "".join(f"+{k}" for k, v in (("norm", norm), (act and f"gated-{act}", act),
                                                         (up_act, up_act), (res, residual), ("bias", bias),
                                                         ("heads", split_heads))
                                 if v) + f":{str(dtype).split('.')[-1]}"
 
 
-def _tag(norm, bias, act, residual, up_act="", scaled=""):
+def _tag(norm, bias, act, residual, up_act="", scaled="", second=""):
     act = ("silu" if act is True else act) or ""
     gated = "gated" if act == "silu" else f"gated-{act}"
-    res = f"residual[{scaled}]" if scaled else "residual"
+    res = f"residual[{scaled}]" if scaled else f"residual[{second}]" if second else "residual"
     return "+".join(k for k, v in (("norm", norm), ("bias", bias), (gated, act), (up_act, up_act),
                                    (res, residual)) if v) or "plain"
 
@@ -339,23 +349,24 @@ def _tag(norm, bias, act, residual, up_act="", scaled=""):
 def _gemvs():
     out = []
     # most fused first: a region matched by a larger pattern is not offered to a smaller one (a scaled residual's
-    # product counts as one part more, so that the plain residual pattern never takes its add alone)
+    # product, a second residual's add, count as one part more, so that the plain residual pattern never takes the
+    # first add alone)
     combos = sorted(itertools.product((True, False), ("silu", "gelu_tanh", "gelu", ""), (True, False),
-                                      (True, False), SCALED),
-                    key=lambda c: -(c[0] + bool(c[1]) + c[2] + c[3] + bool(c[4])))
-    for norm, act, bias, residual, scaled in combos:
+                                      (True, False), SCALED, SECOND),
+                    key=lambda c: -(c[0] + bool(c[1]) + c[2] + c[3] + bool(c[4]) + bool(c[5])))
+    for norm, act, bias, residual, scaled, second in combos:
         if act and residual:
             continue  # a gated output feeds the down projection, never a residual add
-        if scaled and not residual:
+        if (scaled or second) and not residual or (scaled and second):
             continue
         if not residual and not act:  # an up projection's activation first: the larger region
             for up_act in UP_ACT_FNS:
                 pattern, replacement, example, check, params = _gemv_pattern(norm, bias, False, False, up_act)
                 out.append(Rewrite(f"gemv[{_tag(norm, bias, '', False, up_act)}]", pattern, replacement, example,
                                    region="projection", check=check, params=params))
-        pattern, replacement, example, check, params = _gemv_pattern(norm, bias, act, residual, "", scaled)
-        out.append(Rewrite(f"gemv[{_tag(norm, bias, act, residual, '', scaled)}]", pattern, replacement, example,
-                           region="projection", check=check, params=params))
+        pattern, replacement, example, check, params = _gemv_pattern(norm, bias, act, residual, "", scaled, second)
+        out.append(Rewrite(f"gemv[{_tag(norm, bias, act, residual, '', scaled, second)}]", pattern, replacement,
+                           example, region="projection", check=check, params=params))
     return out
 
 

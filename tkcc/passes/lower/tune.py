@@ -121,11 +121,11 @@ def tune_gemvs(gm, timer, log=None) -> dict:
         if n.op != "call_function":
             continue
         if n.target is torch.ops.tkcc.gemv.default:
-            x, w, b, nw, _eps, r, act, _cfg, _pdl, up_act, split_heads, scale = _all_args(n)
+            x, w, b, nw, _eps, r, act, _cfg, _pdl, up_act, split_heads, scale, r2 = _all_args(n)
             wv = w.meta["val"]
             groups[(n.target, gemv_key(wv.shape[0], wv.shape[1], nw is not None, act, r is not None,
                                        b is not None, wv.dtype, up_act, bool(split_heads),
-                                       r is not None and scale != 1.0))].append(n)
+                                       r is not None and scale != 1.0, r2 is not None))].append(n)
         elif n.target is torch.ops.tkcc.gemv_gather.default:
             _t, _ids, w, nw, _eps, _cfg, _pdl, b = _all_args(n)
             wv = w.meta["val"]
