@@ -102,11 +102,12 @@ FAMILIES = {
     # attention's norm_offset 0 and rope_fp32), norms after attention and MLP (the residual adds stay)
     "olmo2": (("Olmo2Config", "Olmo2ForCausalLM", dict()), {A: 2, G: 9, N: 4}, {"aten.add.Tensor", "aten.embedding.default"}),
     # a dense first layer, then MoE: the router's fp32 logits, the choice on their softmax plus a correction bias, the
-    # renormalisation floored at norm_min (tkcc.moe's softmax_biased router); the routed plus shared experts' add stays
+    # renormalisation floored at norm_min (tkcc.moe's softmax_biased router); the routed plus shared experts' add stays;
+    # the MoE layer's post-attention norm (read by the routed and the shared experts) is each one's prologue
     "ernie4_5-moe": (("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
                       dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_num_shared_experts=1,
                            _experts_implementation="batched_mm")),
-                     {A: 2, G: 8, GG: 1, N: 1, "tkcc.moe.default": 1}, {"aten.add.Tensor"}),
+                     {A: 2, G: 8, GG: 1, "tkcc.moe.default": 1}, {"aten.add.Tensor"}),
     # a model that sizes its own attention mask by the tokens the cache has seen (captured with an all-ones mask of
     # the whole cache, whose term the canonical form drops); learned positions, LayerNorms, q|k|v with biases packed.
     # OPT scales q before the attention (q * scaling, then sdpa at scale 1): the fused attention's q_scale, q scaled and

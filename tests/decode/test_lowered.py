@@ -19,8 +19,9 @@ from fake_clock import every_nth_fastest  # noqa: E402
 from interp_proc import module_run  # noqa: E402
 
 # the rewrites against their patterns under the interpreter, per dtype; then the greedy models
-CHECKS = {"float32": ["norms", "gemv", "gather", "packing", "attention", "moe", "scaled_residual", "residual2"],
-          "float16": ["gemv", "gather", "attention", "moe", "scaled_residual", "residual2"]}
+CHECKS = {"float32": ["norms", "gemv", "gather", "packing", "attention", "moe", "scaled_residual", "residual2",
+                      "norm_readers"],
+          "float16": ["gemv", "gather", "attention", "moe", "scaled_residual", "residual2", "norm_readers"]}
 FIRST_SHAPES = {"float16": 1}  # fp16 checks its arithmetic at each family's first shape; fp32 covers the rest
 GREEDY = ["llama-tiny", "olmoe-tiny"]
 INTERP_TESTS = ("test_every_rewrite_matches_its_pattern_under_the_interpreter",
@@ -189,7 +190,41 @@ def test_shared_expert_moe_lowers_per_region():
     left = {k for k in ops if not k.startswith("tkcc.") and k != "<built-in function getitem>"}
     assert left <= {"aten.sigmoid.default", "aten.mul.Tensor", "aten.add.Tensor", "aten.view.default",
                     "aten.reshape.default"}, left
+    # the post-attention norm (read by the routed experts, the shared gate|up and the shared expert's gate, through a
+    # view) is each one's prologue
+    assert "tkcc.rms_norm.default" not in ops, ops
     _same_decode(prog, new)
+
+
+def test_a_norm_goes_into_its_readers_prologues_only_where_every_reader_takes_it():
+    """DeepSeek-V3's MoE layer end, ``h + block(norm(h))``: the norm becomes the prologue of the routed experts and of
+    the shared gate|up. Where the normed value is also the residual, or the norm is Gemma's ``(1 + w)`` form (which
+    the prologues do not compute), it stays; bit-exact off the kernel path either way (the references agree)."""
+    from tkcc.passes.lower import norms
+    from tkcc.passes.lower.checks import Region, _capture, deepseek_moe_block
+    from tkcc.passes.lower.decode import lower
+
+    g = torch.Generator().manual_seed(0)
+    block = deepseek_moe_block(g=g)
+    nw = torch.randn(64, generator=g) * 0.5 + 1
+    cases = {"prologues": (lambda s, h: h + s.block(norms.rms_norm(h, s.nw, eps=1e-6)), 0),
+             "also the residual": (lambda s, h: (lambda n: n + s.block(n))(norms.rms_norm(h, s.nw, eps=1e-6)), 1),
+             "1 + w": (lambda s, h: h + s.block(norms.rms_norm_offset(h, s.nw, eps=1e-6, offset=1.0)), 1)}
+    for name, (fn, kept) in cases.items():
+        region = Region(fn, {"nw": nw})
+        region.block = block
+        gm = _capture(region, (torch.randn(1, 1, 64),))
+        info = lower(gm, torch.float32, {"pdl": False, "attention_layout": None, "gemv_configs": {}})
+        ops = _ops(gm)
+        assert ops["tkcc.rms_norm.default"] == kept and ops["tkcc.moe.default"] == 1, (name, ops)
+        moe = next(n for n in gm.graph.nodes if n.target is torch.ops.tkcc.moe.default)
+        assert (moe.args[1] is None) == bool(kept), (name, moe.args)
+        if name == "also the residual":
+            assert any("reads it other than as its input" in n for n in info.notes), info.notes
+        for _ in range(3):
+            x = torch.randn(1, 1, 64, generator=g)
+            with torch.no_grad():
+                assert torch.equal(region(x), gm(x)), name
 
 
 def test_deepseek_v3_moe_block_lowers():
@@ -347,7 +382,7 @@ def test_tile_shared_memory_from_the_compiled_kernel():
 
 
 @pytest.mark.parametrize("family", ["norms", "gemv", "gather", "packing", "attention", "moe", "scaled_residual",
-                                    "residual2"])
+                                    "residual2", "norm_readers"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_rewrite_matches_its_pattern_gpu_bf16(family):

@@ -128,8 +128,8 @@ def lowered_variants():
     activations over a non-gated up projection, the per-head q|k|v rows stored split, a scaled residual, a second one,
     scaled rotary / per-head q/k norm / sliding window / paired and fp32 rotations / a scaled q / ALiBi in the fused
     attention, the combine reading the position, the routed MoE on an input normed already, with fp32 routing
-    weights, and under the grouped and the biased routers, with a scaled residual; the gated DeltaNet step, the short
-    convolution before it and the gated norm after (and MiniMax's, sigmoid-gated)."""
+    weights, and under the grouped and the biased routers (also with the norm prologue), with a scaled residual; the
+    gated DeltaNet step, the short convolution before it and the gated norm after (and MiniMax's, sigmoid-gated)."""
     out = []
     base = {"x_ptr": _P, "w_ptr": _P, "y_ptr": _P, "nw_ptr": _P, "res_ptr": _P, "N": "i32", "K": "i32",
             "stride_wn": "i32", "eps": "fp32"}
@@ -202,11 +202,16 @@ def lowered_variants():
                         {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "scaling": "fp32", "NG": "constexpr",
                          "NG_PAD": "constexpr", "TOPK_GROUP": "constexpr"},
                         dict(x[4], NG=8, NG_PAD=8, TOPK_GROUP=4, NORM_TOPK=True)))
+            out.append((x[0], dict(pdl=True, grouped=True), x[2],  # DeepSeek's, its post-attention norm as prologue
+                        {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "scaling": "fp32", "NG": "constexpr",
+                         "NG_PAD": "constexpr", "TOPK_GROUP": "constexpr"},
+                        dict(x[4], NG=8, NG_PAD=8, TOPK_GROUP=4, NORM_TOPK=True)))
             out.append((x[0], dict(pdl=True, norm=False, logit_bias=True), x[2], {**x[3], "lb_ptr": _P},
                         dict(x[4], NORM_TOPK=True)))  # gpt-oss's router, its linear's bias in the epilogue
-            out.append((x[0], dict(pdl=True, norm=False, biased=True), x[2],  # Ernie 4.5-MoE's router
-                        {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "norm_min": "fp32"},
-                        dict(x[4], NORM_TOPK=True)))
+            for norm in (False, True):  # Ernie 4.5-MoE's router (its post-attention norm as the prologue, or not)
+                out.append((x[0], dict(pdl=True, norm=norm, biased=True), x[2],
+                            {**x[3], "logits_ptr": "*fp32", "bias_ptr": "*fp32", "norm_min": "fp32"},
+                            dict(x[4], NORM_TOPK=True)))
         if x[2] == "moe_down_routed_kernel" and x[4]["FULL_K"]:
             out += _gptoss_experts()
             out.append((x[0], dict(pdl=True, fp32_weights=True), x[2], x[3], x[4]))

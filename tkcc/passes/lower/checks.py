@@ -578,9 +578,58 @@ def check_deepseek_moe(device, dtype, g, shapes=((16, 64, 32, 4, 4, 2), (32, 48,
     return rows
 
 
+def qwen2_moe_block(E=8, H=64, I=32, k=2, dtype=torch.float32, device="cpu", g=None):
+    """Hugging Face's own Qwen2-MoE sparse block (softmax router, routed experts, a shared expert behind a sigmoid
+    gate), random weights."""
+    import transformers
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    cfg = transformers.Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=I, shared_expert_intermediate_size=2 * I,
+                                      num_experts=E, num_experts_per_tok=k, norm_topk_prob=False)
+    cfg._experts_implementation = "batched_mm"
+    m = Qwen2MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * prm.shape[-1] ** -0.5)
+    return m.to(device=device, dtype=dtype)
+
+
+def check_norm_readers(device, dtype, g, shapes=((16, 64, 32, 4), (8, 48, 16, 2))):
+    """A MoE layer's second half as its decoder layer runs it, ``h + block(rms_norm(h))``, where the norm feeds the
+    routed experts and the shared ones (DeepSeek-V3: the shared gate|up; Qwen2-MoE: also the shared expert's sigmoid
+    gate): the norm goes into every reader's prologue, no ``tkcc.rms_norm`` left; DeepSeek's residual also goes
+    (the shared down projection's second residual). Inputs drawn clear of routing ties (the router now norms its
+    own copy of the row)."""
+    from tkcc.kernels.lowered import rms_norm_ref
+    from tkcc.passes.lower import norms
+
+    eps = 1e-5
+    rows = []
+    for (E, H, I, k), family in zip(shapes, ("deepseek", "qwen2")):
+        nw = _rand((H,), g, device, dtype, 0.5) + 1
+        if family == "deepseek":  # every group eligible: the choice is the top-k of sigmoid scores + bias
+            block = deepseek_moe_block(E, H, I, k, 4, 4, True, dtype, device, g)
+
+            def choice(inputs, block=block, nw=nw):
+                x = rms_norm_ref(inputs[0].float().reshape(-1, H), nw.float(), eps)
+                return torch.sigmoid(torch.nn.functional.linear(x, block.gate.weight.float())) + \
+                    block.gate.e_score_correction_bias.float()
+            gone = ("tkcc.rms_norm.default", "aten.add.Tensor")
+        else:
+            block = qwen2_moe_block(E, H, I, k, dtype, device, g)
+            choice, gone = _logits(block.gate.weight, nw), ("tkcc.rms_norm.default",)
+        region = Region(lambda s, h: h + s.block(norms.rms_norm(h, s.nw, eps=eps)), {"nw": nw})
+        region.block = block
+        rows += run_case(f"rms_norm[into every reader's prologue: {family} E={E} top-{k}, {H}x{I}]", region,
+                         lambda H=H, c=choice, k=k: _clear_routing(lambda: (_rand((1, 1, H), g, device, dtype),), c,
+                                                                   k, _near(dtype)),
+                         "tkcc.moe.default", False, dtype, gone=gone)
+    return rows
+
+
 FAMILIES = {"norms": check_norms, "gemv": check_gemv, "gather": check_gather, "packing": check_packing,
             "attention": check_attention, "moe": check_moe, "scaled_residual": check_scaled_residual,
-            "residual2": check_residual2}
+            "residual2": check_residual2, "norm_readers": check_norm_readers}
 from tkcc.passes.lower.checks_variants import FAMILIES as _VARIANTS  # noqa: E402 - rotary, sinks, linear attention
 
 FAMILIES.update(_VARIANTS)

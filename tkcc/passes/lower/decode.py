@@ -11,6 +11,7 @@ its rewrites (largest pattern first) until none matches:
 5. GEMVs with what surrounds them: norm prologue, bias, gated epilogue, residual epilogue;
 6. attention blocks: q/k norm, rotary, cache write, attention, as one fused launch per layer;
 7. whatever norms nothing absorbed;
+8. a norm whose every reader is a GEMV or a routed MoE without a norm prologue: into each reader's prologue;
 
 then dead code goes (the mask and the rotary table, once every attention is fused). A region no pattern
 matches stays in aten inside the same step, and a pattern that matched a region a kernel cannot take
@@ -45,6 +46,8 @@ from tkcc.passes.lower.pattern import VIEW_OPS, Context, apply as apply_rewrite,
 VIEWS = {str(op) for op in VIEW_OPS} | {"aten.split_with_sizes.default", "<built-in function getitem>"}
 
 DEFAULT_TILE = "64x4"  # the fused attention's tile when a plan names none
+# what a refused region is, by stage, where it is not aten (a kernel op whose readers could not take it)
+KEPT = {"norm_readers": "kept standalone"}
 
 
 def stages():
@@ -59,7 +62,8 @@ def stages():
             ("gemv", projections.GEMV),
             ("attention", attention.ATTENTION + rotary.ATTENTION + attention_plain.REWRITES + mla.REWRITES),
             ("linear_attention", linear_attention.REWRITES + gated_delta.REWRITES + causal_conv.REWRITES),
-            ("norms", norms.REWRITES)]
+            ("norms", norms.REWRITES),
+            ("norm_readers", norms.INTO_READERS)]
 
 
 def _device(program) -> torch.device:
@@ -207,7 +211,8 @@ def lower(gm, dtype: torch.dtype, options: dict, info: RewriteInfo | None = None
                 info.notes.append(f"{phase}: {stage}: {rw.name}: {out.replaced} region(s) lowered")
             for why, n in out.refused.items():
                 refusals.append((len(info.notes), out.refused_at.get(why, set())))
-                info.notes.append(f"{phase}: {stage}: {rw.name}: {n} region(s) left in aten: {why}")
+                kept = KEPT.get(stage, "left in aten")
+                info.notes.append(f"{phase}: {stage}: {rw.name}: {n} region(s) {kept}: {why}")
     pattern_ops.flush()
     _drop_refusals_lowered_later(info, refusals, gm)
     gm.graph.eliminate_dead_code()

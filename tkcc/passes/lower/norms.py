@@ -7,13 +7,17 @@ Each pattern is the module's forward as Hugging Face writes it; each replacement
 norm feeding a GEMV and fold it into the GEMV's prologue, and the attention rewrite folds q/k norms into the
 fused attention. These rewrites lower the norms nothing else absorbed (the final norm of a model whose
 head is not a GEMV, a norm whose output has several kinds of users).
+
+Last, a norm whose every reader is a GEMV or routed MoE without a norm prologue (DeepSeek's and Qwen2-MoE's
+post-attention norm, read by the routed experts and the shared ones) goes into each reader's prologue
+(``INTO_READERS``): one launch fewer per layer, each reader normalising its own copy of the row.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.pattern import Rewrite
+from tkcc.passes.lower.pattern import Rewrite, _all_args, _val
 
 EPS = 1.2345e-07     # sentinels: no other literal of these patterns has these values
 OFFSET = 1.375
@@ -185,3 +189,86 @@ REWRITES = [
     Rewrite("layer_norm_two_pass", layer_norm_two_pass, _to_layer_norm_two_pass, lambda dt: (_x_w(dt), {"eps": EPS}),
             region="norm", check=_same_width),
 ]
+
+
+# ---- a norm read by several projections: into each one's prologue --------------------------------------------
+
+# views that keep the rows whole: the norm of a view is the view of the norm
+_ROW_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
+def tkcc_rms_norm(x, weight, *, eps):
+    """A ``tkcc.rms_norm`` in Llama's form (``offset`` 0, rounded before the weight, no gate: the literals are
+    compared, so Gemma's ``1 + w`` and the fp32-weight forms do not match), which the GEMV and MoE norm prologues
+    compute (``rms_norm_ref`` is the reference of all three)."""
+    return torch.ops.tkcc.rms_norm(x, weight, eps)
+
+
+def _its_input(x, weight, *, eps):
+    return x
+
+
+def _prologue_readers(node, H: int):
+    """(reader, norm weight's index, its name, eps's index, its name) for each op that reads ``node`` (through
+    views that keep rows of H) as its input and can take the norm as its prologue, or why one cannot."""
+    out = []
+    for u in node.users:
+        args = _all_args(u) if u.op == "call_function" else []
+        if u.op == "call_function" and u.target in _ROW_VIEWS and args[0] is node and _val(u).shape[-1] == H:
+            got = _prologue_readers(u, H)
+            if isinstance(got, str):
+                return got
+            out += got
+            continue
+        if u.target is torch.ops.tkcc.gemv.default:
+            where = (3, "norm_weight", 4, "eps")
+        elif u.target is torch.ops.tkcc.moe.default:
+            where = (1, "norm_weight", 2, "eps")
+            if args[8]:
+                return f"{u.name} adds its (normed) input as the residual"
+        else:
+            return f"{u.name} ({u.target}) reads it"
+        if args[0] is not node or any(a is node for a in args[1:]):
+            return f"{u.name} reads it other than as its input (a residual, a weight)"
+        if args[where[0]] is not None:
+            return f"{u.name} has a norm prologue already"
+        out.append((u, *where))
+    return out or "nothing reads it"
+
+
+def _set_arg(n, index: int, name: str, value) -> None:
+    """Argument ``index`` (``name``) of the call ``n`` set to ``value``, the defaults before it written out."""
+    if name in n.kwargs:
+        n.kwargs = {**n.kwargs, name: value}
+        return
+    args, schema = list(n.args), n.target._schema.arguments
+    while len(args) <= index:
+        a = schema[len(args)]
+        args.append(a.default_value if a.has_default_value() else None)
+    args[index] = value
+    n.args = tuple(args)
+
+
+def _readers_check(m) -> str | None:
+    x, w, out = m.val(0), m.val(1), m.outputs[0].meta["val"]
+    H = x.shape[-1]
+    if w.dim() != 1 or w.shape[0] != H or not (x.dtype == w.dtype == out.dtype) or not x.is_contiguous():
+        return f"x {tuple(x.shape)} {x.dtype} (contiguous: {x.is_contiguous()}), weight {tuple(w.shape)} {w.dtype}"
+    if x.numel() != H:
+        return f"x {tuple(x.shape)} is more than one token (the prologues are batch-1)"
+    got = _prologue_readers(m.outputs[0], H)
+    return got if isinstance(got, str) else None
+
+
+def _into_readers(m) -> None:
+    """Each reader takes the norm's weight and eps; the replacement (the norm's input) is then what they read."""
+    eps = float(m.scalars["eps"])
+    for u, wi, wname, ei, ename in _prologue_readers(m.outputs[0], m.val(0).shape[-1]):
+        _set_arg(u, wi, wname, m.inputs[1])
+        _set_arg(u, ei, ename, eps)
+
+
+# Not exact: each prologue reduces the row in its own order (the references agree bit for bit: rms_norm_ref)
+INTO_READERS = [Rewrite("rms_norm[into every reader's prologue]", tkcc_rms_norm, _its_input,
+                        lambda dt: (_x_w(dt), {"eps": EPS}), region="norm", check=_readers_check,
+                        into_readers=_into_readers)]

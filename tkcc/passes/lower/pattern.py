@@ -479,6 +479,8 @@ class Rewrite:
         to the graph through ``ctx.tensor`` (packed weights, counters). May raise Refused.
     exact: the replacement is bit-exact with the pattern on every device (else only within tolerance).
     fixed: scalars held at these values rather than read off the graph (``at_one``'s twins).
+    into_readers(match) -> None: rewrites the region's readers before the replacement takes the region's place (a
+        region moved into each of its readers: a norm into every reader's prologue, the replacement its input).
     """
 
     name: str
@@ -490,6 +492,7 @@ class Rewrite:
     check: Callable[[Match], str | None] | None = None
     params: Callable | None = None
     fixed: dict = field(default_factory=dict)
+    into_readers: Callable[[Match], None] | None = None
     _traced: dict = field(default_factory=dict, repr=False)
 
     def pattern_graph(self, dtype: torch.dtype):
@@ -749,6 +752,8 @@ def _replace(match: Match, ctx: Context) -> list[torch.fx.Node]:
     if len(outs) != len(match.outputs):
         raise RuntimeError(f"rewrite {rw.name}: the replacement returns {len(outs)} values, the pattern "
                            f"{len(match.outputs)}")
+    if rw.into_readers is not None:
+        rw.into_readers(match)
     for old, new in zip(match.outputs, outs):
         old.replace_all_uses_with(env[new] if isinstance(new, torch.fx.Node) else new)
     for n in sorted(match.nodes + match.shared, key=lambda n: -order[n]):
