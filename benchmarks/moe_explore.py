@@ -23,7 +23,6 @@ shape on CPU under the Triton interpreter (the script's plumbing, not a result).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -203,13 +202,9 @@ def main():
             print(f"{fam}: {type(e).__name__}: {e}", flush=True)
     if torch.cuda.is_available() and not args.smoke:
         res["device"] = torch.cuda.get_device_name()
-    from provenance import commit
+    from provenance import write_result
 
-    res["measured_on"] = {"commit": commit(), "torch": torch.__version__, "command": " ".join(sys.argv)}
-    res["wall_s"] = round(time.time() - t0, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
+    write_result(res, args.out, t0)
     bad = failed + [f for f, v in res["families"].items() for r in v.get("configs", []) if not r["ok"]]
     sys.exit(1 if bad else 0)
 

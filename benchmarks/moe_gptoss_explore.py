@@ -23,7 +23,6 @@ on CPU under the Triton interpreter (the script's plumbing, not a result). Write
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -162,13 +161,9 @@ def main():
         except Exception as e:  # noqa: BLE001 - the reference may not capture; the kernels' rows stand
             res["ref"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         res["device"] = torch.cuda.get_device_name()
-    from provenance import commit
+    from provenance import write_result
 
-    res["measured_on"] = {"commit": commit(), "torch": torch.__version__, "command": " ".join(sys.argv)}
-    res["wall_s"] = round(time.time() - t0, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
+    write_result(res, args.out, t0)
     bad = [r for r in res["configs"] if not r["ok"]]
     sys.exit(1 if bad else 0)
 

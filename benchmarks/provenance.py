@@ -22,3 +22,19 @@ def commit(short: bool = True) -> str:
         return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def write_result(res: dict, out: str, started: float) -> None:
+    """Stamp ``res`` with the tree, torch and the command that measured it and its wall time, then write it as JSON to
+    ``out`` (a probe's one raw file)."""
+    import json
+    import sys
+    import time
+
+    import torch
+
+    res["measured_on"] = {"commit": commit(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+    res["wall_s"] = round(time.time() - started, 1)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
