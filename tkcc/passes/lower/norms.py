@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkcc.passes.lower.pattern import Rewrite, _all_args, _val
+from tkcc.passes.lower.pattern import Rewrite, _all_args, _val, set_arg
 
 EPS = 1.2345e-07     # sentinels: no other literal of these patterns has these values
 OFFSET = 1.375
@@ -236,19 +236,6 @@ def _prologue_readers(node, H: int):
     return out or "nothing reads it"
 
 
-def _set_arg(n, index: int, name: str, value) -> None:
-    """Argument ``index`` (``name``) of the call ``n`` set to ``value``, the defaults before it written out."""
-    if name in n.kwargs:
-        n.kwargs = {**n.kwargs, name: value}
-        return
-    args, schema = list(n.args), n.target._schema.arguments
-    while len(args) <= index:
-        a = schema[len(args)]
-        args.append(a.default_value if a.has_default_value() else None)
-    args[index] = value
-    n.args = tuple(args)
-
-
 def _readers_check(m) -> str | None:
     x, w, out = m.val(0), m.val(1), m.outputs[0].meta["val"]
     H = x.shape[-1]
@@ -264,8 +251,8 @@ def _into_readers(m) -> None:
     """Each reader takes the norm's weight and eps; the replacement (the norm's input) is then what they read."""
     eps = float(m.scalars["eps"])
     for u, wi, wname, ei, ename in _prologue_readers(m.outputs[0], m.val(0).shape[-1]):
-        _set_arg(u, wi, wname, m.inputs[1])
-        _set_arg(u, ei, ename, eps)
+        set_arg(u, wi, wname, m.inputs[1])
+        set_arg(u, ei, ename, eps)
 
 
 # Not exact: each prologue reduces the row in its own order (the references agree bit for bit: rms_norm_ref)

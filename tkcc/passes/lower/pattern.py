@@ -310,6 +310,27 @@ def trace(fn: Callable, tensors: tuple, scalars: dict | None = None) -> torch.fx
 
 # ---- literals --------------------------------------------------------------------------------------------
 
+def with_arg(n, args, kwargs, index, name, value):
+    """The call's args with argument ``index`` (``name`` when given by keyword) replaced, the defaults before it
+    written out."""
+    args = list(args)
+    if name in kwargs:
+        kwargs = dict(kwargs, **{name: value})
+    else:
+        schema = n.target._schema.arguments
+        while len(args) <= index:
+            a = schema[len(args)]
+            args.append(a.default_value if a.has_default_value() else None)
+        args[index] = value
+    return args, kwargs
+
+
+def set_arg(n, index, name, value) -> None:
+    """Argument ``index`` (``name``) of the call ``n`` set to ``value`` in place (``with_arg``)."""
+    args, kwargs = with_arg(n, n.args, n.kwargs, index, name, value)
+    n.args, n.kwargs = tuple(args), kwargs
+
+
 def _all_args(n: torch.fx.Node) -> list:
     """A call's arguments in schema order, defaults filled in (so that two spellings of one call compare)."""
     t = n.target

@@ -29,6 +29,7 @@ import functools
 import torch
 
 from tkcc.passes.lower import space
+from tkcc.passes.lower.pattern import set_arg as _set, with_arg as _with_arg
 
 def _fetch(gm, target):
     obj = gm
@@ -64,25 +65,6 @@ class _Inputs:
 
     def args(self, n):
         return [self.value(a) for a in n.args], {k: self.value(v) for k, v in n.kwargs.items()}
-
-
-def _with_arg(n, args, kwargs, index, name, value):
-    """The call's args with argument ``index`` (``name`` when given by keyword) replaced."""
-    args = list(args)
-    if name in kwargs:
-        kwargs = dict(kwargs, **{name: value})
-    else:
-        schema = n.target._schema.arguments
-        while len(args) <= index:
-            a = schema[len(args)]
-            args.append(a.default_value if a.has_default_value() else None)
-        args[index] = value
-    return args, kwargs
-
-
-def _set(n, index, name, value):
-    args, kwargs = _with_arg(n, n.args, n.kwargs, index, name, value)
-    n.args, n.kwargs = tuple(args), kwargs
 
 
 def _pick(nodes, ins, index, name, candidates, timer, ranked: list | None = None):
